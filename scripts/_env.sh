@@ -1,0 +1,32 @@
+# Shared by scripts/serve and scripts/test: a project virtualenv and the system packages.
+VENV="${SANDLOT_VENV:-$PWD/.venv}"
+PYTHON="${PYTHON:-python3}"
+
+ensure_system_packages() {
+  local missing=()
+  command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+  command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
+  [ -e /usr/include/seccomp.h ] || missing+=(libseccomp-dev)
+  [ ${#missing[@]} -eq 0 ] && return 0
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "installing system packages: ${missing[*]}" >&2
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    echo "missing system packages: ${missing[*]} — install them with: sudo apt-get install -y ${missing[*]}" >&2
+    return 1
+  fi
+}
+
+ensure_venv() {
+  local extra="$1"
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+  fi
+  local stamp="$VENV/.sandlot-$extra-$(sha1sum pyproject.toml | cut -c1-12)"
+  if [ ! -e "$stamp" ]; then
+    "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$VENV/bin/python" -m pip install -q -e ".[$extra]"
+    touch "$stamp"
+  fi
+}

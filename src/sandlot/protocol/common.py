@@ -1,0 +1,113 @@
+"""Shared vocabulary of the wire: actors, scopes, capabilities, ids, timestamps."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+PROTOCOL_VERSION = "1.0"
+API_VERSION = "1"
+
+#: Identifiers a client may choose (thread ids, scope ids, names): bounded, printable.
+Name = Annotated[
+    str, StringConstraints(min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
+]
+#: Resource names that appear in URLs (templates, pools, volumes, sandboxes, shells).
+Slug = Annotated[
+    str, StringConstraints(min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+]
+
+
+class WireModel(BaseModel):
+    """Base of every wire model: unknown fields are ignored, values are validated."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StrictWireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ActorType(StrEnum):
+    HUMAN = "human"
+    AGENT = "agent"
+
+
+class PrincipalType(StrEnum):
+    HUMAN = "human"
+    AGENT = "agent"
+    SERVICE = "service"
+
+
+class ScopeType(StrEnum):
+    THREAD = "thread"
+    ASSISTANT = "assistant"
+    WORKSPACE = "workspace"
+    DEPLOYMENT = "deployment"
+    USER = "user"
+    RUN = "run"
+
+
+class Capability(StrEnum):
+    FS_READ = "fs_read"
+    FS_WRITE = "fs_write"
+    EXEC = "exec"
+    SHELL = "shell"
+    SHELL_OBSERVE = "shell_observe"
+
+
+ALL_CAPABILITIES: frozenset[Capability] = frozenset(Capability)
+
+
+def expand_capabilities(caps: set[Capability] | frozenset[Capability]) -> frozenset[Capability]:
+    """Capabilities with their implications applied (``shell`` implies ``shell_observe``)."""
+    out = set(caps)
+    if Capability.SHELL in out:
+        out.add(Capability.SHELL_OBSERVE)
+    return frozenset(out)
+
+
+class Actor(WireModel):
+    type: ActorType
+    id: Name
+
+
+class Scope(WireModel):
+    type: ScopeType
+    id: Name
+
+    def key(self) -> str:
+        """The scope as it appears in token claims and the store: ``thread:thr_123``."""
+        return f"{self.type.value}:{self.id}"
+
+    @classmethod
+    def parse(cls, key: str) -> Scope:
+        kind, _, ident = key.partition(":")
+        return cls(type=ScopeType(kind), id=ident)
+
+
+def new_id(prefix: str, nbytes: int = 12) -> str:
+    """An opaque id with a type prefix (``ssn_``, ``sb_``, ``ex_``, ``key_``, ``req_``)."""
+    return f"{prefix}_{secrets.token_hex(nbytes)}"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def rfc3339(ts: datetime | float | None) -> str | None:
+    """RFC 3339 UTC with a ``Z`` suffix, second precision kept to milliseconds."""
+    if ts is None:
+        return None
+    if isinstance(ts, (int, float)):
+        ts = datetime.fromtimestamp(ts, UTC)
+    ts = ts.astimezone(UTC)
+    text = ts.isoformat(timespec="milliseconds")
+    return text.replace("+00:00", "Z")
+
+
+NonNegInt = Annotated[int, Field(ge=0)]

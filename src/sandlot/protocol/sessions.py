@@ -1,0 +1,295 @@
+"""Control-plane wire models (PROTOCOL.md section 2)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from sandlot.protocol.common import (
+    PROTOCOL_VERSION,
+    Actor,
+    Capability,
+    Name,
+    Scope,
+    ScopeType,
+    Slug,
+    WireModel,
+)
+
+
+class SessionMode(StrEnum):
+    ENSURE = "ensure"
+    ATTACH_ONLY = "attach_only"
+    CREATE_ONLY = "create_only"
+    GET = "get"
+
+    @property
+    def creates(self) -> bool:
+        return self in (SessionMode.ENSURE, SessionMode.CREATE_ONLY)
+
+
+class SessionRequest(WireModel):
+    """Both shapes of 2.1: MVP ``{thread_id, mode}`` and the full shape with ``scope``."""
+
+    thread_id: Name | None = None
+    scope: Scope | None = None
+    mode: SessionMode = SessionMode.ENSURE
+    actor: Actor | None = None
+    requested_capabilities: list[Capability] | None = None
+    template: Slug | None = None
+    sandbox_hint: Name | None = None
+    provider_preference: str = "auto"
+    assistant_id: Name | None = None
+
+    @model_validator(mode="after")
+    def _scope_given(self) -> SessionRequest:
+        if self.scope is None and self.thread_id is None:
+            raise ValueError("either scope or thread_id is required")
+        if (
+            self.scope is not None
+            and self.thread_id is not None
+            and (self.scope.type is not ScopeType.THREAD or self.scope.id != self.thread_id)
+        ):
+            raise ValueError("thread_id and scope disagree")
+        return self
+
+    def effective_scope(self) -> Scope:
+        if self.scope is not None:
+            return self.scope
+        assert self.thread_id is not None
+        return Scope(type=ScopeType.THREAD, id=self.thread_id)
+
+
+class DataplaneCoordinates(WireModel):
+    http_base_url: str
+    ws_base_url: str
+
+
+class SandboxRef(WireModel):
+    id: str
+    provider: str
+    http_base_url: str
+    ws_base_url: str
+
+
+class BindingSnapshot(WireModel):
+    id: str
+    scope: Scope
+    sandbox_id: str
+    provider: str
+    state: str
+    created: bool = False
+    lease_expires_at: str | None = None
+    last_event_sequence: int = 0
+    created_at: str | None = None
+    owner_user_id: str | None = None
+
+
+class Credentials(WireModel):
+    token_type: str = "Bearer"
+    access_token: str
+    expires_at: str
+    granted_capabilities: list[Capability]
+
+
+class Policy(WireModel):
+    idle_timeout_seconds: int
+    hard_ttl_seconds: int
+    token_ttl_seconds: int
+    lease_ttl_seconds: int
+
+
+class SessionGrant(WireModel):
+    """The 2.1 response: MVP fields and full fields together (``session_id == binding.id``).
+
+    This is also the bootstrap object of 2.10.
+    """
+
+    protocol_version: str = PROTOCOL_VERSION
+    session_id: str
+    thread_id: str | None = None
+    sandbox: SandboxRef
+    token: str
+    expires_at: str
+    binding: BindingSnapshot
+    dataplane: DataplaneCoordinates
+    credentials: Credentials
+    policy: Policy
+    refresh_url: str
+
+
+class SessionSnapshot(WireModel):
+    """2.2: the binding snapshot without a token."""
+
+    session_id: str
+    binding: BindingSnapshot
+    sandbox: SandboxRef
+    dataplane: DataplaneCoordinates
+    policy: Policy
+
+
+class RefreshResponse(WireModel):
+    token: str
+    expires_at: str
+    credentials: Credentials
+
+
+class HeartbeatResponse(WireModel):
+    state: str
+    lease_expires_at: str
+
+
+class MemberRequest(WireModel):
+    user_id: Name
+
+
+class MembersResponse(WireModel):
+    scope: Scope
+    owner_user_id: str
+    members: list[str]
+
+
+# --- templates, volumes, pools, sandboxes (2.8) ---------------------------------
+
+
+class Resources(WireModel):
+    cpu: float = Field(default=1.0, gt=0, le=256)
+    memory_mb: int = Field(default=2048, ge=16, le=1 << 22)
+    pids: int = Field(default=1024, ge=8, le=1 << 22)
+    disk_mb: int | None = Field(default=None, ge=1)
+
+
+class VolumeMount(WireModel):
+    volume: Slug
+    path: str = Field(min_length=1, max_length=1024, pattern=r"^/[^\x00]*$")
+    read_only: bool = False
+
+
+class NetworkMode(StrEnum):
+    NONE = "none"
+    HOST = "host"
+
+
+class Template(WireModel):
+    name: Slug
+    image: str = Field(min_length=1, max_length=4096, description="'host' or a rootfs path")
+    resources: Resources = Field(default_factory=Resources)
+    network: NetworkMode = NetworkMode.NONE
+    env: dict[str, str] = Field(default_factory=dict)
+    volume_mounts: list[VolumeMount] = Field(default_factory=list)
+    shells: dict[str, list[str]] = Field(
+        default_factory=lambda: {"default": ["/bin/bash", "-l"]},
+    )
+    idle_timeout_seconds: int | None = Field(default=None, ge=1)
+    hard_ttl_seconds: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Template:
+        for key in self.env:
+            if not key or "=" in key or "\x00" in key or "\x00" in self.env[key]:
+                raise ValueError(f"invalid environment variable name {key!r}")
+        for name, argv in self.shells.items():
+            if not argv or any("\x00" in a for a in argv):
+                raise ValueError(f"shell profile {name!r} needs a command")
+        return self
+
+
+class Volume(WireModel):
+    name: Slug
+    created_at: str | None = None
+    size_bytes: int | None = None
+
+
+class VolumeCreate(WireModel):
+    name: Slug
+
+
+class Pool(WireModel):
+    name: Slug
+    template: Slug
+    min_ready: int = Field(default=1, ge=0, le=1000)
+    max_ready: int = Field(default=4, ge=0, le=1000)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Pool:
+        if self.max_ready < self.min_ready:
+            raise ValueError("max_ready must be >= min_ready")
+        return self
+
+
+class PoolSnapshot(Pool):
+    ready: int = 0
+    provisioning: int = 0
+
+
+class SandboxCreate(WireModel):
+    template: Slug = "default"
+    name: Slug | None = None
+
+
+class SandboxSnapshot(WireModel):
+    id: str
+    name: str | None
+    template: str
+    state: str
+    provider: str
+    dataplane: DataplaneCoordinates
+    created_at: str
+    last_event_sequence: int
+    owner_user_id: str | None = None
+    scope: str | None = None
+    generation: int = 1
+
+
+class ListResponse(WireModel):
+    items: list[Any]
+
+
+# --- aliases (2.9) ----------------------------------------------------------------
+
+
+class AcquireRequest(WireModel):
+    thread_id: Name
+    assistant_id: Name | None = None
+
+
+class AcquireResponse(WireModel):
+    protocol_version: str = PROTOCOL_VERSION
+    sandbox_id: str
+    session_id: str
+    token: str
+    ws_url: str
+    http_url: str
+    expires_at: str
+    scopes: list[Capability]
+    refresh_url: str
+
+
+class AliasRefreshRequest(WireModel):
+    token: str = Field(min_length=1, max_length=8192)
+
+
+class AliasReleaseRequest(WireModel):
+    session_id: Name
+
+
+# --- LangSmith-compatible boxes (3.9, control plane) -------------------------------
+
+
+class BoxCreate(WireModel):
+    name: Slug | None = None
+    snapshot: Slug | None = None
+    snapshot_name: Slug | None = None
+    wait_for_ready: bool = False
+    timeout: float = Field(default=60.0, gt=0, le=3600)
+
+
+class Box(WireModel):
+    name: str
+    id: str
+    status: str
+    dataplane_url: str
+    created_at: str
+    updated_at: str

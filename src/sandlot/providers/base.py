@@ -1,0 +1,157 @@
+"""The provider contract: where sandboxes come from.
+
+Modelled on JupyterHub's Spawner. The broker is the only caller; it keeps the
+authoritative records in its store and asks a provider to make reality match:
+
+- :meth:`Provider.create` is *accepted at once* and completes in the
+  background; progress shows up in :meth:`Provider.status` and through the
+  listener given to :meth:`Provider.start`.
+- :meth:`Provider.status` returns the state and the last event sequence of the
+  sandbox's own event log *read together*, so a client can subscribe after it
+  without a race.
+- :meth:`Provider.load_state` re-adopts sandboxes that survived a broker
+  restart; :meth:`Provider.list_sandboxes` says what really runs, so the
+  reaper can remove orphans on both sides.
+- :meth:`Provider.revoke` pushes token revocations to the dataplane that
+  serves the sandbox (within 1 s).
+
+Providers are found through the ``sandlot.providers`` entry-point group; the
+entry point names a :class:`Provider` subclass built with ``cls(config)``.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any, ClassVar
+
+from sandlot.protocol.errors import InvalidRequest
+from sandlot.protocol.sessions import DataplaneCoordinates, Template
+from sandlot.protocol.states import SandboxState
+
+PROVIDER_ENTRY_POINT_GROUP = "sandlot.providers"
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """What the broker asks a provider to create."""
+
+    sandbox_id: str
+    generation: int
+    template: Template
+    owner_user_id: str | None = None
+    name: str | None = None
+    #: Named volumes, resolved by the broker: volume name → host-independent id.
+    volumes: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProviderStatus:
+    state: SandboxState
+    last_event_sequence: int
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
+class SandboxActivity:
+    """What the dataplane sees: work in progress is never reaped."""
+
+    running_execs: int = 0
+    attached_clients: int = 0
+    #: Monotonic-independent wall clock (epoch seconds) of the last dataplane operation.
+    last_active_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.running_execs > 0 or self.attached_clients > 0
+
+
+@dataclass(frozen=True)
+class RevokedToken:
+    jti: str
+    #: Epoch seconds; the revocation can be forgotten once the token has expired anyway.
+    expires_at: float
+
+
+@dataclass(frozen=True)
+class AdoptionRecord:
+    """A sandbox the store believes to be live, handed to :meth:`Provider.load_state`."""
+
+    sandbox_id: str
+    generation: int
+    template: Template
+    state: SandboxState
+    provider_state: Mapping[str, Any] = field(default_factory=dict)
+
+
+#: Called by a provider whenever a sandbox changes state (from any thread of the event loop).
+StatusListener = Callable[[str, ProviderStatus], Awaitable[None] | None]
+
+
+class Provider(abc.ABC):
+    """One source of sandboxes. Subclasses document their own config keys."""
+
+    #: Registered name, as in ``sandlot.providers`` and ``binding.provider``.
+    name: ClassVar[str]
+    #: Whether :meth:`suspend` keeps processes and files (else idle sandboxes are deleted).
+    supports_suspend: ClassVar[bool] = False
+
+    async def start(self, listener: StatusListener | None = None) -> None:  # noqa: B027
+        """Preflight and clean up leftovers of a crashed server. Called once."""
+
+    async def close(self) -> None:  # noqa: B027
+        """Release the provider's own resources (not the sandboxes)."""
+
+    @abc.abstractmethod
+    async def create(self, spec: SandboxSpec) -> ProviderStatus:
+        """Accept the creation and return at once (state ``provisioning`` or ``active``)."""
+
+    @abc.abstractmethod
+    async def status(self, sandbox_id: str) -> ProviderStatus:
+        """State and last event sequence, read together. Unknown id → ``SandboxNotFound``."""
+
+    async def suspend(self, sandbox_id: str) -> ProviderStatus:
+        raise InvalidRequest(f"provider {self.name} cannot suspend sandboxes")
+
+    async def resume(self, sandbox_id: str) -> ProviderStatus:
+        raise InvalidRequest(f"provider {self.name} cannot resume sandboxes")
+
+    @abc.abstractmethod
+    async def delete(self, sandbox_id: str) -> None:
+        """Tear down every process and resource of the sandbox. Idempotent."""
+
+    @abc.abstractmethod
+    def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
+        """Where clients reach the sandbox's dataplane (known before it is active)."""
+
+    async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:  # noqa: B027
+        """Make the sandbox's dataplane refuse these tokens (and close their sockets)."""
+
+    async def activity(self, sandbox_id: str) -> SandboxActivity:
+        return SandboxActivity()
+
+    async def load_state(self, records: Sequence[AdoptionRecord]) -> list[str]:
+        """Re-adopt sandboxes after a restart; return the ids that could not be adopted."""
+        return [r.sandbox_id for r in records]
+
+    @abc.abstractmethod
+    async def list_sandboxes(self) -> set[str]:
+        """Ids of the sandboxes that exist right now (for orphan removal)."""
+
+    def readiness(self) -> dict[str, Any]:
+        """What ``/readyz`` reports for this provider."""
+        return {"ok": True}
+
+
+def provider_class(name: str) -> type[Provider]:
+    """Look a provider up in the ``sandlot.providers`` entry-point group."""
+    for ep in entry_points(group=PROVIDER_ENTRY_POINT_GROUP):
+        if ep.name == name:
+            cls = ep.load()
+            if not (isinstance(cls, type) and issubclass(cls, Provider)):
+                raise InvalidRequest(f"entry point {name!r} is not a sandlot Provider")
+            return cls
+    known = sorted(ep.name for ep in entry_points(group=PROVIDER_ENTRY_POINT_GROUP))
+    raise InvalidRequest(f"unknown provider {name!r} (installed: {', '.join(known) or 'none'})")

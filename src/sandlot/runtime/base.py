@@ -1,0 +1,108 @@
+"""The runtime contract: one running sandbox, as the dataplane uses it.
+
+A :class:`SandboxRuntime` knows how to start processes *inside* the sandbox
+(namespaces, cgroup, seccomp and uid of the sandbox for the isolated local
+runtime; plain subprocesses for the ``unisolated`` mode and for a dataplane
+running directly inside a remote container) and how sandbox paths map to host
+directories, so that file operations can be done natively and confined.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.states import SandboxState
+
+#: The sandbox's home, default working directory, and what relative paths resolve from.
+WORKSPACE = "/workspace"
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A sandbox path prefix backed by a host directory."""
+
+    sandbox_path: str
+    host_path: Path
+    writable: bool
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    #: Absolute path inside the sandbox.
+    cwd: str = WORKSPACE
+    #: ``(cols, rows)`` to run under a pseudo-terminal; ``None`` for pipes.
+    pty: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    #: Shell convention: 128 + signal number when killed by a signal.
+    exit_code: int
+    #: Signal name (``SIGKILL``) when killed by one.
+    signal: str | None = None
+    #: The kernel's OOM killer ended it (cgroup memory limit).
+    oom_killed: bool = False
+
+
+class SandboxProcess(abc.ABC):
+    """A process started in a sandbox. File descriptors are owned by the caller.
+
+    Pipes mode: ``stdin_fd`` (write end), ``stdout_fd`` and ``stderr_fd`` (read
+    ends). PTY mode: ``pty_fd`` (the master) carries input and output; the
+    three others are ``None``. All fds are non-blocking and close-on-exec.
+    """
+
+    pid: int
+    stdin_fd: int | None
+    stdout_fd: int | None
+    stderr_fd: int | None
+    pty_fd: int | None
+
+    @abc.abstractmethod
+    async def wait(self) -> ExitStatus:
+        """Wait for the exit; may be awaited by several tasks."""
+
+    @abc.abstractmethod
+    def send_signal(self, signo: int) -> None:
+        """Signal the process group of the process (no error if it is gone)."""
+
+    @property
+    @abc.abstractmethod
+    def returncode(self) -> int | None: ...
+
+
+class SandboxRuntime(abc.ABC):
+    """One running sandbox on this host."""
+
+    sandbox_id: str
+    generation: int
+    template: Template
+
+    @property
+    @abc.abstractmethod
+    def state(self) -> SandboxState: ...
+
+    @abc.abstractmethod
+    def mounts(self) -> list[Mount]:
+        """Path mapping for native file operations; the longest prefix wins."""
+
+    @property
+    def fs_ids(self) -> tuple[int, int] | None:
+        """Host ``(uid, gid)`` file operations must act as (``None``: the server's own)."""
+        return None
+
+    @property
+    def workspace(self) -> Path:
+        for m in self.mounts():
+            if m.sandbox_path == WORKSPACE:
+                return m.host_path
+        raise LookupError("runtime has no workspace mount")
+
+    @abc.abstractmethod
+    async def spawn(self, spec: ProcessSpec) -> SandboxProcess:
+        """Start a process inside the sandbox, in a new session and process group."""
