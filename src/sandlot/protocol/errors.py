@@ -31,7 +31,7 @@ them back from the wire through :func:`error_from_wire`. The tree::
     ├── QuotaExceeded                  429 QUOTA_EXCEEDED
     ├── InternalError                  500 INTERNAL
     ├── ProviderUnavailable            503 PROVIDER_UNAVAILABLE (alias BACKEND_UNAVAILABLE)
-    └── CommandExitError               (client side only: a command exited non-zero; carries its result)
+    └── CommandExitError               (SDK only: a command exited non-zero; carries its result)
 """
 
 from __future__ import annotations
