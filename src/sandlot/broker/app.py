@@ -1,0 +1,113 @@
+"""The broker's ASGI application: wiring only (routes live in ``routes/``)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sandlot import __version__
+from sandlot.broker.core import Broker
+from sandlot.broker.metrics import Metrics
+from sandlot.broker.routes import compat, ops, resources, sessions
+from sandlot.broker.routes.errors import error_response
+from sandlot.protocol.errors import (
+    InternalError,
+    InvalidRequest,
+    ResourceNotFound,
+    SandlotError,
+    exception_for,
+)
+
+log = logging.getLogger("sandlot.broker.app")
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,80}$")
+
+
+class RequestIdMiddleware:
+    """Echo a sane ``X-Request-Id`` or generate one; expose it as ``scope['request_id']``."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        rid = None
+        for name, value in scope.get("headers", ()):
+            if name == b"x-request-id":
+                candidate = value.decode("latin-1")
+                if _REQUEST_ID_RE.match(candidate):
+                    rid = candidate
+                break
+        rid = rid or f"req_{secrets.token_hex(8)}"
+        scope.setdefault("state", {})["request_id"] = rid
+        raw_rid = rid.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                headers.append((b"x-request-id", raw_rid))
+                message["headers"] = headers
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _validation_message(errors: list[Any]) -> str:
+    parts = []
+    for err in errors[:5]:
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path"))
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts) or "invalid request"
+
+
+def create_app(broker: Broker, *, extra_mounts: dict[str, ASGIApp] | None = None) -> FastAPI:
+    app = FastAPI(
+        title="sandlot",
+        version=__version__,
+        description="Sandlot broker: sessions, sandboxes, tokens (PROTOCOL.md section 2).",
+    )
+    app.state.broker = broker
+    app.state.metrics = Metrics(broker)
+
+    @app.exception_handler(SandlotError)
+    async def _sandlot_error(request: Request, exc: SandlotError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(request, InvalidRequest(_validation_message(list(exc.errors()))))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            err: SandlotError = ResourceNotFound(f"no route {request.url.path}")
+        elif exc.status_code == 405:
+            err = InvalidRequest(f"method {request.method} not allowed on {request.url.path}")
+        else:
+            cls = exception_for("", exc.status_code)
+            err = cls(str(exc.detail))
+        return error_response(request, err)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return error_response(request, InternalError("internal error"))
+
+    app.include_router(sessions.router)
+    app.include_router(resources.router)
+    app.include_router(compat.router)
+    app.include_router(ops.router)
+    for path, sub in (extra_mounts or {}).items():
+        app.mount(path, sub)
+    app.add_middleware(RequestIdMiddleware)
+    return app

@@ -1,0 +1,118 @@
+"""The broker: its services wired together, started and stopped as one."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from sandlot.broker.audit import AuditLog
+from sandlot.broker.events import EventHub
+from sandlot.broker.idempotency import IdempotencyStore
+from sandlot.broker.keys import KeyService
+from sandlot.broker.pools import PoolService
+from sandlot.broker.ratelimit import RateLimiter
+from sandlot.broker.reaper import Reaper
+from sandlot.broker.sandboxes import SandboxService
+from sandlot.broker.sessions import SessionService
+from sandlot.broker.settings import BrokerSettings
+from sandlot.broker.store import Store
+from sandlot.broker.templates import TemplateService, VolumeService
+from sandlot.broker.tokens import KeyRing
+from sandlot.providers.base import Provider
+
+log = logging.getLogger("sandlot.broker")
+
+
+def prepare_store(settings: BrokerSettings) -> Store:
+    """Migrate the store and write the configured templates, pools and first signing key.
+
+    Run once before worker processes start, so they never race on set-up.
+    """
+    store = Store(settings.resolved_store_url)
+    store.migrate()
+    templates = TemplateService(store)
+    templates.sync_config(settings.templates)
+    PoolService(store, templates).sync_config(settings.pools)
+    KeyRing(store, issuer=settings.issuer, max_token_ttl=settings.token_ttl_seconds).ensure_key()
+    return store
+
+
+class Broker:
+    def __init__(
+        self,
+        settings: BrokerSettings,
+        provider: Provider,
+        *,
+        store: Store | None = None,
+        clock: Callable[[], float] = time.time,
+        run_reaper: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.provider = provider
+        self.store = store or Store(settings.resolved_store_url)
+        self.hub = EventHub()
+        self.templates = TemplateService(self.store)
+        self.volumes = VolumeService(self.store)
+        self.pools = PoolService(self.store, self.templates)
+        self.keys = KeyService(self.store, settings.admins)
+        self.keyring = KeyRing(
+            self.store, issuer=settings.issuer, max_token_ttl=settings.token_ttl_seconds
+        )
+        self.audit = AuditLog(self.store)
+        self.idempotency = IdempotencyStore(self.store, settings.idempotency_ttl_seconds)
+        self.ratelimit = RateLimiter(
+            settings.negotiation_rate_per_second, settings.negotiation_burst
+        )
+        self.sandboxes = SandboxService(
+            store=self.store,
+            provider=provider,
+            settings=settings,
+            templates=self.templates,
+            hub=self.hub,
+            clock=clock,
+        )
+        self.sessions = SessionService(
+            store=self.store,
+            settings=settings,
+            keyring=self.keyring,
+            sandboxes=self.sandboxes,
+            templates=self.templates,
+            hub=self.hub,
+        )
+        self.reaper = Reaper(
+            store=self.store,
+            settings=settings,
+            sandboxes=self.sandboxes,
+            pools=self.pools,
+            idempotency=self.idempotency,
+            hub=self.hub,
+        )
+        self.run_reaper = run_reaper
+        self.started = False
+
+    async def start(self, *, migrate: bool = True) -> None:
+        self.hub.bind_loop(asyncio.get_running_loop())
+        if migrate:
+            await asyncio.to_thread(self._prepare)
+        else:
+            await asyncio.to_thread(self.keyring.reload)
+        await self.provider.start(self.sandboxes.on_provider_status)
+        await self.reaper.recover()
+        if self.run_reaper:
+            self.reaper.start()
+        self.started = True
+
+    def _prepare(self) -> None:
+        self.store.migrate()
+        self.templates.sync_config(self.settings.templates)
+        self.pools.sync_config(self.settings.pools)
+        self.keyring.ensure_key()
+
+    async def stop(self) -> None:
+        await self.reaper.stop()
+        await self.sandboxes.drain()
+        await self.provider.close()
+        self.store.dispose()
+        self.started = False

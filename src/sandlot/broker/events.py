@@ -1,0 +1,134 @@
+"""Ordered event logs kept in the store: one per binding (2.6), one per sandbox (2.8).
+
+Appending happens inside the caller's transaction, so an event is visible
+exactly when the change it describes is. Subscribers in this process are woken
+at once through :class:`EventHub`; subscribers of other worker processes find
+new events on their next read (they re-read at least every
+``EventHub.POLL_SECONDS``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from sqlalchemy import Connection, Table, delete, select, update
+
+from sandlot.broker.store.schema import bindings, events, sandboxes
+from sandlot.protocol.common import Actor, rfc3339
+
+#: Events kept per stream; older cursors get 410 SEQUENCE_EXPIRED.
+RETAINED_EVENTS = 10_000
+
+
+def append_event(
+    conn: Connection,
+    stream: Table,
+    stream_id: str,
+    event_type: str,
+    details: dict[str, Any],
+    *,
+    state: str,
+    actor: Actor | None = None,
+    now: float | None = None,
+) -> int:
+    """Append to the log of a binding (``stream=bindings``) or a sandbox; return its sequence."""
+    now = time.time() if now is None else now
+    seq = conn.execute(
+        update(stream)
+        .where(stream.c.id == stream_id)
+        .values(event_seq=stream.c.event_seq + 1)
+        .returning(stream.c.event_seq)
+    ).scalar_one()
+    envelope: dict[str, Any] = {
+        "event_id": f"{stream_id}-{seq}",
+        "sequence": seq,
+        "event_type": event_type,
+        "timestamp": rfc3339(now),
+        "actor": actor.model_dump(mode="json") if actor else None,
+        "details": details,
+    }
+    if stream is bindings:
+        envelope["binding_id"] = stream_id
+        envelope["state"] = state
+    else:
+        envelope["sandbox_id"] = stream_id
+        envelope["sandbox_state"] = state
+    conn.execute(
+        events.insert().values(stream_id=stream_id, sequence=seq, event=envelope, created_at=now)
+    )
+    if seq > RETAINED_EVENTS and seq % 256 == 0:
+        conn.execute(
+            delete(events).where(
+                events.c.stream_id == stream_id, events.c.sequence <= seq - RETAINED_EVENTS
+            )
+        )
+    return int(seq)
+
+
+def read_events(
+    conn: Connection, stream_id: str, after: int, limit: int = 500
+) -> tuple[list[dict[str, Any]], int | None]:
+    """Events after ``after`` and the oldest retained sequence (None if the log is empty)."""
+    oldest = conn.execute(
+        select(events.c.sequence)
+        .where(events.c.stream_id == stream_id)
+        .order_by(events.c.sequence)
+        .limit(1)
+    ).scalar()
+    rows = conn.execute(
+        select(events.c.event)
+        .where(events.c.stream_id == stream_id, events.c.sequence > after)
+        .order_by(events.c.sequence)
+        .limit(limit)
+    ).all()
+    return [dict(r.event) for r in rows], oldest
+
+
+class EventHub:
+    """Wakes this process's subscribers when a stream gets new events."""
+
+    POLL_SECONDS = 0.5
+
+    def __init__(self) -> None:
+        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def notify(self, stream_id: str) -> None:
+        """Safe to call from any thread."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._wake(stream_id)
+        else:
+            loop.call_soon_threadsafe(self._wake, stream_id)
+
+    def _wake(self, stream_id: str) -> None:
+        for ev in self._waiters.get(stream_id, ()):
+            ev.set()
+
+    async def wait(self, stream_id: str, timeout: float) -> None:
+        ev = asyncio.Event()
+        self._waiters.setdefault(stream_id, set()).add(ev)
+        try:
+            await asyncio.wait_for(ev.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            waiters = self._waiters.get(stream_id)
+            if waiters is not None:
+                waiters.discard(ev)
+                if not waiters:
+                    del self._waiters[stream_id]
+
+
+__all__ = ["RETAINED_EVENTS", "EventHub", "append_event", "bindings", "read_events", "sandboxes"]

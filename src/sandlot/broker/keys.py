@@ -1,0 +1,141 @@
+"""API keys: created for a principal of a user, stored hashed, looked up by prefix.
+
+A key reads ``sl_<prefix>_<secret>``. Only the prefix (an index) and the
+SHA-256 of the secret are stored. The secret has 256 bits of entropy, so a
+fast hash is enough (slow password hashes protect *guessable* secrets), and it
+keeps authentication off the critical path of every request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+
+from sqlalchemy import select, update
+
+from sandlot.broker.principals import Principal
+from sandlot.broker.store import Store
+from sandlot.broker.store.schema import api_keys
+from sandlot.protocol.common import PrincipalType, new_id
+from sandlot.protocol.errors import InvalidRequest, ResourceNotFound, Unauthenticated
+
+_KEY_RE = re.compile(r"^sl_([a-z0-9]{12})_([A-Za-z0-9_-]{43})$")
+_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}$")
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    id: str
+    prefix: str
+    user_id: str
+    principal_type: str
+    principal_id: str
+    name: str | None
+    created_at: float
+    revoked_at: float | None
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class KeyService:
+    def __init__(self, store: Store, admins: frozenset[str] = frozenset()) -> None:
+        self.store = store
+        self.admins = admins
+
+    def create(
+        self,
+        *,
+        user_id: str,
+        principal_type: PrincipalType,
+        principal_id: str | None = None,
+        name: str | None = None,
+    ) -> tuple[str, KeyInfo]:
+        """Create a key; the plain key is returned once and never stored."""
+        if not _ID_RE.match(user_id):
+            raise InvalidRequest("user id must be 1-200 letters, digits or _.@-")
+        principal_id = principal_id or f"{principal_type.value}:{user_id}"
+        if not _ID_RE.match(principal_id.replace(":", "_")):
+            raise InvalidRequest("principal id must be 1-200 letters, digits or _.@:-")
+        prefix = secrets.token_hex(6)
+        secret = secrets.token_urlsafe(32)
+        info = KeyInfo(
+            id=new_id("key", 8),
+            prefix=prefix,
+            user_id=user_id,
+            principal_type=principal_type.value,
+            principal_id=principal_id,
+            name=name,
+            created_at=time.time(),
+            revoked_at=None,
+        )
+        with self.store.write() as conn:
+            conn.execute(
+                api_keys.insert().values(
+                    id=info.id,
+                    prefix=prefix,
+                    secret_hash=_hash(secret),
+                    user_id=user_id,
+                    principal_type=info.principal_type,
+                    principal_id=principal_id,
+                    name=name,
+                    created_at=info.created_at,
+                )
+            )
+        return f"sl_{prefix}_{secret}", info
+
+    def authenticate(self, raw: str | None) -> Principal:
+        if not raw:
+            raise Unauthenticated("an API key is required (Authorization: Bearer <key>)")
+        m = _KEY_RE.match(raw.strip())
+        if m is None:
+            raise Unauthenticated("invalid API key")
+        prefix, secret = m.groups()
+        with self.store.read() as conn:
+            row = conn.execute(select(api_keys).where(api_keys.c.prefix == prefix)).first()
+        if (
+            row is None
+            or row.revoked_at is not None
+            or not hmac.compare_digest(row.secret_hash, _hash(secret))
+        ):
+            raise Unauthenticated("invalid API key")
+        return Principal(
+            type=PrincipalType(row.principal_type),
+            id=row.principal_id,
+            user_id=row.user_id,
+            key_id=row.id,
+            is_admin=row.user_id in self.admins,
+        )
+
+    def list(self, user_id: str | None = None) -> list[KeyInfo]:
+        query = select(api_keys).order_by(api_keys.c.created_at)
+        if user_id is not None:
+            query = query.where(api_keys.c.user_id == user_id)
+        with self.store.read() as conn:
+            rows = conn.execute(query).all()
+        return [
+            KeyInfo(
+                id=r.id,
+                prefix=r.prefix,
+                user_id=r.user_id,
+                principal_type=r.principal_type,
+                principal_id=r.principal_id,
+                name=r.name,
+                created_at=r.created_at,
+                revoked_at=r.revoked_at,
+            )
+            for r in rows
+        ]
+
+    def revoke(self, key_id: str, *, user_id: str | None = None) -> None:
+        query = update(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
+        if user_id is not None:
+            query = query.where(api_keys.c.user_id == user_id)
+        with self.store.write() as conn:
+            if conn.execute(query.values(revoked_at=time.time())).rowcount == 0:
+                raise ResourceNotFound(f"no active key {key_id}")

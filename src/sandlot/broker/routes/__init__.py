@@ -1,0 +1,1 @@
+"""HTTP routes of the broker: thin adapters over the services."""

@@ -1,0 +1,102 @@
+"""What every route needs: the broker, the caller, an audit context, a JSON body."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import replace
+from typing import Annotated, Any, TypeVar
+
+from fastapi import Depends, Request
+from pydantic import BaseModel, ValidationError
+
+from sandlot.broker.audit import AuditContext
+from sandlot.broker.core import Broker
+from sandlot.broker.principals import Principal
+from sandlot.protocol.common import PrincipalType
+from sandlot.protocol.errors import Forbidden, InvalidRequest, PayloadTooLarge
+
+M = TypeVar("M", bound=BaseModel)
+
+MAX_BODY_BYTES = 1 << 20
+_USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}$")
+
+
+def get_broker(request: Request) -> Broker:
+    broker: Broker = request.app.state.broker
+    return broker
+
+
+def api_key_of(request: Request) -> str | None:
+    auth = request.headers.get("authorization")
+    if auth:
+        scheme, _, value = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return None
+        return value.strip()
+    return request.headers.get("x-api-key")
+
+
+async def get_principal(request: Request) -> Principal:
+    broker = get_broker(request)
+    cached = getattr(request.state, "principal", None)
+    if cached is not None:
+        return cached  # type: ignore[no-any-return]
+    principal = broker.keys.authenticate(api_key_of(request))
+    on_behalf = request.headers.get("x-sandlot-on-behalf-of")
+    if on_behalf:
+        if principal.type is not PrincipalType.SERVICE:
+            raise Forbidden("only service principals may act on behalf of a user")
+        if not _USER_RE.match(on_behalf):
+            raise InvalidRequest("X-Sandlot-On-Behalf-Of is not a valid user id")
+        principal = replace(principal, on_behalf_of=on_behalf, is_admin=False)
+    request.state.principal = principal
+    return principal
+
+
+def require_admin(principal: Principal) -> None:
+    if not principal.is_admin:
+        raise Forbidden("this requires an admin")
+
+
+def audit_context(request: Request, principal: Principal) -> AuditContext:
+    return AuditContext(request_id=getattr(request.state, "request_id", None), principal=principal)
+
+
+async def read_body(request: Request) -> bytes:
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > MAX_BODY_BYTES:
+        raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise PayloadTooLarge(f"request body over {MAX_BODY_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def parse_model(model: type[M], body: bytes, *, empty_ok: bool = False) -> M:
+    if not body.strip():
+        if empty_ok:
+            return model.model_validate({})
+        raise InvalidRequest("a JSON body is required")
+    try:
+        data: Any = json.loads(body)
+    except ValueError as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise InvalidRequest("body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        parts = []
+        for err in exc.errors()[:5]:
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid')}")
+        raise InvalidRequest("; ".join(parts)) from exc
+
+
+BrokerDep = Annotated[Broker, Depends(get_broker)]
+PrincipalDep = Annotated[Principal, Depends(get_principal)]

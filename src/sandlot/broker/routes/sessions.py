@@ -1,0 +1,249 @@
+"""Sessions (PROTOCOL.md 2.1-2.6) and scope sharing."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from sandlot.broker.idempotency import fingerprint
+from sandlot.broker.principals import Principal
+from sandlot.broker.routes.deps import (
+    BrokerDep,
+    PrincipalDep,
+    audit_context,
+    parse_model,
+    read_body,
+)
+from sandlot.broker.routes.errors import envelope_for
+from sandlot.protocol.common import Scope, ScopeType
+from sandlot.protocol.errors import InvalidRequest, SandlotError
+from sandlot.protocol.sessions import (
+    HeartbeatResponse,
+    MemberRequest,
+    MembersResponse,
+    RefreshResponse,
+    SessionGrant,
+    SessionRequest,
+    SessionSnapshot,
+)
+
+router = APIRouter()
+
+KEEPALIVE_SECONDS = 15.0
+
+
+async def idempotent(
+    request: Request,
+    broker: Any,
+    principal: Principal,
+    body: bytes,
+    run: Callable[[], Awaitable[tuple[int, Any]]],
+) -> JSONResponse:
+    """Run a creating request under its ``Idempotency-Key`` (if any)."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        status, payload = await run()
+        return JSONResponse(payload, status_code=status)
+    fp = fingerprint(request.method, request.url.path, body)
+    who = principal.lease_holder
+    stored = await anyio.to_thread.run_sync(broker.idempotency.begin, who, key, fp)
+    if stored is not None:
+        return JSONResponse(
+            stored.body, status_code=stored.status, headers={"Idempotent-Replayed": "true"}
+        )
+    try:
+        status, payload = await run()
+    except SandlotError as exc:
+        if exc.retryable:
+            # A transient failure is not an outcome: let the retry run again.
+            await anyio.to_thread.run_sync(broker.idempotency.abandon, who, key)
+            raise
+        payload = envelope_for(request, exc)
+        await anyio.to_thread.run_sync(broker.idempotency.finish, who, key, exc.status, payload)
+        raise
+    except BaseException:
+        await anyio.to_thread.run_sync(broker.idempotency.abandon, who, key)
+        raise
+    await anyio.to_thread.run_sync(broker.idempotency.finish, who, key, status, payload)
+    return JSONResponse(payload, status_code=status)
+
+
+@router.post("/v1/sandbox/sessions", response_model=SessionGrant)
+async def negotiate(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Response:
+    body = await read_body(request)
+    req = parse_model(SessionRequest, body)
+    broker.ratelimit.check(principal.lease_holder)
+    ctx = audit_context(request, principal)
+
+    async def run() -> tuple[int, Any]:
+        started = time.perf_counter()
+        grant = await broker.sessions.negotiate(ctx, principal, req)
+        request.app.state.metrics.negotiation(req.mode.value, time.perf_counter() - started)
+        return 200, grant.model_dump(mode="json")
+
+    return await idempotent(request, broker, principal, body, run)
+
+
+@router.get("/v1/sandbox/sessions/{session_id}", response_model=SessionSnapshot)
+async def get_session(session_id: str, broker: BrokerDep, principal: PrincipalDep) -> Any:
+    return await anyio.to_thread.run_sync(broker.sessions.snapshot, principal, session_id)
+
+
+async def _refresh(request: Request, session_id: str, broker: Any, principal: Principal) -> Any:
+    await read_body(request)
+    ctx = audit_context(request, principal)
+    return await anyio.to_thread.run_sync(broker.sessions.refresh, ctx, principal, session_id)
+
+
+@router.post("/v1/sandbox/sessions/{session_id}/refresh", response_model=RefreshResponse)
+async def refresh(
+    request: Request, session_id: str, broker: BrokerDep, principal: PrincipalDep
+) -> Any:
+    return await _refresh(request, session_id, broker, principal)
+
+
+@router.post("/v1/sandbox/sessions/{session_id}/refresh-token", response_model=RefreshResponse)
+async def refresh_token(
+    request: Request, session_id: str, broker: BrokerDep, principal: PrincipalDep
+) -> Any:
+    return await _refresh(request, session_id, broker, principal)
+
+
+@router.post("/v1/sandbox/sessions/{session_id}/heartbeat", response_model=HeartbeatResponse)
+async def heartbeat(
+    request: Request, session_id: str, broker: BrokerDep, principal: PrincipalDep
+) -> Any:
+    return await broker.sessions.heartbeat(audit_context(request, principal), principal, session_id)
+
+
+@router.delete("/v1/sandbox/sessions/{session_id}", status_code=204)
+async def release(
+    request: Request,
+    session_id: str,
+    broker: BrokerDep,
+    principal: PrincipalDep,
+    terminate: bool = False,
+) -> Response:
+    await broker.sessions.release(
+        audit_context(request, principal), principal, session_id, terminate=terminate
+    )
+    return Response(status_code=204)
+
+
+def parse_cursor(request: Request, after: int | None) -> int:
+    last = request.headers.get("last-event-id")
+    if last is not None:
+        if not last.strip().isdigit():
+            raise InvalidRequest("Last-Event-ID must be a sequence number")
+        return int(last)
+    if after is not None and after < 0:
+        raise InvalidRequest("after must be >= 0")
+    return after or 0
+
+
+def sse_response(
+    fetch: Callable[[int], list[dict[str, Any]]],
+    cursor: int,
+    *,
+    wait: Callable[[float], Awaitable[None]],
+    ended: Callable[[], bool],
+) -> StreamingResponse:
+    """An SSE stream: events after ``cursor``, then live, keep-alive every 15 s."""
+
+    async def stream() -> AsyncIterator[bytes]:
+        nonlocal cursor
+        last_sent = time.monotonic()
+        yield b": stream open\n\n"
+        while True:
+            items = await anyio.to_thread.run_sync(fetch, cursor)
+            for ev in items:
+                cursor = int(ev["sequence"])
+                data = json.dumps(ev, separators=(",", ":"))
+                yield f"id: {cursor}\nevent: {ev['event_type']}\ndata: {data}\n\n".encode()
+                last_sent = time.monotonic()
+            if not items:
+                if await anyio.to_thread.run_sync(ended):
+                    return
+                await wait(1.0)
+                if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
+                    yield b": keep-alive\n\n"
+                    last_sent = time.monotonic()
+
+    return StreamingResponse(
+        stream(),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+@router.get("/v1/sandbox/sessions/{session_id}/events")
+async def session_events(
+    request: Request,
+    session_id: str,
+    broker: BrokerDep,
+    principal: PrincipalDep,
+    after: int | None = None,
+) -> StreamingResponse:
+    cursor = parse_cursor(request, after)
+    # Checks access and retention before the stream starts, so errors get a status.
+    await anyio.to_thread.run_sync(broker.sessions.events_after, principal, session_id, cursor)
+
+    def ended() -> bool:
+        snap = broker.sessions.snapshot(principal, session_id)
+        return snap.binding.state in ("terminated", "failed")
+
+    return sse_response(
+        lambda c: broker.sessions.events_after(principal, session_id, c),
+        cursor,
+        wait=lambda t: broker.hub.wait(session_id, min(t, broker.hub.POLL_SECONDS)),
+        ended=ended,
+    )
+
+
+def _scope(scope_type: str, scope_id: str) -> Scope:
+    try:
+        return Scope(type=ScopeType(scope_type), id=scope_id)
+    except ValueError as exc:
+        raise InvalidRequest(f"unknown scope type {scope_type!r}") from exc
+
+
+@router.get("/v1/sandbox/scopes/{scope_type}/{scope_id}/members", response_model=MembersResponse)
+async def list_members(
+    scope_type: str, scope_id: str, broker: BrokerDep, principal: PrincipalDep
+) -> Any:
+    return await anyio.to_thread.run_sync(
+        broker.sessions.members, principal, _scope(scope_type, scope_id)
+    )
+
+
+@router.post("/v1/sandbox/scopes/{scope_type}/{scope_id}/members", response_model=MembersResponse)
+async def add_member(
+    request: Request, scope_type: str, scope_id: str, broker: BrokerDep, principal: PrincipalDep
+) -> Any:
+    req = parse_model(MemberRequest, await read_body(request))
+    ctx = audit_context(request, principal)
+    return await anyio.to_thread.run_sync(
+        broker.sessions.add_member, ctx, principal, _scope(scope_type, scope_id), req.user_id
+    )
+
+
+@router.delete("/v1/sandbox/scopes/{scope_type}/{scope_id}/members/{user_id}", status_code=204)
+async def remove_member(
+    request: Request,
+    scope_type: str,
+    scope_id: str,
+    user_id: str,
+    broker: BrokerDep,
+    principal: PrincipalDep,
+) -> Response:
+    ctx = audit_context(request, principal)
+    await anyio.to_thread.run_sync(
+        broker.sessions.remove_member, ctx, principal, _scope(scope_type, scope_id), user_id
+    )
+    return Response(status_code=204)

@@ -1,0 +1,443 @@
+"""Sandboxes as the broker sees them: rows in the store kept in step with a provider.
+
+The store is the authority over what *should* exist; the provider reports
+what *does*. Every state change goes through :meth:`SandboxService.apply_state`,
+which checks the transition, records a phase event on the sandbox's log and
+on the log of the live binding that uses it, and ends that binding when the
+sandbox is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from sqlalchemy import Connection, func, select, update
+
+from sandlot.broker.audit import AuditContext, record
+from sandlot.broker.events import EventHub, append_event
+from sandlot.broker.settings import BrokerSettings
+from sandlot.broker.store import Store
+from sandlot.broker.store.schema import bindings, leases, sandboxes, tokens
+from sandlot.broker.templates import TemplateService
+from sandlot.protocol.common import new_id, rfc3339
+from sandlot.protocol.errors import (
+    ProviderUnavailable,
+    QuotaExceeded,
+    ResourceConflict,
+    SandboxNotFound,
+    SandlotError,
+)
+from sandlot.protocol.sessions import DataplaneCoordinates, SandboxSnapshot, Template
+from sandlot.protocol.states import SandboxState, can_transition
+from sandlot.providers.base import Provider, ProviderStatus, RevokedToken, SandboxSpec
+
+log = logging.getLogger("sandlot.broker.sandboxes")
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class SandboxRow:
+    id: str
+    name: str | None
+    owner_user_id: str | None
+    template: str
+    provider: str
+    state: SandboxState
+    generation: int
+    scope_key: str | None
+    pool: str | None
+    created_at: float
+    last_active_at: float
+    idle_since: float | None
+    hard_deadline: float
+    idle_timeout: int
+    event_seq: int
+    reason: str | None
+
+    @classmethod
+    def from_row(cls, r: Any) -> SandboxRow:
+        return cls(
+            id=r.id,
+            name=r.name,
+            owner_user_id=r.owner_user_id,
+            template=r.template,
+            provider=r.provider,
+            state=SandboxState(r.state),
+            generation=r.generation,
+            scope_key=r.scope_key,
+            pool=r.pool,
+            created_at=r.created_at,
+            last_active_at=r.last_active_at,
+            idle_since=r.idle_since,
+            hard_deadline=r.hard_deadline,
+            idle_timeout=r.idle_timeout,
+            event_seq=r.event_seq,
+            reason=r.reason,
+        )
+
+
+def get_sandbox(conn: Connection, sandbox_id: str) -> SandboxRow | None:
+    row = conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id)).first()
+    return SandboxRow.from_row(row) if row is not None else None
+
+
+LIVE_STATES = [s.value for s in SandboxState if s.live]
+
+
+class SandboxService:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        provider: Provider,
+        settings: BrokerSettings,
+        templates: TemplateService,
+        hub: EventHub,
+        clock: Clock = time.time,
+    ) -> None:
+        self.store = store
+        self.provider = provider
+        self.settings = settings
+        self.templates = templates
+        self.hub = hub
+        self.clock = clock
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- rows -----------------------------------------------------------------------
+
+    def insert(
+        self,
+        conn: Connection,
+        *,
+        template: Template,
+        owner_user_id: str | None,
+        name: str | None = None,
+        scope_key: str | None = None,
+        pool: str | None = None,
+    ) -> SandboxRow:
+        """Insert a new sandbox row in ``provisioning`` (the caller's transaction)."""
+        now = self.clock()
+        if owner_user_id is not None and pool is None:
+            self.check_quota(conn, owner_user_id)
+        sandbox_id = new_id("sb", 10)
+        idle = template.idle_timeout_seconds or self.settings.idle_timeout_seconds
+        ttl = template.hard_ttl_seconds or self.settings.hard_ttl_seconds
+        live_name = f"{owner_user_id}:{name}" if name else None
+        if live_name is not None:
+            taken = conn.execute(
+                select(sandboxes.c.id).where(sandboxes.c.live_name == live_name)
+            ).first()
+            if taken is not None:
+                raise ResourceConflict(f"a live sandbox named {name!r} already exists")
+        conn.execute(
+            sandboxes.insert().values(
+                id=sandbox_id,
+                name=name,
+                owner_user_id=owner_user_id,
+                template=template.name,
+                provider=self.provider.name,
+                state=SandboxState.PROVISIONING.value,
+                generation=1,
+                scope_key=scope_key,
+                pool=pool,
+                created_at=now,
+                updated_at=now,
+                last_active_at=now,
+                hard_deadline=now + ttl,
+                idle_timeout=idle,
+                live_name=live_name,
+                event_seq=0,
+            )
+        )
+        append_event(
+            conn,
+            sandboxes,
+            sandbox_id,
+            "sandbox.created",
+            {"phase": {"from": None, "to": "provisioning", "reason": "created"}},
+            state="provisioning",
+            now=now,
+        )
+        row = get_sandbox(conn, sandbox_id)
+        assert row is not None
+        return row
+
+    def check_quota(self, conn: Connection, user_id: str) -> None:
+        live = conn.execute(
+            select(func.count())
+            .select_from(sandboxes)
+            .where(
+                sandboxes.c.owner_user_id == user_id,
+                sandboxes.c.state.in_(LIVE_STATES),
+                sandboxes.c.pool.is_(None),
+            )
+        ).scalar_one()
+        limit = self.settings.max_live_sandboxes_per_user
+        if live >= limit:
+            raise QuotaExceeded(
+                f"user {user_id} already has {live} live sandboxes (limit {limit})",
+                metadata={"limit": limit, "live": live},
+            )
+
+    def spec_for(self, row: SandboxRow, template: Template | None = None) -> SandboxSpec:
+        return SandboxSpec(
+            sandbox_id=row.id,
+            generation=row.generation,
+            template=template or self.templates.get(row.template),
+            owner_user_id=row.owner_user_id,
+            name=row.name,
+        )
+
+    def snapshot(self, row: SandboxRow) -> SandboxSnapshot:
+        return SandboxSnapshot(
+            id=row.id,
+            name=row.name,
+            template=row.template,
+            state=row.state.value,
+            provider=row.provider,
+            dataplane=self.coordinates(row.id),
+            created_at=rfc3339(row.created_at) or "",
+            last_event_sequence=row.event_seq,
+            owner_user_id=row.owner_user_id,
+            scope=row.scope_key,
+            generation=row.generation,
+        )
+
+    def coordinates(self, sandbox_id: str) -> DataplaneCoordinates:
+        return self.provider.dataplane(sandbox_id)
+
+    # --- provider calls ------------------------------------------------------------
+
+    async def provision(self, row: SandboxRow, template: Template | None = None) -> None:
+        """Ask the provider to create the sandbox; accepted at once, completes in background."""
+        spec = self.spec_for(row, template)
+        try:
+            status = await self.provider.create(spec)
+        except SandlotError as exc:
+            await self.apply_state(row.id, SandboxState.FAILED, reason=exc.message)
+            return
+        except Exception as exc:
+            log.exception("provider create failed for %s", row.id)
+            await self.apply_state(row.id, SandboxState.FAILED, reason=type(exc).__name__)
+            return
+        if status.state is not SandboxState.PROVISIONING:
+            await self.apply_state(row.id, status.state, reason=status.reason)
+
+    def spawn(self, coro: Any) -> None:
+        """Run background provider work, keeping a reference until it finishes."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def on_provider_status(self, sandbox_id: str, status: ProviderStatus) -> None:
+        """Listener handed to the provider: reality changed."""
+        await self.apply_state(sandbox_id, status.state, reason=status.reason)
+
+    async def apply_state(
+        self, sandbox_id: str, state: SandboxState, *, reason: str | None = None
+    ) -> bool:
+        changed = await anyio.to_thread.run_sync(self._apply_state_tx, sandbox_id, state, reason)
+        return changed
+
+    def _apply_state_tx(self, sandbox_id: str, state: SandboxState, reason: str | None) -> bool:
+        with self.store.write() as conn:
+            changed, binding_id = self.apply_state_in(conn, sandbox_id, state, reason=reason)
+        if changed:
+            self.hub.notify(sandbox_id)
+            if binding_id:
+                self.hub.notify(binding_id)
+        return changed
+
+    def apply_state_in(
+        self,
+        conn: Connection,
+        sandbox_id: str,
+        state: SandboxState,
+        *,
+        reason: str | None = None,
+        ctx: AuditContext | None = None,
+    ) -> tuple[bool, str | None]:
+        """Checked transition inside the caller's transaction; returns (changed, binding)."""
+        row = get_sandbox(conn, sandbox_id)
+        if row is None or row.state == state or not can_transition(row.state, state):
+            return False, None
+        now = self.clock()
+        values: dict[str, Any] = {"state": state.value, "updated_at": now, "reason": reason}
+        if state is SandboxState.IDLE:
+            values["idle_since"] = now
+        elif state is SandboxState.ACTIVE:
+            values["idle_since"] = None
+            values["last_active_at"] = now
+        if not state.live:
+            values["live_name"] = None
+        conn.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(**values))
+        phase = {"from": row.state.value, "to": state.value, "reason": reason}
+        append_event(
+            conn,
+            sandboxes,
+            sandbox_id,
+            f"sandbox.{state.value}",
+            {"phase": phase},
+            state=state.value,
+            now=now,
+        )
+        binding = conn.execute(
+            select(bindings.c.id).where(
+                bindings.c.sandbox_id == sandbox_id, bindings.c.live_scope.is_not(None)
+            )
+        ).first()
+        binding_id = binding.id if binding is not None else None
+        if binding_id is not None:
+            append_event(
+                conn,
+                bindings,
+                binding_id,
+                f"binding.{state.value}",
+                {"phase": phase},
+                state=state.value,
+                now=now,
+            )
+            if not state.live:
+                self.end_binding(conn, binding_id, now=now)
+        if not state.live:
+            record(
+                conn,
+                ctx,
+                "sandbox.terminate" if state is SandboxState.TERMINATED else "sandbox.fail",
+                sandbox_id=sandbox_id,
+                session_id=binding_id,
+                scope_key=row.scope_key,
+                details={"reason": reason},
+                now=now,
+            )
+        return True, binding_id
+
+    def end_binding(self, conn: Connection, binding_id: str, *, now: float) -> None:
+        conn.execute(
+            update(bindings)
+            .where(bindings.c.id == binding_id)
+            .values(live_scope=None, ended_at=now)
+        )
+        conn.execute(
+            update(leases)
+            .where(leases.c.binding_id == binding_id, leases.c.released_at.is_(None))
+            .values(released_at=now)
+        )
+
+    def revoke_tokens_in(
+        self,
+        conn: Connection,
+        *,
+        sandbox_id: str,
+        binding_id: str | None = None,
+        principal_id: str | None = None,
+    ) -> list[RevokedToken]:
+        """Mark matching live tokens revoked; return them for the dataplane."""
+        now = self.clock()
+        cond = [
+            tokens.c.sandbox_id == sandbox_id,
+            tokens.c.revoked_at.is_(None),
+            tokens.c.expires_at > now,
+        ]
+        if binding_id is not None:
+            cond.append(tokens.c.binding_id == binding_id)
+        if principal_id is not None:
+            cond.append(tokens.c.principal_id == principal_id)
+        rows = conn.execute(select(tokens.c.jti, tokens.c.expires_at).where(*cond)).all()
+        if rows:
+            conn.execute(update(tokens).where(*cond).values(revoked_at=now))
+        return [RevokedToken(r.jti, r.expires_at) for r in rows]
+
+    async def push_revocations(self, sandbox_id: str, revoked: list[RevokedToken]) -> None:
+        if not revoked:
+            return
+        try:
+            await self.provider.revoke(sandbox_id, revoked)
+        except Exception:
+            # The tokens stay revoked in the store; the dataplane also refuses a
+            # token whose sandbox generation or existence no longer matches.
+            log.exception("revocation push failed for %s", sandbox_id)
+
+    async def terminate(
+        self, sandbox_id: str, *, reason: str, ctx: AuditContext | None = None
+    ) -> None:
+        """Tear a sandbox down now: revoke every token, end its binding, delete it."""
+
+        def tx() -> tuple[list[RevokedToken], str | None, bool]:
+            with self.store.write() as conn:
+                revoked = self.revoke_tokens_in(conn, sandbox_id=sandbox_id)
+                changed, binding_id = self.apply_state_in(
+                    conn, sandbox_id, SandboxState.TERMINATED, reason=reason, ctx=ctx
+                )
+            return revoked, binding_id, changed
+
+        revoked, binding_id, changed = await anyio.to_thread.run_sync(tx)
+        if changed:
+            self.hub.notify(sandbox_id)
+            if binding_id:
+                self.hub.notify(binding_id)
+        await self.push_revocations(sandbox_id, revoked)
+        try:
+            await self.provider.delete(sandbox_id)
+        except Exception:
+            log.exception("provider delete failed for %s (the reaper will retry)", sandbox_id)
+
+    async def suspend(self, sandbox_id: str, *, reason: str) -> None:
+        if not self.provider.supports_suspend:
+            await self.terminate(sandbox_id, reason=reason)
+            return
+        try:
+            status = await self.provider.suspend(sandbox_id)
+        except SandboxNotFound:
+            await self.apply_state(sandbox_id, SandboxState.FAILED, reason="sandbox vanished")
+            return
+        await self.apply_state(sandbox_id, status.state, reason=reason)
+
+    async def resume(self, sandbox_id: str, *, reason: str) -> SandboxState:
+        try:
+            status = await self.provider.resume(sandbox_id)
+        except SandboxNotFound:
+            await self.apply_state(sandbox_id, SandboxState.FAILED, reason="sandbox vanished")
+            return SandboxState.FAILED
+        except SandlotError:
+            raise
+        except Exception as exc:
+            raise ProviderUnavailable("the provider could not resume the sandbox") from exc
+        await self.apply_state(sandbox_id, status.state, reason=reason)
+        return status.state
+
+    # --- queries --------------------------------------------------------------------
+
+    def get(self, sandbox_id: str) -> SandboxRow:
+        with self.store.read() as conn:
+            row = get_sandbox(conn, sandbox_id)
+        if row is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}")
+        return row
+
+    def list_live(self) -> list[SandboxRow]:
+        with self.store.read() as conn:
+            rows = conn.execute(select(sandboxes).where(sandboxes.c.state.in_(LIVE_STATES))).all()
+        return [SandboxRow.from_row(r) for r in rows]
+
+    def list_for(self, user_id: str | None, *, include_ended: bool = False) -> list[SandboxRow]:
+        q = select(sandboxes).where(sandboxes.c.pool.is_(None)).order_by(sandboxes.c.created_at)
+        if user_id is not None:
+            q = q.where(sandboxes.c.owner_user_id == user_id)
+        if not include_ended:
+            q = q.where(sandboxes.c.state.in_(LIVE_STATES))
+        with self.store.read() as conn:
+            rows = conn.execute(q).all()
+        return [SandboxRow.from_row(r) for r in rows]
+
+    async def drain(self) -> None:
+        """Wait for background provider work (used at shutdown and by tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)

@@ -1,0 +1,849 @@
+"""Sessions: which sandbox serves a scope, who holds a lease on it, and their tokens.
+
+A *binding* ties a scope (``thread:thr_1``) to a sandbox; it is live while its
+sandbox is. ``ensure`` is atomic across workers and replicas: the live binding
+of a scope is unique (``bindings.live_scope``), so a creator that loses the
+race finds the winner's binding and attaches to it. Each principal attached
+to a binding holds a *lease* (how long it counts as present, extended by
+heartbeats) and gets *tokens* (how long it may call the dataplane, extended by
+refresh); the two are independent.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from sqlalchemy import Connection, select, update
+from sqlalchemy.exc import IntegrityError
+
+from sandlot.broker.audit import AuditContext, record
+from sandlot.broker.events import EventHub, append_event, read_events
+from sandlot.broker.principals import Principal
+from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
+from sandlot.broker.settings import BrokerSettings
+from sandlot.broker.store import Store
+from sandlot.broker.store.schema import (
+    bindings,
+    leases,
+    sandboxes,
+    scope_members,
+    scopes,
+    tokens,
+)
+from sandlot.broker.templates import TemplateService
+from sandlot.broker.tokens import KeyRing
+from sandlot.protocol.common import (
+    Actor,
+    Capability,
+    Scope,
+    ScopeType,
+    expand_capabilities,
+    new_id,
+    rfc3339,
+)
+from sandlot.protocol.errors import (
+    CapabilityDenied,
+    Forbidden,
+    InvalidRequest,
+    SequenceExpired,
+    SessionConflict,
+    SessionExpired,
+    SessionNotFound,
+)
+from sandlot.protocol.sessions import (
+    BindingSnapshot,
+    Credentials,
+    HeartbeatResponse,
+    MembersResponse,
+    Policy,
+    RefreshResponse,
+    SandboxRef,
+    SessionGrant,
+    SessionMode,
+    SessionRequest,
+    SessionSnapshot,
+    Template,
+)
+from sandlot.protocol.states import SandboxState
+
+log = logging.getLogger("sandlot.broker.sessions")
+
+
+@dataclass(frozen=True)
+class BindingRow:
+    id: str
+    scope_key: str
+    sandbox_id: str
+    owner_user_id: str
+    live: bool
+    created_at: float
+    event_seq: int
+
+    @classmethod
+    def from_row(cls, r: Any) -> BindingRow:
+        return cls(
+            id=r.id,
+            scope_key=r.scope_key,
+            sandbox_id=r.sandbox_id,
+            owner_user_id=r.owner_user_id,
+            live=r.live_scope is not None,
+            created_at=r.created_at,
+            event_seq=r.event_seq,
+        )
+
+
+@dataclass
+class _Negotiated:
+    grant: SessionGrant
+    provision: SandboxRow | None
+    template: Template | None
+    resume: bool
+
+
+class _LostRace(Exception):
+    """Another creator committed the scope's binding first: attach to it instead."""
+
+
+class SessionService:
+    def __init__(
+        self,
+        *,
+        store: Store,
+        settings: BrokerSettings,
+        keyring: KeyRing,
+        sandboxes: SandboxService,
+        templates: TemplateService,
+        hub: EventHub,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.keyring = keyring
+        self.sandboxes = sandboxes
+        self.templates = templates
+        self.hub = hub
+
+    @property
+    def clock(self) -> Any:
+        return self.sandboxes.clock
+
+    # --- negotiation ----------------------------------------------------------------
+
+    def effective_scope(self, req: SessionRequest) -> Scope:
+        scope = req.effective_scope()
+        if (
+            self.settings.promote_thread_to_assistant
+            and scope.type is ScopeType.THREAD
+            and req.assistant_id
+        ):
+            return Scope(type=ScopeType.ASSISTANT, id=req.assistant_id)
+        return scope
+
+    def granted_capabilities(
+        self, principal: Principal, requested: list[Capability] | None
+    ) -> list[Capability]:
+        policy = self.settings.policy_for(principal.actor_type)
+        if requested is None:
+            caps = policy.default
+        else:
+            denied = sorted(c.value for c in set(requested) - policy.allowed)
+            if denied:
+                raise CapabilityDenied(
+                    f"{', '.join(denied)} not permitted for actor type {principal.actor_type}",
+                    metadata={"capability": denied[0], "denied": denied},
+                )
+            caps = frozenset(requested)
+        return sorted(expand_capabilities(caps), key=lambda c: c.value)
+
+    async def negotiate(
+        self, ctx: AuditContext, principal: Principal, req: SessionRequest
+    ) -> SessionGrant:
+        if req.actor is not None and req.actor.type is not principal.actor_type:
+            raise Forbidden(
+                f"this key acts as {principal.actor_type}, not {req.actor.type}",
+                metadata={"actor_type": principal.actor_type.value},
+            )
+        scope = self.effective_scope(req)
+        caps = self.granted_capabilities(principal, req.requested_capabilities)
+        template: Template | None = None
+        if req.mode.creates:
+            template = await anyio.to_thread.run_sync(
+                self.templates.get, req.template or self.settings.default_template
+            )
+        result = await anyio.to_thread.run_sync(
+            self._negotiate_tx, ctx, principal, req, scope, caps, template
+        )
+        if result.provision is not None:
+            self.sandboxes.spawn(self.sandboxes.provision(result.provision, result.template))
+        elif result.resume:
+            state = await self.sandboxes.resume(result.grant.sandbox.id, reason="ensure")
+            result.grant.binding.state = state.value
+        self.hub.notify(result.grant.session_id)
+        return result.grant
+
+    def _negotiate_tx(
+        self,
+        ctx: AuditContext,
+        principal: Principal,
+        req: SessionRequest,
+        scope: Scope,
+        caps: list[Capability],
+        template: Template | None,
+    ) -> _Negotiated:
+        for _ in range(5):
+            try:
+                with self.store.write() as conn:
+                    return self._negotiate_in(conn, ctx, principal, req, scope, caps, template)
+            except _LostRace:
+                continue
+            except IntegrityError:
+                # PostgreSQL: the unique live binding of the scope was taken meanwhile.
+                continue
+        raise SessionConflict("the scope changed too often while negotiating, retry")
+
+    def _negotiate_in(
+        self,
+        conn: Connection,
+        ctx: AuditContext,
+        principal: Principal,
+        req: SessionRequest,
+        scope: Scope,
+        caps: list[Capability],
+        template: Template | None,
+    ) -> _Negotiated:
+        now = self.clock()
+        key = scope.key()
+        user = principal.effective_user
+        owner = conn.execute(
+            select(scopes.c.owner_user_id).where(scopes.c.scope_key == key)
+        ).first()
+        if owner is not None:
+            self._check_scope_access(conn, principal, key, owner.owner_user_id)
+        live = conn.execute(select(bindings).where(bindings.c.live_scope == key)).first()
+        created = False
+        provision: SandboxRow | None = None
+        resume = False
+        if live is not None:
+            if req.mode is SessionMode.CREATE_ONLY:
+                raise SessionConflict(
+                    f"scope {key} already has a live session", metadata={"session_id": live.id}
+                )
+            binding = BindingRow.from_row(live)
+            sandbox = get_sandbox(conn, binding.sandbox_id)
+            assert sandbox is not None
+            resume = sandbox.state is SandboxState.SUSPENDED
+            if sandbox.state is SandboxState.IDLE:
+                self.sandboxes.apply_state_in(
+                    conn, sandbox.id, SandboxState.ACTIVE, reason="attach"
+                )
+                sandbox = get_sandbox(conn, sandbox.id)
+                assert sandbox is not None
+        else:
+            if not req.mode.creates:
+                raise SessionNotFound(f"no live session for scope {key}", metadata={"scope": key})
+            assert template is not None
+            if owner is None:
+                conn.execute(
+                    scopes.insert().values(scope_key=key, owner_user_id=user, created_at=now)
+                )
+            sandbox, provision = self._sandbox_for_new_binding(conn, req, template, user, key)
+            binding_id = new_id("ssn", 10)
+            try:
+                with conn.begin_nested():
+                    conn.execute(
+                        bindings.insert().values(
+                            id=binding_id,
+                            scope_key=key,
+                            live_scope=key,
+                            sandbox_id=sandbox.id,
+                            owner_user_id=owner.owner_user_id if owner else user,
+                            created_at=now,
+                            event_seq=0,
+                        )
+                    )
+            except IntegrityError as exc:
+                raise _LostRace() from exc
+            append_event(
+                conn,
+                bindings,
+                binding_id,
+                "binding.created",
+                {"binding": {"op": "created", "scope": key, "sandbox_id": sandbox.id}},
+                state=sandbox.state.value,
+                actor=principal.actor,
+                now=now,
+            )
+            row = conn.execute(select(bindings).where(bindings.c.id == binding_id)).first()
+            binding = BindingRow.from_row(row)
+            created = True
+        lease_expires = self._attach(conn, principal, binding, caps, now)
+        append_event(
+            conn,
+            bindings,
+            binding.id,
+            "binding.attached",
+            {"binding": {"op": "attached", "principal": principal.id, "caps": caps}},
+            state=sandbox.state.value,
+            actor=principal.actor,
+            now=now,
+        )
+        minted = self._mint(conn, principal, binding, sandbox, caps, now)
+        record(
+            conn,
+            ctx,
+            "session.ensure" if req.mode.creates else "session.attach",
+            outcome="created" if created else "attached",
+            scope_key=key,
+            session_id=binding.id,
+            sandbox_id=sandbox.id,
+            details={"mode": req.mode.value, "caps": [c.value for c in caps]},
+            now=now,
+        )
+        seq = conn.execute(
+            select(bindings.c.event_seq).where(bindings.c.id == binding.id)
+        ).scalar_one()
+        grant = self._grant(
+            binding,
+            sandbox,
+            scope,
+            req,
+            created=created,
+            lease_expires=lease_expires,
+            event_seq=seq,
+            token=minted,
+            caps=caps,
+        )
+        return _Negotiated(grant, provision, template, resume)
+
+    def _sandbox_for_new_binding(
+        self,
+        conn: Connection,
+        req: SessionRequest,
+        template: Template,
+        user: str,
+        key: str,
+    ) -> tuple[SandboxRow, SandboxRow | None]:
+        """The sandbox a new binding gets: the hinted one, a warm one, or a new one."""
+        if req.sandbox_hint:
+            found = conn.execute(
+                select(sandboxes).where(
+                    (sandboxes.c.id == req.sandbox_hint)
+                    | (
+                        (sandboxes.c.name == req.sandbox_hint)
+                        & (sandboxes.c.live_name.is_not(None))
+                    )
+                )
+            ).first()
+            if found is None or found.owner_user_id != user:
+                raise InvalidRequest(
+                    f"sandbox_hint {req.sandbox_hint!r} is not a sandbox of yours",
+                    metadata={"sandbox_hint": req.sandbox_hint},
+                )
+            hinted = SandboxRow.from_row(found)
+            if not hinted.state.live:
+                raise SessionExpired(f"sandbox {hinted.id} is {hinted.state}")
+            in_use = conn.execute(
+                select(bindings.c.id).where(
+                    bindings.c.sandbox_id == hinted.id, bindings.c.live_scope.is_not(None)
+                )
+            ).first()
+            if in_use is not None:
+                raise SessionConflict(
+                    f"sandbox {hinted.id} already serves another scope",
+                    metadata={"session_id": in_use.id},
+                )
+            conn.execute(update(sandboxes).where(sandboxes.c.id == hinted.id).values(scope_key=key))
+            return hinted, None
+        claimed = self._claim_from_pool(conn, template, user, key)
+        if claimed is not None:
+            return claimed, None
+        new = self.sandboxes.insert(conn, template=template, owner_user_id=user, scope_key=key)
+        return new, new
+
+    def _claim_from_pool(
+        self, conn: Connection, template: Template, user: str, key: str
+    ) -> SandboxRow | None:
+        pooled = conn.execute(
+            select(sandboxes.c.id)
+            .where(
+                sandboxes.c.pool.is_not(None),
+                sandboxes.c.template == template.name,
+                sandboxes.c.state == SandboxState.ACTIVE.value,
+            )
+            .order_by(sandboxes.c.created_at)
+            .limit(1)
+        ).first()
+        if pooled is None:
+            return None
+        self.sandboxes.check_quota(conn, user)
+        now = self.clock()
+        taken = conn.execute(
+            update(sandboxes)
+            .where(sandboxes.c.id == pooled.id, sandboxes.c.pool.is_not(None))
+            .values(
+                pool=None,
+                owner_user_id=user,
+                scope_key=key,
+                last_active_at=now,
+                hard_deadline=now + (template.hard_ttl_seconds or self.settings.hard_ttl_seconds),
+            )
+        ).rowcount
+        if not taken:
+            return None
+        append_event(
+            conn,
+            sandboxes,
+            pooled.id,
+            "sandbox.claimed",
+            {"phase": {"from": "active", "to": "active", "reason": "claimed from pool"}},
+            state="active",
+            now=now,
+        )
+        return get_sandbox(conn, pooled.id)
+
+    def _check_scope_access(
+        self, conn: Connection, principal: Principal, key: str, owner_user_id: str
+    ) -> None:
+        user = principal.effective_user
+        if user == owner_user_id or principal.is_admin:
+            return
+        member = conn.execute(
+            select(scope_members.c.user_id).where(
+                scope_members.c.scope_key == key, scope_members.c.user_id == user
+            )
+        ).first()
+        if member is None:
+            raise Forbidden(f"scope {key} belongs to another user", metadata={"scope": key})
+
+    def _attach(
+        self,
+        conn: Connection,
+        principal: Principal,
+        binding: BindingRow,
+        caps: list[Capability],
+        now: float,
+    ) -> float:
+        expires = now + self.settings.lease_ttl_seconds
+        values = {
+            "user_id": principal.effective_user,
+            "actor_type": principal.actor_type.value,
+            "actor_id": principal.id,
+            "caps": [c.value for c in caps],
+            "expires_at": expires,
+            "released_at": None,
+        }
+        updated = conn.execute(
+            update(leases)
+            .where(
+                leases.c.binding_id == binding.id, leases.c.principal_id == principal.lease_holder
+            )
+            .values(**values)
+        ).rowcount
+        if not updated:
+            conn.execute(
+                leases.insert().values(
+                    binding_id=binding.id, principal_id=principal.lease_holder, **values
+                )
+            )
+        conn.execute(
+            update(sandboxes).where(sandboxes.c.id == binding.sandbox_id).values(last_active_at=now)
+        )
+        return expires
+
+    def _mint(
+        self,
+        conn: Connection,
+        principal: Principal,
+        binding: BindingRow,
+        sandbox: SandboxRow,
+        caps: list[Capability],
+        now: float,
+    ) -> Any:
+        minted = self.keyring.mint(
+            principal_id=principal.id,
+            actor=principal.actor,
+            session_id=binding.id,
+            sandbox_id=sandbox.id,
+            scope_key=binding.scope_key,
+            caps=caps,
+            generation=sandbox.generation,
+            ttl=self.settings.token_ttl_seconds,
+            now=now,
+        )
+        conn.execute(
+            tokens.insert().values(
+                jti=minted.jti,
+                binding_id=binding.id,
+                sandbox_id=sandbox.id,
+                principal_id=principal.lease_holder,
+                issued_at=minted.issued_at,
+                expires_at=minted.expires_at,
+            )
+        )
+        return minted
+
+    def policy(self, template_name: str | None = None) -> Policy:
+        tpl: Template | None = None
+        if template_name:
+            try:
+                tpl = self.templates.get(template_name)
+            except Exception:
+                tpl = None
+        return Policy(
+            idle_timeout_seconds=(tpl.idle_timeout_seconds if tpl else None)
+            or self.settings.idle_timeout_seconds,
+            hard_ttl_seconds=(tpl.hard_ttl_seconds if tpl else None)
+            or self.settings.hard_ttl_seconds,
+            token_ttl_seconds=self.settings.token_ttl_seconds,
+            lease_ttl_seconds=self.settings.lease_ttl_seconds,
+        )
+
+    def _binding_snapshot(
+        self,
+        binding: BindingRow,
+        sandbox: SandboxRow,
+        *,
+        created: bool,
+        lease_expires: float | None,
+        event_seq: int,
+    ) -> BindingSnapshot:
+        return BindingSnapshot(
+            id=binding.id,
+            scope=Scope.parse(binding.scope_key),
+            sandbox_id=sandbox.id,
+            provider=sandbox.provider,
+            state=sandbox.state.value if binding.live or not sandbox.state.live else "terminated",
+            created=created,
+            lease_expires_at=rfc3339(lease_expires),
+            last_event_sequence=event_seq,
+            created_at=rfc3339(binding.created_at),
+            owner_user_id=binding.owner_user_id,
+        )
+
+    def _grant(
+        self,
+        binding: BindingRow,
+        sandbox: SandboxRow,
+        scope: Scope,
+        req: SessionRequest,
+        *,
+        created: bool,
+        lease_expires: float,
+        event_seq: int,
+        token: Any,
+        caps: list[Capability],
+    ) -> SessionGrant:
+        coords = self.sandboxes.coordinates(sandbox.id)
+        expires_at = rfc3339(token.expires_at) or ""
+        return SessionGrant(
+            session_id=binding.id,
+            thread_id=req.thread_id or (scope.id if scope.type is ScopeType.THREAD else None),
+            sandbox=SandboxRef(
+                id=sandbox.id,
+                provider=sandbox.provider,
+                http_base_url=coords.http_base_url,
+                ws_base_url=coords.ws_base_url,
+            ),
+            token=token.token,
+            expires_at=expires_at,
+            binding=self._binding_snapshot(
+                binding, sandbox, created=created, lease_expires=lease_expires, event_seq=event_seq
+            ),
+            dataplane=coords,
+            credentials=Credentials(
+                access_token=token.token, expires_at=expires_at, granted_capabilities=caps
+            ),
+            policy=self.policy(sandbox.template),
+            refresh_url=f"/v1/sandbox/sessions/{binding.id}/refresh",
+        )
+
+    # --- the other session calls ----------------------------------------------------
+
+    def _load(
+        self, conn: Connection, principal: Principal, session_id: str
+    ) -> tuple[BindingRow, SandboxRow]:
+        row = conn.execute(select(bindings).where(bindings.c.id == session_id)).first()
+        if row is None:
+            raise SessionNotFound(f"no session {session_id}")
+        binding = BindingRow.from_row(row)
+        self._check_scope_access(conn, principal, binding.scope_key, binding.owner_user_id)
+        sandbox = get_sandbox(conn, binding.sandbox_id)
+        assert sandbox is not None
+        return binding, sandbox
+
+    def _lease(self, conn: Connection, principal: Principal, binding_id: str) -> Any:
+        return conn.execute(
+            select(leases).where(
+                leases.c.binding_id == binding_id, leases.c.principal_id == principal.lease_holder
+            )
+        ).first()
+
+    def snapshot(self, principal: Principal, session_id: str) -> SessionSnapshot:
+        with self.store.read() as conn:
+            binding, sandbox = self._load(conn, principal, session_id)
+            lease = self._lease(conn, principal, binding.id)
+        coords = self.sandboxes.coordinates(sandbox.id)
+        return SessionSnapshot(
+            session_id=binding.id,
+            binding=self._binding_snapshot(
+                binding,
+                sandbox,
+                created=False,
+                lease_expires=lease.expires_at
+                if lease is not None and lease.released_at is None
+                else None,
+                event_seq=binding.event_seq,
+            ),
+            sandbox=SandboxRef(
+                id=sandbox.id,
+                provider=sandbox.provider,
+                http_base_url=coords.http_base_url,
+                ws_base_url=coords.ws_base_url,
+            ),
+            dataplane=coords,
+            policy=self.policy(sandbox.template),
+        )
+
+    def refresh(self, ctx: AuditContext, principal: Principal, session_id: str) -> RefreshResponse:
+        with self.store.write() as conn:
+            binding, sandbox = self._load(conn, principal, session_id)
+            lease = self._lease(conn, principal, binding.id)
+            if not binding.live or not sandbox.state.live:
+                raise SessionExpired(f"session {session_id} has ended")
+            if lease is None or lease.released_at is not None:
+                raise SessionExpired(f"session {session_id} was released by this actor")
+            now = self.clock()
+            entitled = set(self.settings.policy_for(principal.actor_type).allowed)
+            caps = sorted(
+                (
+                    Capability(c)
+                    for c in lease.caps
+                    if Capability(c) in expand_capabilities(entitled)
+                ),
+                key=lambda c: c.value,
+            )
+            minted = self._mint(conn, principal, binding, sandbox, caps, now)
+            append_event(
+                conn,
+                bindings,
+                binding.id,
+                "binding.refreshed",
+                {"binding": {"op": "refreshed", "principal": principal.id}},
+                state=sandbox.state.value,
+                actor=principal.actor,
+                now=now,
+            )
+            record(
+                conn,
+                ctx,
+                "session.refresh",
+                scope_key=binding.scope_key,
+                session_id=binding.id,
+                sandbox_id=sandbox.id,
+                now=now,
+            )
+        self.hub.notify(binding.id)
+        expires_at = rfc3339(minted.expires_at) or ""
+        return RefreshResponse(
+            token=minted.token,
+            expires_at=expires_at,
+            credentials=Credentials(
+                access_token=minted.token, expires_at=expires_at, granted_capabilities=caps
+            ),
+        )
+
+    async def heartbeat(
+        self, ctx: AuditContext, principal: Principal, session_id: str
+    ) -> HeartbeatResponse:
+        def tx() -> tuple[HeartbeatResponse, bool, str]:
+            with self.store.write() as conn:
+                binding, sandbox = self._load(conn, principal, session_id)
+                lease = self._lease(conn, principal, binding.id)
+                if not binding.live or not sandbox.state.live:
+                    raise SessionExpired(f"session {session_id} has ended")
+                if lease is None or lease.released_at is not None:
+                    raise SessionExpired(f"session {session_id} was released by this actor")
+                now = self.clock()
+                expires = now + self.settings.lease_ttl_seconds
+                conn.execute(
+                    update(leases)
+                    .where(
+                        leases.c.binding_id == binding.id,
+                        leases.c.principal_id == principal.lease_holder,
+                    )
+                    .values(expires_at=expires)
+                )
+                conn.execute(
+                    update(sandboxes).where(sandboxes.c.id == sandbox.id).values(last_active_at=now)
+                )
+                state = sandbox.state
+                if state is SandboxState.IDLE:
+                    self.sandboxes.apply_state_in(
+                        conn, sandbox.id, SandboxState.ACTIVE, reason="heartbeat"
+                    )
+                    state = SandboxState.ACTIVE
+            return (
+                HeartbeatResponse(state=state.value, lease_expires_at=rfc3339(expires) or ""),
+                state is SandboxState.SUSPENDED,
+                sandbox.id,
+            )
+
+        resp, resume, sandbox_id = await anyio.to_thread.run_sync(tx)
+        if resume:
+            state = await self.sandboxes.resume(sandbox_id, reason="heartbeat")
+            resp.state = state.value
+        self.hub.notify(session_id)
+        return resp
+
+    async def release(
+        self, ctx: AuditContext, principal: Principal, session_id: str, *, terminate: bool
+    ) -> None:
+        def tx() -> tuple[str, list[Any]]:
+            with self.store.write() as conn:
+                binding, sandbox = self._load(conn, principal, session_id)
+                if terminate and not (
+                    principal.effective_user == binding.owner_user_id or principal.is_admin
+                ):
+                    raise Forbidden("only the scope's owner or an admin may terminate it")
+                if not binding.live and not terminate:
+                    raise SessionExpired(f"session {session_id} has ended")
+                now = self.clock()
+                conn.execute(
+                    update(leases)
+                    .where(
+                        leases.c.binding_id == binding.id,
+                        leases.c.principal_id == principal.lease_holder,
+                        leases.c.released_at.is_(None),
+                    )
+                    .values(released_at=now)
+                )
+                revoked = self.sandboxes.revoke_tokens_in(
+                    conn,
+                    sandbox_id=sandbox.id,
+                    binding_id=binding.id,
+                    principal_id=principal.lease_holder,
+                )
+                if binding.live:
+                    append_event(
+                        conn,
+                        bindings,
+                        binding.id,
+                        "binding.detached",
+                        {
+                            "binding": {
+                                "op": "detached",
+                                "principal": principal.id,
+                                "revoked_tokens": len(revoked),
+                            }
+                        },
+                        state=sandbox.state.value,
+                        actor=principal.actor,
+                        now=now,
+                    )
+                record(
+                    conn,
+                    ctx,
+                    "session.terminate" if terminate else "session.release",
+                    scope_key=binding.scope_key,
+                    session_id=binding.id,
+                    sandbox_id=sandbox.id,
+                    details={"revoked_tokens": len(revoked)},
+                    now=now,
+                )
+            return sandbox.id, revoked
+
+        sandbox_id, revoked = await anyio.to_thread.run_sync(tx)
+        self.hub.notify(session_id)
+        await self.sandboxes.push_revocations(sandbox_id, revoked)
+        if terminate:
+            await self.sandboxes.terminate(sandbox_id, reason="terminated by request", ctx=ctx)
+
+    def session_for_token(self, claims: dict[str, Any]) -> str:
+        """The alias ``/sandbox/refresh {token}``: the token must still be live."""
+        with self.store.read() as conn:
+            row = conn.execute(select(tokens).where(tokens.c.jti == claims.get("jti"))).first()
+        if row is None or row.revoked_at is not None:
+            raise SessionExpired("this token was revoked")
+        return str(row.binding_id)
+
+    # --- members and events -----------------------------------------------------------
+
+    def add_member(
+        self, ctx: AuditContext, principal: Principal, scope: Scope, user_id: str
+    ) -> MembersResponse:
+        key = scope.key()
+        with self.store.write() as conn:
+            owner = self._owner(conn, key)
+            if owner != principal.effective_user and not principal.is_admin:
+                raise Forbidden("only the scope's owner may share it")
+            exists = conn.execute(
+                select(scope_members).where(
+                    scope_members.c.scope_key == key, scope_members.c.user_id == user_id
+                )
+            ).first()
+            if exists is None:
+                conn.execute(
+                    scope_members.insert().values(
+                        scope_key=key, user_id=user_id, added_at=self.clock()
+                    )
+                )
+            record(conn, ctx, "scope.share", scope_key=key, details={"user_id": user_id})
+        return self.members(principal, scope)
+
+    def remove_member(
+        self, ctx: AuditContext, principal: Principal, scope: Scope, user_id: str
+    ) -> None:
+        key = scope.key()
+        with self.store.write() as conn:
+            owner = self._owner(conn, key)
+            if owner != principal.effective_user and not principal.is_admin:
+                raise Forbidden("only the scope's owner may change its members")
+            conn.execute(
+                scope_members.delete().where(
+                    scope_members.c.scope_key == key, scope_members.c.user_id == user_id
+                )
+            )
+            record(conn, ctx, "scope.unshare", scope_key=key, details={"user_id": user_id})
+
+    def members(self, principal: Principal, scope: Scope) -> MembersResponse:
+        key = scope.key()
+        with self.store.read() as conn:
+            owner = self._owner(conn, key)
+            self._check_scope_access(conn, principal, key, owner)
+            rows = conn.execute(
+                select(scope_members.c.user_id).where(scope_members.c.scope_key == key)
+            ).all()
+        return MembersResponse(
+            scope=scope, owner_user_id=owner, members=sorted(r.user_id for r in rows)
+        )
+
+    @staticmethod
+    def _owner(conn: Connection, key: str) -> str:
+        row = conn.execute(select(scopes.c.owner_user_id).where(scopes.c.scope_key == key)).first()
+        if row is None:
+            raise SessionNotFound(f"no scope {key}")
+        return str(row.owner_user_id)
+
+    def events_after(
+        self, principal: Principal, session_id: str, after: int
+    ) -> list[dict[str, Any]]:
+        with self.store.read() as conn:
+            self._load(conn, principal, session_id)
+            items, oldest = read_events(conn, session_id, after)
+        if oldest is not None and after < oldest - 1:
+            raise SequenceExpired(
+                f"events after {after} are no longer retained (oldest is {oldest})",
+                metadata={"oldest_sequence": oldest},
+            )
+        return items
+
+    def check_actor(self, actor: Actor | None, principal: Principal) -> None:
+        if actor is not None and actor.type is not principal.actor_type:
+            raise Forbidden("actor type does not match the key")
+
+    @staticmethod
+    def now() -> float:
+        return time.time()

@@ -1,0 +1,218 @@
+"""The broker's one frozen settings object.
+
+Precedence, highest first: explicit arguments (the CLI's options) >
+environment (``SANDLOT_*``) > the config file (``--config``, TOML) > the
+shipped ``default_config.toml``. Nothing else in the broker reads the
+environment.
+
+Environment variables: ``SANDLOT_HOST``, ``SANDLOT_PORT``,
+``SANDLOT_DATA_DIR``, ``SANDLOT_STORE`` (a SQLAlchemy URL),
+``SANDLOT_PUBLIC_URL`` (how clients reach this server, when it is not
+``http://HOST:PORT``), ``SANDLOT_PROVIDER_MODE`` (``isolated``|``unisolated``),
+``SANDLOT_LOG_FORMAT`` (``text``|``json``), ``SANDLOT_CONFIG`` (a config file).
+
+Config file keys (see ``default_config.toml`` for every one with its default):
+``[policy]`` TTLs and capability policy per actor type, ``[quotas]``,
+``[promotion]``, ``[provider]``, ``[templates.NAME]``, ``[pools.NAME]``,
+``admins = ["user", …]`` (users allowed to read the audit log and manage
+templates, pools and everyone's sandboxes).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sandlot.protocol.common import ActorType, Capability
+from sandlot.protocol.sessions import Pool, Template
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says which key and why."""
+
+
+@dataclass(frozen=True)
+class CapabilityPolicy:
+    default: frozenset[Capability]
+    allowed: frozenset[Capability]
+
+
+@dataclass(frozen=True)
+class BrokerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8765
+    data_dir: Path = Path(".sandlot")
+    store_url: str | None = None
+    public_url: str | None = None
+    workers: int = 1
+    log_format: str = "text"
+    token_ttl_seconds: int = 900
+    lease_ttl_seconds: int = 300
+    idle_timeout_seconds: int = 900
+    hard_ttl_seconds: int = 28800
+    provision_timeout_seconds: int = 60
+    reaper_interval_seconds: float = 5.0
+    idempotency_ttl_seconds: int = 86400
+    capabilities: Mapping[ActorType, CapabilityPolicy] = field(default_factory=dict)
+    max_live_sandboxes_per_user: int = 20
+    negotiation_rate_per_second: float = 100.0
+    negotiation_burst: int = 200
+    promote_thread_to_assistant: bool = False
+    provider_name: str = "local"
+    provider_mode: str = "isolated"
+    provider_config: Mapping[str, Any] = field(default_factory=dict)
+    templates: Mapping[str, Template] = field(default_factory=dict)
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+    admins: frozenset[str] = frozenset()
+    default_template: str = "default"
+
+    @property
+    def base_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    @property
+    def issuer(self) -> str:
+        return self.base_url
+
+    @property
+    def resolved_store_url(self) -> str:
+        return self.store_url or f"sqlite:///{(self.data_dir / 'sandlot.db').absolute()}"
+
+    def policy_for(self, actor: ActorType) -> CapabilityPolicy:
+        return self.capabilities[actor]
+
+
+def _shipped_config() -> dict[str, Any]:
+    text = resources.files("sandlot.broker").joinpath("default_config.toml").read_text()
+    return tomllib.loads(text)
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _caps(values: Any, where: str) -> frozenset[Capability]:
+    try:
+        return frozenset(Capability(v) for v in values)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+
+
+def load_settings(
+    *,
+    config_file: Path | None = None,
+    environ: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> BrokerSettings:
+    """Build the settings: ``overrides`` (non-None values) > env > file > shipped defaults."""
+    env = os.environ if environ is None else environ
+    raw = _shipped_config()
+    file_path = config_file or (Path(env["SANDLOT_CONFIG"]) if env.get("SANDLOT_CONFIG") else None)
+    if file_path is not None:
+        try:
+            raw = _merge(raw, tomllib.loads(Path(file_path).read_text()))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {file_path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {file_path} is not valid TOML: {exc}") from exc
+
+    values: dict[str, Any] = {}
+    policy = raw.get("policy", {})
+    for key in (
+        "token_ttl_seconds",
+        "lease_ttl_seconds",
+        "idle_timeout_seconds",
+        "hard_ttl_seconds",
+        "provision_timeout_seconds",
+        "reaper_interval_seconds",
+    ):
+        if key in policy:
+            values[key] = policy[key]
+    caps: dict[ActorType, CapabilityPolicy] = {}
+    for actor in ActorType:
+        entry = policy.get("capabilities", {}).get(actor.value, {})
+        allowed = _caps(entry.get("allowed", []), f"policy.capabilities.{actor}.allowed")
+        default = _caps(entry.get("default", []), f"policy.capabilities.{actor}.default")
+        if not default <= allowed:
+            raise ConfigError(f"policy.capabilities.{actor}: default must be within allowed")
+        caps[actor] = CapabilityPolicy(default=default, allowed=allowed)
+    values["capabilities"] = caps
+    quotas = raw.get("quotas", {})
+    for key in ("max_live_sandboxes_per_user", "negotiation_rate_per_second", "negotiation_burst"):
+        if key in quotas:
+            values[key] = quotas[key]
+    values["promote_thread_to_assistant"] = bool(
+        raw.get("promotion", {}).get("thread_to_assistant", False)
+    )
+    provider = dict(raw.get("provider", {}))
+    values["provider_name"] = provider.pop("name", "local")
+    values["provider_mode"] = provider.pop("mode", "isolated")
+    values["provider_config"] = provider
+    values["admins"] = frozenset(raw.get("admins", []))
+    values["default_template"] = raw.get("default_template", "default")
+    try:
+        values["templates"] = {
+            name: Template.model_validate({**spec, "name": name})
+            for name, spec in raw.get("templates", {}).items()
+        }
+        values["pools"] = {
+            name: Pool.model_validate({**spec, "name": name})
+            for name, spec in raw.get("pools", {}).items()
+        }
+    except ValidationError as exc:
+        raise ConfigError(f"invalid template or pool in the configuration: {exc}") from exc
+    for key in ("host", "port", "data_dir", "store_url", "public_url", "log_format", "workers"):
+        if key in raw.get("server", {}):
+            values[key] = raw["server"][key]
+
+    env_map = {
+        "SANDLOT_HOST": "host",
+        "SANDLOT_PORT": "port",
+        "SANDLOT_DATA_DIR": "data_dir",
+        "SANDLOT_STORE": "store_url",
+        "SANDLOT_PUBLIC_URL": "public_url",
+        "SANDLOT_PROVIDER_MODE": "provider_mode",
+        "SANDLOT_LOG_FORMAT": "log_format",
+    }
+    for var, key in env_map.items():
+        if env.get(var):
+            values[key] = env[var]
+    values.update({k: v for k, v in overrides.items() if v is not None})
+
+    try:
+        values["port"] = int(values.get("port", 8765))
+        values["workers"] = int(values.get("workers", 1))
+    except ValueError as exc:
+        raise ConfigError(f"port and workers must be integers: {exc}") from exc
+    values["data_dir"] = Path(values.get("data_dir", ".sandlot")).expanduser()
+    if values["provider_mode"] not in ("isolated", "unisolated"):
+        raise ConfigError("provider.mode must be 'isolated' or 'unisolated'")
+    if values["log_format"] not in ("text", "json"):
+        raise ConfigError("log format must be 'text' or 'json'")
+    if values["workers"] < 1:
+        raise ConfigError("workers must be at least 1")
+    settings = BrokerSettings(**values)
+    if settings.default_template not in settings.templates:
+        raise ConfigError(f"the default template {settings.default_template!r} is not declared")
+    for pool in settings.pools.values():
+        if pool.template not in settings.templates:
+            raise ConfigError(f"pool {pool.name!r} names unknown template {pool.template!r}")
+    return settings

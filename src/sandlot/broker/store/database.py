@@ -1,0 +1,115 @@
+"""Engine, migrations and transactions.
+
+SQLite (the embedded default) runs in WAL mode; every write transaction
+starts with ``BEGIN IMMEDIATE`` so that concurrent writers, in any number of
+worker processes, serialize on the database lock instead of failing with
+"database is locked" at commit time. PostgreSQL is used as is (READ
+COMMITTED); atomicity of ``ensure`` comes from unique constraints, not locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
+
+from sandlot.protocol.errors import ProviderUnavailable
+
+MIGRATIONS = str(Path(__file__).with_name("migrations"))
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(
+        url,
+        pool_size=8,
+        max_overflow=24,
+        connect_args={"check_same_thread": False, "timeout": 30},
+    )
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" event issue BEGIN itself (pysqlite would defer it).
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if conn.info.get("immediate") else "BEGIN")
+
+    return engine
+
+
+class Store:
+    """The broker's database. Services run their transactions through it."""
+
+    def __init__(self, url: str) -> None:
+        parsed = make_url(url)
+        self.url = url
+        self.dialect = parsed.get_backend_name()
+        if self.dialect == "sqlite":
+            if parsed.database and parsed.database != ":memory:":
+                Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            self.engine = _sqlite_engine(url)
+        else:
+            if self.dialect == "postgresql" and parsed.drivername == "postgresql":
+                parsed = parsed.set(drivername="postgresql+psycopg")
+            self.engine = create_engine(parsed, pool_size=8, max_overflow=24, pool_pre_ping=True)
+
+    def migrate(self) -> None:
+        """Bring the schema to the newest revision (idempotent)."""
+        cfg = Config()
+        cfg.set_main_option("script_location", MIGRATIONS)
+        with self.engine.connect() as conn:
+            if self.dialect == "postgresql":
+                # One migrator at a time across replicas.
+                conn.execute(text("SELECT pg_advisory_lock(724011)"))
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "head")
+            if self.dialect == "postgresql":
+                conn.execute(text("SELECT pg_advisory_unlock(724011)"))
+            conn.commit()
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[Connection]:
+        """A write transaction (``BEGIN IMMEDIATE`` on SQLite); commits on success."""
+        try:
+            with self.engine.connect() as conn:
+                conn.info["immediate"] = True
+                try:
+                    with conn.begin():
+                        yield conn
+                finally:
+                    conn.info["immediate"] = False
+        except OperationalError as exc:
+            raise ProviderUnavailable("the store is unavailable, retry") from exc
+
+    @contextlib.contextmanager
+    def read(self) -> Iterator[Connection]:
+        """A read transaction (a consistent snapshot)."""
+        try:
+            with self.engine.connect() as conn, conn.begin():
+                yield conn
+        except OperationalError as exc:
+            raise ProviderUnavailable("the store is unavailable, retry") from exc
+
+    def ping(self) -> bool:
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            return True
+        except Exception:
+            return False
+
+    def dispose(self) -> None:
+        self.engine.dispose()

@@ -1,0 +1,221 @@
+"""Tables of the broker's store (SQLAlchemy Core; migrations in ``migrations/``).
+
+Atomic ``ensure`` rests on ``bindings.live_scope``: it holds the scope key
+while the binding is live and NULL afterwards, under a UNIQUE constraint, so
+two concurrent creators of one scope cannot both commit (NULLs never collide,
+on SQLite and PostgreSQL alike).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+api_keys = Table(
+    "api_keys",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("prefix", String(16), nullable=False, unique=True),
+    Column("secret_hash", String(64), nullable=False),
+    Column("user_id", String(200), nullable=False, index=True),
+    Column("principal_type", String(16), nullable=False),
+    Column("principal_id", String(200), nullable=False),
+    Column("name", String(200)),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float),
+)
+
+scopes = Table(
+    "scopes",
+    metadata,
+    Column("scope_key", String(260), primary_key=True),
+    Column("owner_user_id", String(200), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+scope_members = Table(
+    "scope_members",
+    metadata,
+    Column("scope_key", String(260), primary_key=True),
+    Column("user_id", String(200), primary_key=True),
+    Column("added_at", Float, nullable=False),
+)
+
+sandboxes = Table(
+    "sandboxes",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("name", String(63)),
+    Column("owner_user_id", String(200), index=True),
+    Column("template", String(63), nullable=False),
+    Column("provider", String(40), nullable=False),
+    Column("state", String(16), nullable=False, index=True),
+    Column("generation", Integer, nullable=False, default=1),
+    Column("scope_key", String(260)),
+    Column("pool", String(63), index=True),
+    Column("reason", Text),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("last_active_at", Float, nullable=False),
+    Column("idle_since", Float),
+    Column("hard_deadline", Float, nullable=False),
+    Column("idle_timeout", Integer, nullable=False),
+    Column("live_name", String(270), unique=True),
+    Column("event_seq", BigInteger, nullable=False, default=0),
+)
+
+bindings = Table(
+    "bindings",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("scope_key", String(260), nullable=False, index=True),
+    Column("live_scope", String(260), unique=True),
+    Column("sandbox_id", String(40), nullable=False, index=True),
+    Column("owner_user_id", String(200), nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("ended_at", Float),
+    Column("event_seq", BigInteger, nullable=False, default=0),
+)
+
+leases = Table(
+    "leases",
+    metadata,
+    Column("binding_id", String(40), primary_key=True),
+    Column("principal_id", String(200), primary_key=True),
+    Column("user_id", String(200), nullable=False),
+    Column("actor_type", String(16), nullable=False),
+    Column("actor_id", String(200), nullable=False),
+    Column("caps", JSON, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("released_at", Float),
+)
+
+tokens = Table(
+    "tokens",
+    metadata,
+    Column("jti", String(40), primary_key=True),
+    Column("binding_id", String(40), nullable=False),
+    Column("sandbox_id", String(40), nullable=False),
+    Column("principal_id", String(200), nullable=False),
+    Column("issued_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False, index=True),
+    Column("revoked_at", Float),
+    Index("ix_tokens_binding_principal", "binding_id", "principal_id"),
+)
+
+#: Ordered event logs of bindings (2.6) and of sandboxes' lifecycle (2.8), by stream id.
+events = Table(
+    "events",
+    metadata,
+    Column("stream_id", String(40), primary_key=True),
+    Column("sequence", BigInteger, primary_key=True),
+    Column("event", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+audit = Table(
+    "audit",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("ts", Float, nullable=False, index=True),
+    Column("request_id", String(80)),
+    Column("action", String(40), nullable=False),
+    Column("outcome", String(40), nullable=False),
+    Column("principal_id", String(200)),
+    Column("user_id", String(200), index=True),
+    Column("actor_type", String(16)),
+    Column("actor_id", String(200)),
+    Column("scope_key", String(260), index=True),
+    Column("session_id", String(40)),
+    Column("sandbox_id", String(40)),
+    Column("details", JSON),
+)
+
+idempotency = Table(
+    "idempotency",
+    metadata,
+    Column("principal_id", String(200), primary_key=True),
+    Column("key", String(255), primary_key=True),
+    Column("fingerprint", String(64), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("owner", String(64), nullable=False),
+    Column("status", Integer),
+    Column("response", JSON),
+    Column("created_at", Float, nullable=False),
+    Column("expires_at", Float, nullable=False, index=True),
+)
+
+templates = Table(
+    "templates",
+    metadata,
+    Column("name", String(63), primary_key=True),
+    Column("spec", JSON, nullable=False),
+    Column("source", String(16), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+volumes = Table(
+    "volumes",
+    metadata,
+    Column("name", String(63), primary_key=True),
+    Column("owner_user_id", String(200), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+pools = Table(
+    "pools",
+    metadata,
+    Column("name", String(63), primary_key=True),
+    Column("template", String(63), nullable=False),
+    Column("min_ready", Integer, nullable=False),
+    Column("max_ready", Integer, nullable=False),
+    Column("source", String(16), nullable=False),
+)
+
+signing_keys = Table(
+    "signing_keys",
+    metadata,
+    Column("kid", String(40), primary_key=True),
+    Column("private_pem", Text, nullable=False),
+    Column("public_jwk", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("retired_at", Float),
+    UniqueConstraint("kid"),
+)
+
+__all__ = [
+    "api_keys",
+    "audit",
+    "bindings",
+    "events",
+    "idempotency",
+    "leases",
+    "metadata",
+    "pools",
+    "sandboxes",
+    "scope_members",
+    "scopes",
+    "signing_keys",
+    "templates",
+    "tokens",
+    "volumes",
+]

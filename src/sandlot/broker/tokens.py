@@ -1,0 +1,225 @@
+"""Signing keys and sandbox tokens (PROTOCOL.md section 4).
+
+Tokens are EdDSA (Ed25519) JWTs with a ``kid`` header. Signing keys live in
+the store so every worker and replica signs with, and publishes, the same
+set; rotation adds a new key and retires the old one, which keeps verifying
+(and stays in the JWKS) until every token it signed has expired.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jwt
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from jwt.algorithms import OKPAlgorithm
+from sqlalchemy import select, update
+
+from sandlot.broker.store import Store
+from sandlot.broker.store.schema import signing_keys
+from sandlot.protocol.common import Actor, Capability, new_id
+from sandlot.protocol.errors import TokenExpired, Unauthenticated
+from sandlot.protocol.tokens import (
+    MAX_TOKEN_BYTES,
+    TOKEN_ALGORITHM,
+    TOKEN_AUDIENCE,
+    TOKEN_LEEWAY_SECONDS,
+    TOKEN_TYPE,
+)
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    kid: str
+    private: Ed25519PrivateKey
+    public: Ed25519PublicKey
+    public_jwk: dict[str, Any]
+    created_at: float
+    retired_at: float | None
+
+
+@dataclass(frozen=True)
+class MintedToken:
+    token: str
+    jti: str
+    issued_at: int
+    expires_at: int
+
+
+def _public_jwk(kid: str, public: Ed25519PublicKey) -> dict[str, Any]:
+    jwk = json.loads(OKPAlgorithm.to_jwk(public))
+    return {**jwk, "kid": kid, "alg": TOKEN_ALGORITHM, "use": "sig"}
+
+
+class KeyRing:
+    """The broker's signing keys, shared through the store."""
+
+    #: How often a worker re-reads the store for keys added by others.
+    RELOAD_SECONDS = 30.0
+
+    def __init__(self, store: Store, *, issuer: str, max_token_ttl: int) -> None:
+        self.store = store
+        self.issuer = issuer
+        self.max_token_ttl = max_token_ttl
+        self._keys: dict[str, SigningKey] = {}
+        self._loaded_at = 0.0
+        self._lock = threading.Lock()
+
+    def ensure_key(self) -> None:
+        """Load the keys, creating the first one if the store has none."""
+        self.reload()
+        if not self._active():
+            self.rotate()
+
+    def reload(self) -> None:
+        with self.store.read() as conn:
+            rows = conn.execute(select(signing_keys)).all()
+        horizon = time.time() - self.max_token_ttl - TOKEN_LEEWAY_SECONDS
+        keys: dict[str, SigningKey] = {}
+        for row in rows:
+            if row.retired_at is not None and row.retired_at < horizon:
+                continue
+            existing = self._keys.get(row.kid)
+            if existing is not None:
+                keys[row.kid] = SigningKey(
+                    row.kid,
+                    existing.private,
+                    existing.public,
+                    existing.public_jwk,
+                    row.created_at,
+                    row.retired_at,
+                )
+                continue
+            private = serialization.load_pem_private_key(row.private_pem.encode(), password=None)
+            assert isinstance(private, Ed25519PrivateKey)
+            keys[row.kid] = SigningKey(
+                row.kid,
+                private,
+                private.public_key(),
+                dict(row.public_jwk),
+                row.created_at,
+                row.retired_at,
+            )
+        with self._lock:
+            self._keys = keys
+            self._loaded_at = time.monotonic()
+
+    def _maybe_reload(self) -> None:
+        if time.monotonic() - self._loaded_at > self.RELOAD_SECONDS:
+            self.reload()
+
+    def _active(self) -> SigningKey | None:
+        live = [k for k in self._keys.values() if k.retired_at is None]
+        return max(live, key=lambda k: k.created_at) if live else None
+
+    def rotate(self) -> str:
+        """Add a new signing key and retire the others; returns the new kid."""
+        private = Ed25519PrivateKey.generate()
+        kid = f"k_{secrets.token_hex(8)}"
+        pem = private.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        ).decode()
+        now = time.time()
+        with self.store.write() as conn:
+            conn.execute(
+                update(signing_keys)
+                .where(signing_keys.c.retired_at.is_(None))
+                .values(retired_at=now)
+            )
+            conn.execute(
+                signing_keys.insert().values(
+                    kid=kid,
+                    private_pem=pem,
+                    public_jwk=_public_jwk(kid, private.public_key()),
+                    created_at=now,
+                )
+            )
+        self.reload()
+        return kid
+
+    def jwks(self) -> dict[str, Any]:
+        self._maybe_reload()
+        return {"keys": [k.public_jwk for k in self._keys.values()]}
+
+    def mint(
+        self,
+        *,
+        principal_id: str,
+        actor: Actor,
+        session_id: str,
+        sandbox_id: str,
+        scope_key: str,
+        caps: list[Capability],
+        generation: int,
+        ttl: int,
+        now: float | None = None,
+    ) -> MintedToken:
+        self._maybe_reload()
+        key = self._active()
+        if key is None:
+            self.ensure_key()
+            key = self._active()
+            assert key is not None
+        iat = int(now if now is not None else time.time())
+        jti = new_id("tok", 12)
+        claims = {
+            "iss": self.issuer,
+            "aud": TOKEN_AUDIENCE,
+            "typ": TOKEN_TYPE,
+            "sub": principal_id,
+            "act": {"type": actor.type.value, "id": actor.id},
+            "sid": session_id,
+            "sandbox_id": sandbox_id,
+            "scope": scope_key,
+            "caps": [c.value for c in caps],
+            "gen": generation,
+            "iat": iat,
+            "nbf": iat,
+            "exp": iat + ttl,
+            "jti": jti,
+        }
+        token = jwt.encode(claims, key.private, algorithm=TOKEN_ALGORITHM, headers={"kid": key.kid})
+        return MintedToken(token=token, jti=jti, issued_at=iat, expires_at=iat + ttl)
+
+    def verify(self, token: str) -> dict[str, Any]:
+        """Check signature and standard claims (the broker side; no capability check)."""
+        if len(token) > MAX_TOKEN_BYTES:
+            raise Unauthenticated("token too large")
+        try:
+            header = jwt.get_unverified_header(token)
+        except jwt.PyJWTError as exc:
+            raise Unauthenticated("malformed token") from exc
+        if header.get("alg") != TOKEN_ALGORITHM:
+            raise Unauthenticated("token algorithm not accepted")
+        kid = header.get("kid")
+        key = self._keys.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            self.reload()
+            key = self._keys.get(kid) if isinstance(kid, str) else None
+        if key is None:
+            raise Unauthenticated("unknown signing key")
+        try:
+            claims: dict[str, Any] = jwt.decode(
+                token,
+                key.public,
+                algorithms=[TOKEN_ALGORITHM],
+                audience=TOKEN_AUDIENCE,
+                issuer=self.issuer,
+                leeway=TOKEN_LEEWAY_SECONDS,
+                options={"require": ["exp", "nbf", "iat", "iss", "aud", "sub", "jti"]},
+            )
+        except jwt.ExpiredSignatureError as exc:
+            raise TokenExpired("token expired", code="TOKEN_EXPIRED") from exc
+        except jwt.PyJWTError as exc:
+            raise Unauthenticated(f"invalid token: {type(exc).__name__}") from exc
+        if claims.get("typ") != TOKEN_TYPE:
+            raise Unauthenticated("invalid token type")
+        return claims
