@@ -205,7 +205,7 @@ def load_settings(
     values["data_dir"] = Path(values.get("data_dir", ".sandlot")).expanduser()
     if values["provider_mode"] not in ("isolated", "unisolated"):
         raise ConfigError("provider.mode must be 'isolated' or 'unisolated'")
-    if values["log_format"] not in ("text", "json"):
+    if values.setdefault("log_format", "text") not in ("text", "json"):
         raise ConfigError("log format must be 'text' or 'json'")
     if values["workers"] < 1:
         raise ConfigError("workers must be at least 1")

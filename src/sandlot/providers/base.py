@@ -96,7 +96,7 @@ class Provider(abc.ABC):
     #: Registered name, as in ``sandlot.providers`` and ``binding.provider``.
     name: ClassVar[str]
     #: Whether :meth:`suspend` keeps processes and files (else idle sandboxes are deleted).
-    supports_suspend: ClassVar[bool] = False
+    supports_suspend: bool = False
 
     async def start(self, listener: StatusListener | None = None) -> None:  # noqa: B027
         """Preflight and clean up leftovers of a crashed server. Called once."""

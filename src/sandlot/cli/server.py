@@ -1,0 +1,146 @@
+"""The embedded default: broker + dataplane + local provider in one process, one port."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+
+from sandlot.broker.app import create_app
+from sandlot.broker.core import Broker, prepare_store
+from sandlot.broker.principals import Principal
+from sandlot.broker.settings import BrokerSettings
+from sandlot.dataplane.auth import AuthContext
+from sandlot.protocol.errors import SandlotError, Unauthenticated
+from sandlot.providers.base import Provider, provider_class
+
+log = logging.getLogger("sandlot.server")
+
+
+def build_provider(settings: BrokerSettings, broker_ref: list[Broker]) -> Provider:
+    """Instantiate the configured provider, wiring in what an in-process dataplane needs."""
+
+    async def jwks() -> Mapping[str, Any]:
+        return await asyncio.to_thread(broker_ref[0].keyring.jwks)
+
+    async def api_key_resolver(api_key: str, sandbox_id: str) -> AuthContext | None:
+        broker = broker_ref[0]
+        try:
+            principal: Principal = await asyncio.to_thread(broker.keys.authenticate, api_key)
+            row = await asyncio.to_thread(broker.sandboxes.get, sandbox_id)
+        except (Unauthenticated, SandlotError):
+            return None
+        allowed = row.owner_user_id == principal.effective_user or principal.is_admin
+        if not allowed and row.scope_key is not None:
+            try:
+                members = await asyncio.to_thread(
+                    broker.sessions.members, principal, _scope_of(row.scope_key)
+                )
+                allowed = principal.effective_user in members.members
+            except SandlotError:
+                allowed = False
+        if not allowed:
+            return None
+        policy = settings.policy_for(principal.actor_type)
+        return AuthContext(
+            principal_id=principal.id,
+            actor=principal.actor,
+            caps=frozenset(policy.allowed),
+            sandbox_id=sandbox_id,
+            generation=row.generation,
+        )
+
+    config: dict[str, Any] = {
+        **settings.provider_config,
+        "mode": settings.provider_mode,
+        "data_dir": settings.data_dir,
+        "public_url": settings.base_url,
+        "issuer": settings.issuer,
+        "jwks": jwks,
+        "api_key_resolver": api_key_resolver,
+    }
+    return provider_class(settings.provider_name)(config)
+
+
+def _scope_of(key: str) -> Any:
+    from sandlot.protocol.common import Scope
+
+    return Scope.parse(key)
+
+
+def build_app(settings: BrokerSettings, *, run_reaper: bool = True) -> tuple[FastAPI, Broker]:
+    """The whole server as one ASGI app (its lifespan starts and stops the broker)."""
+    ref: list[Broker] = []
+    provider = build_provider(settings, ref)
+    broker = Broker(settings, provider, run_reaper=run_reaper)
+    ref.append(broker)
+    mounts = {"/dp": provider.app} if hasattr(provider, "app") else {}
+    app = create_app(broker, extra_mounts=mounts)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        await broker.start(migrate=True)
+        try:
+            yield
+        finally:
+            await broker.stop()
+
+    app.router.lifespan_context = lifespan
+    return app, broker
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: BrokerSettings) -> None:
+    """Run the embedded server until SIGTERM/SIGINT; prints where it listens."""
+    sock = bind_socket(settings.host, settings.port)
+    port = sock.getsockname()[1]
+    settings = replace(settings, port=port)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    prepare_store(settings)
+    app, _broker = build_app(settings)
+    config = uvicorn.Config(
+        app,
+        log_config=None,
+        access_log=False,
+        ws_ping_interval=20,
+        ws_ping_timeout=20,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
+    server = uvicorn.Server(config)
+    banner = (
+        f"sandlot listening on {settings.base_url}\n"
+        f"  data directory: {settings.data_dir.absolute()}\n"
+        f"  store: {_safe_url(settings.resolved_store_url)}\n"
+        f"  provider: {settings.provider_name} ({settings.provider_mode})\n"
+        f"  create an API key: sandlot keys create --user alice --actor human"
+        f"{'' if str(settings.data_dir) == '.sandlot' else f' --data-dir {settings.data_dir}'}\n"
+    )
+    sys.stdout.write(banner)
+    sys.stdout.flush()
+    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
+    server.run(sockets=[sock])
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
