@@ -32,6 +32,26 @@ class Harness:
     provider: FakeProvider
     client: httpx.AsyncClient
     clock: Clock | None
+    app: Any = None
+    server: Any = None
+    server_task: Any = None
+
+    async def serve(self) -> str:
+        """Serve the app on a real loopback socket (for streaming responses)."""
+        import asyncio
+        import socket
+
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_config=None, lifespan="off", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.server_task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        return f"http://127.0.0.1:{port}"
 
     def key(self, user: str, actor: str = "human", principal: str | None = None) -> dict[str, str]:
         raw, _ = self.broker.keys.create(
@@ -64,12 +84,15 @@ async def make_harness(tmp_path: Path) -> AsyncIterator[MakeHarness]:
         await broker.start()
         app = create_app(broker)
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://broker")
-        h = Harness(broker, provider, client, clock)
+        h = Harness(broker, provider, client, clock, app=app)
         made.append(h)
         return h
 
     yield make
     for h in made:
+        if h.server is not None:
+            h.server.should_exit = True
+            await h.server_task
         await h.client.aclose()
         await h.broker.stop()
 

@@ -105,7 +105,6 @@ async def test_full_shape_modes(harness: Harness) -> None:
 
 async def test_capabilities_and_actor_checked(harness: Harness) -> None:
     agent = harness.key("carol", "agent")
-    harness.broker.settings.capabilities  # policy comes from the shipped config
     r = await ensure(harness, agent, requested_capabilities=["fs_read", "root"])
     assert_error(r, 400, "INVALID_REQUEST")
     r = await ensure(harness, agent, actor={"type": "human", "id": "x"})

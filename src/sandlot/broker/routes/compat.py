@@ -180,7 +180,8 @@ async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDe
 @router.get("/v2/sandboxes/boxes")
 async def list_boxes(broker: BrokerDep, principal: PrincipalDep) -> Any:
     rows = await anyio.to_thread.run_sync(broker.sandboxes.list_for, principal.effective_user)
-    return {"boxes": [_box(broker, r) for r in rows]}
+    # Boxes are the user's own sandboxes, not those serving a scope.
+    return {"boxes": [_box(broker, r) for r in rows if r.scope_key is None]}
 
 
 @router.get("/v2/sandboxes/boxes/{name}")
