@@ -1,0 +1,145 @@
+"""The ordered per-sandbox event log (PROTOCOL.md 3.7) and the workspace watcher.
+
+The dataplane issues the sequence. Events are kept in a bounded deque and
+serialised once, when appended; a cursor older than what is kept gets 410
+SEQUENCE_EXPIRED. Changes made by commands are picked up with ``watchfiles``
+(coalesced over ``watch_debounce_ms``); a change the API itself just made
+(reported with its actor) is not reported a second time by the watcher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sandlot.protocol.common import Actor, rfc3339
+from sandlot.protocol.errors import SequenceExpired
+
+
+class EventLog:
+    def __init__(self, sandbox_id: str, retention: int, state: Callable[[], str]) -> None:
+        self.sandbox_id = sandbox_id
+        self._events: deque[tuple[int, str, str]] = deque(maxlen=retention)
+        self._sequence = 0
+        self._state = state
+        self._listeners: set[asyncio.Event] = set()
+
+    @property
+    def last_sequence(self) -> int:
+        return self._sequence
+
+    def append(
+        self, event_type: str, kind: str, details: dict[str, Any], actor: Actor | None = None
+    ) -> int:
+        self._sequence += 1
+        seq = self._sequence
+        event = {
+            "event_id": f"{self.sandbox_id}-{seq}",
+            "sequence": seq,
+            "sandbox_id": self.sandbox_id,
+            "event_type": event_type,
+            "timestamp": rfc3339(time.time()),
+            "sandbox_state": self._state(),
+            "actor": actor.model_dump(mode="json") if actor is not None else None,
+            "details": {kind: details},
+        }
+        self._events.append((seq, event_type, json.dumps(event, separators=(",", ":"))))
+        for ev in self._listeners:
+            ev.set()
+        return seq
+
+    def since(self, after: int) -> list[tuple[int, str, str]]:
+        """Events with a sequence above ``after`` as ``(sequence, type, json)``."""
+        if not self._events:
+            if after < self._sequence - 0 and self._sequence > 0 and after < self._sequence:
+                raise SequenceExpired("events before this cursor are no longer kept")
+            return []
+        first = self._events[0][0]
+        if after < first - 1:
+            raise SequenceExpired(
+                "events before this cursor are no longer kept",
+                metadata={"oldest_sequence": first},
+            )
+        if after >= self._sequence:
+            return []
+        skip = after - first + 1
+        return [self._events[i] for i in range(max(skip, 0), len(self._events))]
+
+    def listen(self, event: asyncio.Event) -> None:
+        self._listeners.add(event)
+
+    def unlisten(self, event: asyncio.Event) -> None:
+        self._listeners.discard(event)
+
+
+class WorkspaceWatcher:
+    """Reports changes made inside the workspace by the sandbox's own processes."""
+
+    #: Seconds during which a change made through the API hides the watcher's report of it.
+    ECHO_WINDOW = 3.0
+
+    def __init__(
+        self,
+        host_dir: Path,
+        to_sandbox: Callable[[str], str | None],
+        log: EventLog,
+        debounce_ms: int,
+    ) -> None:
+        self.host_dir = host_dir
+        self.to_sandbox = to_sandbox
+        self.log = log
+        self.debounce_ms = debounce_ms
+        self._recent: dict[str, float] = {}
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def api_changed(self, sandbox_path: str) -> None:
+        now = time.monotonic()
+        self._recent[sandbox_path] = now + self.ECHO_WINDOW
+        if len(self._recent) > 4096:
+            self._recent = {p: t for p, t in self._recent.items() if t > now}
+
+    async def _run(self) -> None:
+        from watchfiles import Change, awatch
+
+        ops = {Change.added: "created", Change.modified: "modified", Change.deleted: "deleted"}
+        with contextlib.suppress(Exception):
+            async for changes in awatch(
+                self.host_dir,
+                stop_event=self._stop,
+                debounce=max(self.debounce_ms, 1),
+                step=max(self.debounce_ms // 2, 1),
+                recursive=True,
+                ignore_permission_denied=True,
+            ):
+                now = time.monotonic()
+                for change, host_path in sorted(changes, key=lambda c: c[1]):
+                    name = host_path.rsplit("/", 1)[-1]
+                    if name.startswith(".sandlot-") and name.endswith(".tmp"):
+                        continue
+                    spath = self.to_sandbox(host_path)
+                    if spath is None:
+                        continue
+                    if self._recent.get(spath, 0.0) > now:
+                        continue
+                    self.log.append(
+                        f"fs.{ops.get(change, 'modified')}",
+                        "fs",
+                        {"path": spath, "op": ops.get(change, "modified"), "source": "watch"},
+                    )
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task

@@ -1,0 +1,536 @@
+"""Native filesystem operations of PROTOCOL.md 3.5/3.6, confined by :mod:`paths`.
+
+Every operation is a plain function of a :class:`~sandlot.dataplane.paths.PathResolver`
+(no HTTP here). Writes never modify an existing inode: content goes to a
+temporary file in the same directory, is fsynced and renamed over the name,
+so a hard link planted in the workspace can never be used to write a file
+outside it, and a reader never sees half a file. The etag is a hash of the
+content (BLAKE2b, 128 bits).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import secrets
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sandlot.dataplane.globbing import GlobPattern, split_base
+from sandlot.dataplane.paths import PathResolver, Resolved, normalize, os_error
+from sandlot.protocol.errors import (
+    InvalidRequest,
+    PayloadTooLarge,
+    PreconditionFailed,
+    ResourceConflict,
+)
+
+_O_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY
+
+#: ``(sandbox path, op, extra)`` reported for every change made through the API.
+Change = tuple[str, str, dict[str, Any]]
+
+
+def etag_of(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def iso(ts: float) -> str:
+    # Cheaper than datetime for thousands of list entries.
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ts)) + f".{int(ts % 1 * 1000):03d}Z"
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent.rstrip('/')}/{name}"
+
+
+def open_regular(res: Resolved, flags: int = _O_READ) -> tuple[int, os.stat_result]:
+    """Open the final component for reading; FIFOs, devices and sockets are refused.
+
+    ``O_NONBLOCK`` keeps a FIFO from hanging the open; ``fstat`` then refuses it.
+    """
+    if res.name is None:
+        raise InvalidRequest("is a directory")
+    fd = res.open(flags)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise InvalidRequest("is a directory")
+        raise InvalidRequest("not a regular file")
+    return fd, st
+
+
+def read_all(fd: int, size: int) -> bytes:
+    chunks: list[bytes] = []
+    remaining = size
+    while True:
+        chunk = os.read(fd, max(remaining, 65536))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+@dataclass
+class FileOps:
+    resolver: PathResolver
+    max_read_bytes: int
+    max_write_bytes: int
+    max_list_entries: int
+    max_glob_results: int
+
+    # --- reading ----------------------------------------------------------------------
+
+    def read_bytes(self, path: str, limit: int | None = None) -> tuple[str, bytes]:
+        limit = self.max_read_bytes if limit is None else limit
+        try:
+            with self.resolver.resolve(path) as res:
+                fd, st = open_regular(res)
+                try:
+                    if st.st_size > limit:
+                        raise PayloadTooLarge(
+                            f"file is larger than {limit} bytes; use /files/download",
+                            metadata={"size": st.st_size, "limit": limit},
+                        )
+                    data = read_all(fd, st.st_size)
+                finally:
+                    os.close(fd)
+                if len(data) > limit:
+                    raise PayloadTooLarge(f"file is larger than {limit} bytes")
+                return res.sandbox_path, data
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    def read(self, path: str, offset: int, limit: int) -> dict[str, Any]:
+        spath, data = self.read_bytes(path)
+        etag = etag_of(data)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return {
+                "path": spath,
+                "content": base64.b64encode(data).decode("ascii"),
+                "encoding": "base64",
+                "total_lines": 0,
+                "start_line": 0,
+                "end_line": 0,
+                "next_offset": None,
+                "etag": etag,
+                "size": len(data),
+            }
+        newlines = text.count("\n")
+        total = newlines + (1 if text and not text.endswith("\n") else 0)
+        if offset == 0 and limit >= total:
+            content, end = text, total
+        else:
+            lines = text.splitlines(keepends=True) if text else []
+            start = min(offset, total)
+            end = min(total, start + limit)
+            content = "".join(lines[start:end])
+        start_line = min(offset, total)
+        return {
+            "path": spath,
+            "content": content,
+            "encoding": "utf-8",
+            "total_lines": total,
+            "start_line": start_line,
+            "end_line": end,
+            "next_offset": end if end < total else None,
+            "etag": etag,
+            "size": len(data),
+        }
+
+    def current_etag(self, res: Resolved) -> str | None:
+        try:
+            fd, st = open_regular(res)
+        except OSError as exc:
+            if isinstance(exc, FileNotFoundError):
+                return None
+            raise
+        try:
+            if st.st_size > self.max_read_bytes:
+                raise PayloadTooLarge("file too large for a conditional write")
+            return etag_of(read_all(fd, st.st_size))
+        finally:
+            os.close(fd)
+
+    # --- writing ----------------------------------------------------------------------
+
+    def write(
+        self,
+        path: str,
+        data: bytes,
+        *,
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+    ) -> tuple[dict[str, Any], Change]:
+        if len(data) > self.max_write_bytes:
+            raise PayloadTooLarge(f"content larger than {self.max_write_bytes} bytes")
+        try:
+            with self.resolver.resolve(path, create_parents=True) as res:
+                if res.name is None:
+                    raise InvalidRequest("is a directory")
+                existing = self._existing_mode(res)
+                if if_none_match == "*" and existing is not None:
+                    raise PreconditionFailed("file already exists", metadata={"path": path})
+                if if_match is not None:
+                    current = self.current_etag(res)
+                    if current != if_match.strip('"'):
+                        raise PreconditionFailed(
+                            "file changed since it was read",
+                            metadata={"etag": current},
+                        )
+                replace_file(res, [data], existing)
+                op = "modified" if existing is not None else "created"
+                etag = etag_of(data)
+                return (
+                    {"path": res.sandbox_path, "etag": etag, "created": existing is None},
+                    (res.sandbox_path, op, {"size": len(data)}),
+                )
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    @staticmethod
+    def _existing_mode(res: Resolved) -> int | None:
+        try:
+            st = res.lstat()
+        except FileNotFoundError:
+            return None
+        if stat.S_ISDIR(st.st_mode):
+            raise InvalidRequest("is a directory")
+        if stat.S_ISLNK(st.st_mode):
+            # A symlink that resolution did not follow (dangling or swapped in): the
+            # rename replaces the link itself, never its target.
+            return 0o644
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidRequest("not a regular file")
+        return stat.S_IMODE(st.st_mode)
+
+    def edit(
+        self,
+        path: str,
+        old: str,
+        new: str,
+        *,
+        replace_all: bool,
+        if_match: str | None,
+    ) -> tuple[dict[str, Any], Change]:
+        try:
+            with self.resolver.resolve(path) as res:
+                fd, st = open_regular(res)
+                try:
+                    if st.st_size > self.max_write_bytes:
+                        raise PayloadTooLarge("file too large to edit")
+                    data = read_all(fd, st.st_size)
+                finally:
+                    os.close(fd)
+                if if_match is not None and etag_of(data) != if_match.strip('"'):
+                    raise PreconditionFailed(
+                        "file changed since it was read", metadata={"etag": etag_of(data)}
+                    )
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError:
+                    raise InvalidRequest("file is not UTF-8 text") from None
+                count = text.count(old)
+                if count == 0:
+                    raise InvalidRequest("old_string not found", metadata={"occurrences": 0})
+                if count > 1 and not replace_all:
+                    raise InvalidRequest(
+                        f"old_string occurs {count} times; pass replace_all or more context",
+                        metadata={"occurrences": count},
+                    )
+                out = (text.replace(old, new) if replace_all else text.replace(old, new, 1)).encode()
+                if len(out) > self.max_write_bytes:
+                    raise PayloadTooLarge("edited file too large")
+                replace_file(res, [out], stat.S_IMODE(st.st_mode))
+                return (
+                    {"path": res.sandbox_path, "occurrences": count, "etag": etag_of(out)},
+                    (res.sandbox_path, "modified", {"size": len(out)}),
+                )
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    # --- metadata ---------------------------------------------------------------------
+
+    def stat(self, path: str) -> dict[str, Any]:
+        try:
+            with self.resolver.resolve(path) as res:
+                st = res.lstat()
+                kind = (
+                    "directory"
+                    if stat.S_ISDIR(st.st_mode)
+                    else "file"
+                    if stat.S_ISREG(st.st_mode)
+                    else "symlink"
+                    if stat.S_ISLNK(st.st_mode)
+                    else "other"
+                )
+                etag = None
+                if kind == "file" and st.st_size <= 1 << 20:
+                    fd, _ = open_regular(res)
+                    try:
+                        etag = etag_of(read_all(fd, st.st_size))
+                    finally:
+                        os.close(fd)
+                return {
+                    "path": res.sandbox_path,
+                    "type": kind,
+                    "size": st.st_size,
+                    "mode": stat.S_IMODE(st.st_mode),
+                    "modified_at": iso(st.st_mtime),
+                    "etag": etag,
+                }
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    def list(self, path: str, depth: int) -> dict[str, Any]:
+        if not 1 <= depth <= 64:
+            raise InvalidRequest("depth must be between 1 and 64")
+        entries: list[dict[str, Any]] = []
+        try:
+            with self.resolver.resolve(path) as res:
+                fd = res.open(_O_DIR)
+                try:
+                    truncated = self._scan(fd, res.sandbox_path, depth, entries)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            raise os_error(exc) from None
+        return {"entries": entries, "truncated": truncated}
+
+    def _scan(self, fd: int, base: str, depth: int, out: list[dict[str, Any]]) -> bool:
+        limit = self.max_list_entries
+        prefix = base.rstrip("/") + "/"
+        subdirs: list[str] = []
+        with os.scandir(fd) as it:
+            for entry in it:
+                if len(out) >= limit:
+                    return True
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                mode = st.st_mode
+                is_dir = stat.S_ISDIR(mode)
+                item = {
+                    "path": prefix + entry.name,
+                    "is_dir": is_dir,
+                    "size": st.st_size,
+                    "modified_at": iso(st.st_mtime),
+                }
+                if stat.S_ISLNK(mode):
+                    item["is_symlink"] = True
+                out.append(item)
+                if is_dir and depth > 1:
+                    subdirs.append(entry.name)
+        for name in subdirs:
+            try:
+                sub = os.open(name, _O_DIR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError:
+                continue
+            try:
+                if self._scan(sub, prefix + name, depth - 1, out):
+                    return True
+            finally:
+                os.close(sub)
+        return False
+
+    # --- changing the tree ------------------------------------------------------------
+
+    def delete(self, path: str, recursive: bool) -> Change:
+        import shutil
+
+        try:
+            with self.resolver.resolve(path, follow_final=False) as res:
+                if res.name is None:
+                    raise InvalidRequest("cannot delete a mount point")
+                st = res.lstat()
+                if stat.S_ISDIR(st.st_mode):
+                    if recursive:
+                        shutil.rmtree(res.name, dir_fd=res.dir_fd)
+                    else:
+                        os.rmdir(res.name, dir_fd=res.dir_fd)
+                else:
+                    os.unlink(res.name, dir_fd=res.dir_fd)
+                return (res.sandbox_path, "deleted", {"is_dir": stat.S_ISDIR(st.st_mode)})
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    def mkdir(self, path: str, *, parents: bool, exist_ok: bool) -> tuple[str, Change | None]:
+        try:
+            with self.resolver.resolve(path, create_parents=parents) as res:
+                if res.name is None:
+                    if exist_ok:
+                        return res.sandbox_path, None
+                    raise ResourceConflict("already exists")
+                try:
+                    os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
+                except FileExistsError:
+                    st = res.lstat()
+                    if exist_ok and stat.S_ISDIR(st.st_mode):
+                        return res.sandbox_path, None
+                    raise
+                return res.sandbox_path, (res.sandbox_path, "created", {"is_dir": True})
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    def move(self, src: str, dst: str, *, overwrite: bool) -> Change:
+        try:
+            with (
+                self.resolver.resolve(src, follow_final=False) as s,
+                self.resolver.resolve(dst, follow_final=False, create_parents=True) as d,
+            ):
+                if s.name is None or d.name is None:
+                    raise InvalidRequest("cannot move a mount point")
+                s.lstat()
+                if overwrite:
+                    os.rename(s.name, d.name, src_dir_fd=s.dir_fd, dst_dir_fd=d.dir_fd)
+                else:
+                    rename_noreplace(s.dir_fd, s.name, d.dir_fd, d.name)
+                return (d.sandbox_path, "moved", {"from": s.sandbox_path})
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    # --- searching --------------------------------------------------------------------
+
+    def glob(self, pattern: str, path: str) -> dict[str, Any]:
+        if "\x00" in pattern:
+            raise InvalidRequest("pattern contains a NUL byte")
+        base, rest = split_base(pattern)
+        anchored = "/" in pattern
+        root = normalize(base if base.startswith("/") else _join(normalize(path), base))
+        try:
+            matcher = GlobPattern(rest, anchored=anchored)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        out: list[dict[str, Any]] = []
+        truncated = False
+        try:
+            with self.resolver.resolve(root) as res:
+                top = res.open(_O_DIR)
+                try:
+                    prefix = res.sandbox_path.rstrip("/")
+                    for dirpath, dirnames, filenames, dfd in os.fwalk(
+                        ".", dir_fd=top, follow_symlinks=False
+                    ):
+                        if not matcher.enters_hidden:
+                            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+                        rel_dir = dirpath[2:] if dirpath != "." else ""
+                        for name in filenames:
+                            rel = f"{rel_dir}/{name}" if rel_dir else name
+                            if not matcher.match(rel, name):
+                                continue
+                            if name.startswith(".") and not matcher.matches_hidden_names:
+                                continue
+                            try:
+                                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                            except OSError:
+                                continue
+                            if not stat.S_ISREG(st.st_mode):
+                                continue
+                            if len(out) >= self.max_glob_results:
+                                truncated = True
+                                break
+                            out.append(
+                                {
+                                    "path": f"{prefix}/{rel}",
+                                    "is_dir": False,
+                                    "size": st.st_size,
+                                    "modified_at": iso(st.st_mtime),
+                                }
+                            )
+                        if truncated:
+                            break
+                finally:
+                    os.close(top)
+        except OSError as exc:
+            raise os_error(exc) from None
+        out.sort(key=lambda e: e["path"])
+        return {"matches": out, "truncated": truncated}
+
+
+def replace_file(res: Resolved, chunks: list[bytes], mode: int | None) -> None:
+    """Write ``chunks`` to a temporary file next to ``res``, fsync, rename over it."""
+    assert res.name is not None
+    fd, tmp = create_temp(res)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+        commit_temp(res, fd, tmp, mode)
+    except BaseException:
+        abort_temp(res, fd, tmp)
+        raise
+
+
+def create_temp(res: Resolved) -> tuple[int, str]:
+    tmp = f".sandlot-{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    return os.open(tmp, flags, 0o600, dir_fd=res.dir_fd), tmp
+
+
+def commit_temp(res: Resolved, fd: int, tmp: str, mode: int | None) -> None:
+    assert res.name is not None
+    # The mode of the file replaced, or what a new file would get (0644 less umask-free).
+    os.fchmod(fd, mode if mode is not None else 0o644)
+    os.fsync(fd)
+    os.close(fd)
+    os.rename(tmp, res.name, src_dir_fd=res.dir_fd, dst_dir_fd=res.dir_fd)
+
+
+def abort_temp(res: Resolved, fd: int, tmp: str) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+    try:
+        os.unlink(tmp, dir_fd=res.dir_fd)
+    except OSError:
+        pass
+
+
+_RENAME_NOREPLACE = 1
+
+
+def rename_noreplace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    import ctypes
+
+    from sandlot.dataplane.fsids import _libc
+
+    libc = _libc()
+    rc = libc.renameat2(
+        src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), ctypes.c_uint(_RENAME_NOREPLACE)
+    )
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def decode_content(content: str, encoding: str) -> bytes:
+    if encoding == "base64":
+        try:
+            return base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            raise InvalidRequest("content is not valid base64") from None
+    try:
+        return content.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest("content is not valid UTF-8") from None
+
+
+def on_change_noop(*_: Any) -> None:
+    return None
+
+
+ChangeListener = Callable[[Change], None]

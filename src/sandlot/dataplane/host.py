@@ -1,0 +1,255 @@
+"""The dataplane host: sandboxes registered by a provider, served as one ASGI app.
+
+The local provider creates a :class:`DataplaneHost`, registers each sandbox
+(possibly while it is still provisioning: calls then get 423
+SANDBOX_STARTING), hands it the runtime once it runs, and mounts :attr:`app`
+(the embedded server puts it at ``/dp``, so URLs read
+``/dp/{sandbox_id}/v1/exec``). :func:`create_standalone_app` serves a single
+sandbox from inside a remote container.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Mount, Route
+
+from sandlot.dataplane.auth import ApiKeyResolver, AuthContext, Authenticator, TokenVerifier
+from sandlot.dataplane.langsmith import build_langsmith_routes
+from sandlot.dataplane.routes import VERSION, build_routes
+from sandlot.dataplane.sandbox import Connection, SandboxEntry
+from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.dataplane.transfer import build_transfer_routes
+from sandlot.dataplane.web import Api, endpoint, error_response, json_response, request_id_of
+from sandlot.dataplane.websockets import build_ws_routes
+from sandlot.protocol.errors import ResourceNotFound, SandboxNotFound
+from sandlot.protocol.states import SandboxState
+from sandlot.providers.base import RevokedToken, SandboxActivity
+from sandlot.runtime.base import SandboxRuntime
+
+if TYPE_CHECKING:
+    from sandlot.dataplane.websockets import Socket
+
+
+def _sandbox_routes(api: Api) -> list[BaseRoute]:
+    routes = build_routes(api)
+    by_path = {r.path: r for r in routes}
+    return [
+        *routes,
+        *build_transfer_routes(api),
+        *build_langsmith_routes(api, by_path),
+        *build_ws_routes(api),
+    ]
+
+
+@endpoint
+async def _version(request: Request) -> Response:
+    return json_response(VERSION)
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ResourceNotFound("no such route"), request_id_of(request.headers))
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    from sandlot.protocol.errors import InvalidRequest
+
+    resp = error_response(InvalidRequest("method not allowed"), request_id_of(request.headers))
+    resp.status_code = 405
+    return resp
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    from sandlot.protocol.errors import InternalError
+
+    return error_response(InternalError("internal error"), request_id_of(request.headers))
+
+
+def _app(routes: list[BaseRoute]) -> Starlette:
+    return Starlette(
+        routes=routes,
+        exception_handlers={404: _not_found, 405: _method_not_allowed, 500: _server_error},
+    )
+
+
+class DataplaneHost:
+    """Serves the dataplane of every sandbox registered with it."""
+
+    def __init__(
+        self,
+        *,
+        verifier: TokenVerifier,
+        settings: DataplaneSettings | None = None,
+        api_key_resolver: ApiKeyResolver | None = None,
+    ) -> None:
+        self.verifier = verifier
+        self.settings = settings or DataplaneSettings()
+        self.authenticator = Authenticator(verifier, api_key_resolver)
+        self._entries: dict[str, SandboxEntry] = {}
+        self._api = Api(self)
+        sandbox_routes = _sandbox_routes(self._api)
+        self.app = _app(
+            [
+                Route("/healthz", _version, methods=["GET"]),
+                Route("/__meta/version", _version, methods=["GET"]),
+                Mount("/{sandbox_id}/v1", routes=sandbox_routes),
+            ]
+        )
+
+    # --- registration -------------------------------------------------------------------
+
+    def _entry(self, sandbox_id: str) -> SandboxEntry:
+        entry = self._entries.get(sandbox_id)
+        if entry is None:
+            raise SandboxNotFound("no such sandbox")
+        return entry
+
+    def register(
+        self,
+        sandbox_id: str,
+        generation: int,
+        state: SandboxState,
+        runtime: SandboxRuntime | None = None,
+    ) -> None:
+        old = self._entries.get(sandbox_id)
+        if old is not None and old.generation != generation:
+            # A recreated sandbox: the old generation's processes and sockets go.
+            task = asyncio.get_running_loop().create_task(old.close())
+            _keep(task)
+        entry = SandboxEntry(sandbox_id, generation, state, self.settings)
+        if old is not None and old.generation == generation:
+            entry = old
+            entry.state = state
+        self._entries[sandbox_id] = entry
+        if runtime is not None:
+            entry.set_runtime(runtime)
+
+    def set_runtime(self, sandbox_id: str, runtime: SandboxRuntime) -> None:
+        self._entry(sandbox_id).set_runtime(runtime)
+
+    def set_state(self, sandbox_id: str, state: SandboxState, *, reason: str | None = None) -> int:
+        entry = self._entry(sandbox_id)
+        previous = entry.state
+        entry.state = state
+        return entry.emit(
+            f"phase.{state.value}",
+            "phase",
+            {"from": previous.value, "to": state.value, "reason": reason},
+        )
+
+    def status(self, sandbox_id: str) -> tuple[SandboxState, int]:
+        entry = self._entry(sandbox_id)
+        return entry.state, entry.events.last_sequence
+
+    def activity(self, sandbox_id: str) -> SandboxActivity:
+        entry = self._entry(sandbox_id)
+        clients = entry.execs.clients + entry.shells.clients + len(entry.connections)
+        return SandboxActivity(
+            running_execs=entry.execs.running,
+            attached_clients=clients,
+            last_active_at=entry.last_active_at,
+        )
+
+    def revoke(self, tokens: Sequence[RevokedToken]) -> None:
+        self.verifier.revoke(tokens)
+        jtis = {t.jti for t in tokens}
+        for entry in self._entries.values():
+            for conn in list(entry.connections):
+                if conn.jti in jtis:
+                    conn.close(4401, "token revoked")
+
+    async def unregister(self, sandbox_id: str) -> None:
+        entry = self._entries.pop(sandbox_id, None)
+        if entry is not None:
+            await entry.close()
+
+    async def close(self) -> None:
+        for sandbox_id in list(self._entries):
+            await self.unregister(sandbox_id)
+
+    # --- connections (for revocation, expiry and activity) ------------------------------
+
+    def _track(
+        self,
+        entry: SandboxEntry,
+        ctx: AuthContext,
+        closed: asyncio.Event,
+        sock: Socket | None = None,
+    ) -> Connection:
+        async def closer(code: int, reason: str) -> None:
+            closed.set()
+            if sock is not None:
+                await sock.close(code, reason)
+
+        conn = Connection(ctx.jti, closer)
+        entry.add_connection(conn, ctx.expires_at, self.verifier.leeway)
+        return conn
+
+    def _untrack(self, entry: SandboxEntry, conn: Connection) -> None:
+        entry.remove_connection(conn)
+
+
+def _keep(task: asyncio.Task[Any]) -> None:
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+_tasks: set[asyncio.Task[Any]] = set()
+
+
+class _StandaloneApp:
+    """ASGI wrapper that registers the one sandbox on startup and closes it on shutdown."""
+
+    def __init__(self, host: DataplaneHost, runtime: SandboxRuntime, app: Starlette) -> None:
+        self.host = host
+        self.runtime = runtime
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    rt = self.runtime
+                    self.host.register(rt.sandbox_id, rt.generation, SandboxState.ACTIVE, rt)
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    with contextlib.suppress(Exception):
+                        await self.host.close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await self.app(scope, receive, send)
+
+
+def create_standalone_app(
+    runtime: SandboxRuntime,
+    *,
+    verifier: TokenVerifier,
+    settings: DataplaneSettings | None = None,
+    api_key_resolver: ApiKeyResolver | None = None,
+) -> Any:
+    """A dataplane for one sandbox running where this process runs (``DirectRuntime``).
+
+    Serves both ``/v1/...`` and ``/{sandbox_id}/v1/...``.
+    """
+    host = DataplaneHost(verifier=verifier, settings=settings, api_key_resolver=api_key_resolver)
+    api = Api(host, default_sandbox=runtime.sandbox_id)
+    app = _app(
+        [
+            Route("/healthz", _version, methods=["GET"]),
+            Route("/__meta/version", _version, methods=["GET"]),
+            Mount("/v1", routes=_sandbox_routes(api)),
+            Mount("/{sandbox_id}/v1", routes=_sandbox_routes(host._api)),
+        ]
+    )
+    return _StandaloneApp(host, runtime, app)
+
+
+__all__ = ["DataplaneHost", "create_standalone_app", "time"]

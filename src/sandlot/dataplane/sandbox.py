@@ -1,0 +1,157 @@
+"""Everything the dataplane keeps for one sandbox, and its open connections."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from sandlot.dataplane.events import EventLog, WorkspaceWatcher
+from sandlot.dataplane.execs import ExecManager
+from sandlot.dataplane.fsids import FsExecutor
+from sandlot.dataplane.fsops import Change, FileOps
+from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.dataplane.shells import ShellManager
+from sandlot.protocol.common import Actor
+from sandlot.protocol.errors import SandboxNotFound, SandboxStarting
+from sandlot.protocol.states import SandboxState
+from sandlot.runtime.base import SandboxRuntime
+
+#: Closes one connection with a WebSocket close code (SSE streams just end).
+Closer = Callable[[int, str], Awaitable[None]]
+
+
+class Connection:
+    def __init__(self, jti: str | None, closer: Closer) -> None:
+        self.jti = jti
+        self.closer = closer
+        self.timer: asyncio.TimerHandle | None = None
+        self.closing = False
+
+    def close(self, code: int, reason: str) -> None:
+        if self.closing:
+            return
+        self.closing = True
+        if self.timer is not None:
+            self.timer.cancel()
+        task = asyncio.get_running_loop().create_task(self.closer(code, reason))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+
+_background: set[asyncio.Task[Any]] = set()
+
+
+class SandboxEntry:
+    def __init__(
+        self,
+        sandbox_id: str,
+        generation: int,
+        state: SandboxState,
+        settings: DataplaneSettings,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.generation = generation
+        self.state = state
+        self.settings = settings
+        self.runtime: SandboxRuntime | None = None
+        self.resolver: PathResolver | None = None
+        self.executor: FsExecutor | None = None
+        self.files: FileOps | None = None
+        self.events = EventLog(sandbox_id, settings.event_retention, lambda: self.state.value)
+        self.execs = ExecManager(settings, self.emit)
+        self.shells = ShellManager(settings, self.emit)
+        self.watcher: WorkspaceWatcher | None = None
+        self.connections: set[Connection] = set()
+        self.last_active_at: float | None = None
+
+    def emit(
+        self, event_type: str, kind: str, details: dict[str, Any], actor: Actor | None = None
+    ) -> int:
+        return self.events.append(event_type, kind, details, actor)
+
+    def touch(self) -> None:
+        self.last_active_at = time.time()
+
+    def set_runtime(self, runtime: SandboxRuntime) -> None:
+        old_resolver, old_executor = self.resolver, self.executor
+        self.runtime = runtime
+        self.resolver = PathResolver(runtime.mounts())
+        self.executor = FsExecutor(runtime.fs_ids)
+        s = self.settings
+        self.files = FileOps(
+            self.resolver,
+            max_read_bytes=s.max_read_bytes,
+            max_write_bytes=s.max_write_bytes,
+            max_list_entries=s.max_list_entries,
+            max_glob_results=s.max_glob_results,
+        )
+        if old_resolver is not None:
+            old_resolver.close()
+        if old_executor is not None:
+            old_executor.shutdown()
+        if s.watch_fs and self.watcher is None:
+            with contextlib.suppress(LookupError):
+                self.watcher = WorkspaceWatcher(
+                    runtime.workspace,
+                    self.resolver.host_to_sandbox,
+                    self.events,
+                    s.watch_debounce_ms,
+                )
+                self.watcher.start()
+
+    def ready(self) -> tuple[SandboxRuntime, PathResolver, FsExecutor, FileOps]:
+        """The runtime and file services, or 423 SANDBOX_STARTING while provisioning."""
+        if (
+            self.runtime is None
+            or self.resolver is None
+            or self.executor is None
+            or self.files is None
+            or self.state is SandboxState.PROVISIONING
+        ):
+            raise SandboxStarting(
+                "sandbox is starting", retry_after=self.settings.starting_retry_after
+            )
+        if not self.state.live:
+            raise SandboxNotFound("sandbox is no longer running")
+        if self.state is SandboxState.SUSPENDED:
+            raise SandboxStarting(
+                "sandbox is suspended", retry_after=self.settings.starting_retry_after
+            )
+        return self.runtime, self.resolver, self.executor, self.files
+
+    def changed(self, change: Change, actor: Actor | None) -> None:
+        path, op, extra = change
+        if self.watcher is not None:
+            self.watcher.api_changed(path)
+            if op == "moved" and "from" in extra:
+                self.watcher.api_changed(extra["from"])
+        self.emit(f"fs.{op}", "fs", {"path": path, "op": op, "source": "api", **extra}, actor)
+
+    def add_connection(self, conn: Connection, expires_at: float | None, leeway: float) -> None:
+        self.connections.add(conn)
+        if expires_at is not None:
+            delay = max(0.0, expires_at + leeway - time.time())
+            conn.timer = asyncio.get_running_loop().call_later(
+                delay, conn.close, 4401, "token expired"
+            )
+
+    def remove_connection(self, conn: Connection) -> None:
+        self.connections.discard(conn)
+        if conn.timer is not None:
+            conn.timer.cancel()
+
+    async def close(self) -> None:
+        for conn in list(self.connections):
+            conn.close(1001, "sandbox closed")
+        await self.execs.close()
+        await self.shells.close()
+        if self.watcher is not None:
+            await self.watcher.close()
+        if self.resolver is not None:
+            self.resolver.close()
+        if self.executor is not None:
+            self.executor.shutdown()

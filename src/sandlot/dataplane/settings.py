@@ -1,0 +1,75 @@
+"""Dataplane settings: one frozen object, arguments > ``SANDLOT_DP_*`` env > defaults.
+
+- ``max_output_bytes``: output kept per stream for ``POST /exec`` (``truncated`` beyond).
+- ``stream_buffer_bytes``: replay buffer per exec stream (``attach`` within it, ``gap`` beyond).
+- ``shell_buffer_bytes`` / ``shell_history_bytes``: a shell's replay buffer and how much
+  of it a new client gets as ``history``.
+- ``max_frame_bytes``: largest output chunk put in one frame.
+- ``reattach_window_seconds``: how long an exited command stays attachable.
+- ``max_execs``: execs kept per sandbox (the oldest finished ones go first).
+- ``event_retention``: events kept per sandbox (older cursors get 410 SEQUENCE_EXPIRED).
+- ``keepalive_seconds``: SSE comment / idle interval.
+- ``max_read_bytes`` / ``max_write_bytes``: JSON file reads/writes (``/fs/read``, ``/fs/write``).
+- ``max_upload_bytes`` / ``max_archive_bytes`` / ``max_archive_members``: streamed transfers.
+- ``max_list_entries`` / ``max_glob_results`` / ``max_grep_matches``: result caps (``truncated``).
+- ``watch_fs``: report changes made by commands in the workspace as ``fs`` events.
+- ``watch_debounce_ms``: coalescing window for those.
+- ``auth_timeout_seconds``: how long a WebSocket may wait before its ``auth`` frame.
+- ``starting_retry_after``: ``Retry-After`` for 423 SANDBOX_STARTING.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class DataplaneSettings:
+    max_output_bytes: int = 10 * MiB
+    stream_buffer_bytes: int = 1 * MiB
+    shell_buffer_bytes: int = 1 * MiB
+    shell_history_bytes: int = 64 * 1024
+    max_frame_bytes: int = 64 * 1024
+    reattach_window_seconds: float = 600.0
+    max_execs: int = 1000
+    event_retention: int = 10_000
+    keepalive_seconds: float = 15.0
+    max_read_bytes: int = 16 * MiB
+    max_write_bytes: int = 16 * MiB
+    max_upload_bytes: int = 16 * 1024 * MiB
+    max_archive_bytes: int = 16 * 1024 * MiB
+    max_archive_members: int = 200_000
+    max_list_entries: int = 10_000
+    max_glob_results: int = 10_000
+    max_grep_matches: int = 10_000
+    watch_fs: bool = True
+    watch_debounce_ms: int = 50
+    auth_timeout_seconds: float = 10.0
+    starting_retry_after: float = 1.0
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> DataplaneSettings:
+        """Build from ``SANDLOT_DP_<FIELD>`` variables, then explicit overrides."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(f"SANDLOT_DP_{field.name.upper()}")
+            if raw is None:
+                continue
+            default = field.default
+            if isinstance(default, bool):
+                values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif isinstance(default, int):
+                values[field.name] = int(raw)
+            else:
+                values[field.name] = float(raw)
+        values.update(overrides)
+        return cls(**values)

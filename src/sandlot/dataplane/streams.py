@@ -1,0 +1,195 @@
+"""Output streams with byte offsets, a bounded replay buffer, and cursors.
+
+A stream keeps the last ``capacity`` bytes a process wrote. Clients never get
+a queue of their own: each one holds a *cursor* (the next offset it needs)
+and copies from the shared buffer when it can send. So a slow client costs
+no memory, never slows the others, and when it falls behind the buffer it
+gets a ``gap`` frame saying exactly which bytes it lost, then continues.
+
+Only complete UTF-8 sequences enter the buffer (an incomplete tail waits for
+the next read), so chunks decode on their own and offsets stay byte offsets;
+an invalid byte is sent as one ``?`` (see :mod:`sandlot.protocol.frames`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from sandlot.protocol.frames import gap_frame, output_frame
+
+
+def _qmark(exc: UnicodeError) -> tuple[str, int]:
+    assert isinstance(exc, UnicodeDecodeError)
+    return "?" * (exc.end - exc.start), exc.end
+
+
+codecs.register_error("sandlot-qmark", _qmark)
+
+
+def decode(data: bytes) -> tuple[str, int]:
+    """Text of ``data`` with one ``?`` per invalid byte, and how many were replaced."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", "sandlot-qmark")
+        # Every byte is either inside a valid character or became one "?".
+        return text, text.count("?") - data.count(b"?")
+
+
+def complete_utf8(data: bytes | bytearray) -> int:
+    """Length of the prefix of ``data`` that does not end inside a UTF-8 sequence."""
+    n = len(data)
+    i = n - 1
+    floor = max(0, n - 4)
+    while i >= floor and (data[i] & 0xC0) == 0x80:
+        i -= 1
+    if i < floor or i < 0:
+        return n
+    lead = data[i]
+    need = 1 if lead < 0xC0 else 2 if lead < 0xE0 else 3 if lead < 0xF0 else 4 if lead < 0xF8 else 1
+    return i if n - i < need else n
+
+
+def _boundary_forward(buf: bytearray, pos: int) -> int:
+    """First character boundary at or after ``pos`` (skips at most 3 continuation bytes)."""
+    end = min(len(buf), pos + 3)
+    while pos < end and (buf[pos] & 0xC0) == 0x80:
+        pos += 1
+    return pos
+
+
+class OutputStream:
+    """One output stream (stdout, stderr, or a PTY) of a command or shell."""
+
+    def __init__(self, name: str, capacity: int, *, collect_limit: int | None = None) -> None:
+        self.name = name
+        self.capacity = capacity
+        self._buf = bytearray()
+        self._start = 0
+        self._pending = b""
+        self.eof = False
+        self._listeners: set[asyncio.Event] = set()
+        #: Everything written, up to ``collect_limit`` bytes (one-shot ``POST /exec``).
+        self.collected: bytearray | None = bytearray() if collect_limit is not None else None
+        self._collect_limit = collect_limit or 0
+        self.truncated = False
+
+    @property
+    def start(self) -> int:
+        return self._start
+
+    @property
+    def end(self) -> int:
+        return self._start + len(self._buf)
+
+    def listen(self, event: asyncio.Event) -> None:
+        self._listeners.add(event)
+
+    def unlisten(self, event: asyncio.Event) -> None:
+        self._listeners.discard(event)
+
+    def _notify(self) -> None:
+        for event in self._listeners:
+            event.set()
+
+    def feed(self, data: bytes) -> None:
+        if self._pending:
+            data = self._pending + data
+        cut = complete_utf8(data)
+        self._pending = data[cut:]
+        if cut:
+            self._append(data[:cut] if cut < len(data) else data)
+
+    def _append(self, data: bytes) -> None:
+        if self.collected is not None:
+            room = self._collect_limit - len(self.collected)
+            if room >= len(data):
+                self.collected += data
+            else:
+                if room > 0:
+                    self.collected += data[: complete_utf8(data[:room])]
+                self.truncated = True
+        self._buf += data
+        # Trim in steps (not on every write) so the memmove is amortised.
+        excess = len(self._buf) - self.capacity
+        if excess > 0 and excess >= min(65536, self.capacity // 8 or 1):
+            cut = _boundary_forward(self._buf, excess)
+            del self._buf[:cut]
+            self._start += cut
+        self._notify()
+
+    def close(self) -> None:
+        if self.eof:
+            return
+        if self._pending:
+            pending, self._pending = self._pending, b""
+            self._append(pending)
+        self.eof = True
+        self._notify()
+
+    def read(self, offset: int, max_bytes: int) -> tuple[int, bytes]:
+        """``(offset, bytes)`` from ``offset`` on; the offset moves forward past lost bytes."""
+        if offset < self._start:
+            offset = self._start
+        rel = offset - self._start
+        if rel >= len(self._buf):
+            return offset, b""
+        chunk = bytes(self._buf[rel : rel + max_bytes])
+        if len(chunk) == max_bytes and rel + max_bytes < len(self._buf):
+            cut = complete_utf8(chunk)
+            if cut:
+                chunk = chunk[:cut]
+        return offset, chunk
+
+    def tail(self, max_bytes: int) -> tuple[int, bytes]:
+        start = max(self._start, self.end - max_bytes)
+        start = self._start + _boundary_forward(self._buf, start - self._start)
+        return start, bytes(self._buf[start - self._start :])
+
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+class Cursor:
+    """One client's position in a set of streams."""
+
+    def __init__(self, streams: Sequence[OutputStream], offsets: Sequence[int]) -> None:
+        self.streams = list(streams)
+        self.offsets = list(offsets)
+        self.event = asyncio.Event()
+        for s in self.streams:
+            s.listen(self.event)
+        self.event.set()
+
+    def close(self) -> None:
+        for s in self.streams:
+            s.unlisten(self.event)
+
+    def seek(self, offsets: Sequence[int]) -> None:
+        self.offsets = list(offsets)
+        self.event.set()
+
+    @property
+    def drained(self) -> bool:
+        return all(s.eof and off >= s.end for s, off in zip(self.streams, self.offsets, strict=True))
+
+    async def flush(self, send: Send, max_frame: int) -> None:
+        """Send everything available from the cursor on (gaps first where bytes are gone)."""
+        self.event.clear()
+        for i, s in enumerate(self.streams):
+            while self.offsets[i] < s.end:
+                want = self.offsets[i]
+                got, chunk = s.read(want, max_frame)
+                if got > want:
+                    await send(gap_frame(s.name, want, got))
+                if not chunk:
+                    self.offsets[i] = got
+                    break
+                text, replaced = decode(chunk)
+                await send(output_frame(s.name, text, got, replaced))
+                # The stream may have been trimmed while we were sending: only our
+                # own bookkeeping moves the cursor, and a later read reports the gap.
+                self.offsets[i] = got + len(chunk)

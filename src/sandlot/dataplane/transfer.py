@@ -1,0 +1,450 @@
+"""Streamed file transfer (PROTOCOL.md 3.5): upload, download with Range/HEAD, tar in/out.
+
+Uploads stream to a temporary file beside the target (fsync + rename at the
+end); downloads stream from an fd opened through the confined resolver.
+Archive members go through the same resolver one by one: absolute names,
+``..`` and links pointing out are refused, links are never followed.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from sandlot.dataplane.fsops import abort_temp, commit_temp, create_temp, etag_of, open_regular
+from sandlot.dataplane.paths import PathResolver, normalize, os_error
+from sandlot.dataplane.web import Api, endpoint, json_response, query_bool, query_path
+from sandlot.protocol.common import Capability
+from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge
+
+CHUNK = 256 * 1024
+
+
+async def upload(api: Api, request: Request, *, multipart_only: bool = False) -> Response:
+    entry, ctx = await api.auth(request, Capability.FS_WRITE)
+    _, resolver, executor, _ = entry.ready()
+    path = query_path(request)
+    limit = api.host.settings.max_upload_bytes
+    ctype = request.headers.get("content-type", "")
+    res = await executor.light(lambda: resolver.resolve(path, create_parents=True))
+    with res:
+        if res.name is None:
+            raise InvalidRequest("is a directory")
+        mode = await executor.light(_existing_mode, res)
+        fd, tmp = await executor.light(create_temp, res)
+        size = 0
+        try:
+            if ctype.startswith("multipart/form-data"):
+                form = await request.form(max_files=1, max_fields=16, max_part_size=1 << 20)
+                upload_file = form.get("file")
+                if upload_file is None or isinstance(upload_file, str):
+                    raise InvalidRequest("multipart field 'file' is required")
+                while chunk := await upload_file.read(CHUNK):
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge("upload too large")
+                    await executor.light(_write, fd, chunk)
+                await form.close()
+            elif multipart_only:
+                raise InvalidRequest("expected multipart/form-data with a 'file' field")
+            else:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise PayloadTooLarge("upload too large")
+                    await executor.light(_write, fd, chunk)
+            await executor.heavy(commit_temp, res, fd, tmp, mode)
+        except BaseException:
+            await executor.light(abort_temp, res, fd, tmp)
+            raise
+        op = "modified" if mode is not None else "created"
+        entry.changed((res.sandbox_path, op, {"size": size}), ctx.actor)
+        return json_response({"path": res.sandbox_path, "size": size}, 201)
+
+
+def _existing_mode(res: Any) -> int | None:
+    try:
+        st = res.lstat()
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        raise InvalidRequest("is a directory")
+    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else None
+
+
+def _write(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _parse_range(header: str, size: int) -> tuple[int, int] | None:
+    """``bytes=a-b`` → inclusive ``(a, b)``; ``None`` when unsatisfiable."""
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        raise InvalidRequest("only a single byte range is supported")
+    first, _, last = spec.strip().partition("-")
+    try:
+        if first == "":
+            n = int(last)
+            if n <= 0:
+                return None
+            return max(0, size - n), size - 1
+        a = int(first)
+        b = int(last) if last else size - 1
+    except ValueError:
+        raise InvalidRequest("bad Range header") from None
+    if a >= size or b < a:
+        return None
+    return a, min(b, size - 1)
+
+
+async def download(api: Api, request: Request) -> Response:
+    entry, _ = await api.auth(request, Capability.FS_READ)
+    _, resolver, executor, _ = entry.ready()
+    path = query_path(request)
+
+    def opener() -> tuple[int, os.stat_result, str]:
+        try:
+            with resolver.resolve(path) as res:
+                fd, st = open_regular(res)
+                return fd, st, res.sandbox_path
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    fd, st, spath = await executor.light(opener)
+    size = st.st_size
+    etag = f'"{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"'
+    headers = {
+        "Accept-Ranges": "bytes",
+        "ETag": etag,
+        "Content-Disposition": f"attachment; filename*=UTF-8''{_quote(spath)}",
+    }
+    start, end = 0, size - 1
+    status = 200
+    rng = request.headers.get("range")
+    if rng:
+        try:
+            parsed = _parse_range(rng, size)
+        except BaseException:
+            os.close(fd)
+            raise
+        if parsed is None:
+            os.close(fd)
+            return Response(
+                status_code=416, headers={**headers, "Content-Range": f"bytes */{size}"}
+            )
+        start, end = parsed
+        status = 206
+        headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    length = max(0, end - start + 1)
+    headers["Content-Length"] = str(length)
+    if request.method == "HEAD":
+        os.close(fd)
+        return Response(status_code=status, headers=headers, media_type="application/octet-stream")
+    if length <= CHUNK:
+        try:
+            data = os.pread(fd, length, start)
+        finally:
+            os.close(fd)
+        return Response(data, status, headers=headers, media_type="application/octet-stream")
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            pos, remaining = start, length
+            while remaining > 0:
+                chunk = await executor.light(os.pread, fd, min(CHUNK, remaining), pos)
+                if not chunk:
+                    break
+                pos += len(chunk)
+                remaining -= len(chunk)
+                yield chunk
+        finally:
+            os.close(fd)
+
+    return StreamingResponse(
+        body(), status, headers=headers, media_type="application/octet-stream"
+    )
+
+
+def _quote(path: str) -> str:
+    from urllib.parse import quote
+
+    return quote(path.rsplit("/", 1)[-1] or "file")
+
+
+# --- archives ---------------------------------------------------------------------------
+
+
+def _extract(
+    resolver: PathResolver, base: str, fileobj: Any, delete_missing: bool, limits: tuple[int, int]
+) -> dict[str, Any]:
+    max_bytes, max_members = limits
+    files = dirs = total = 0
+    seen: set[str] = set()
+    base = normalize(base)
+    with resolver.resolve(base, create_parents=True) as root:
+        if root.name is not None:
+            try:
+                os.mkdir(root.name, 0o755, dir_fd=root.dir_fd)
+            except FileExistsError:
+                pass
+    try:
+        tar = tarfile.open(fileobj=fileobj, mode="r|*")
+    except tarfile.TarError:
+        raise InvalidRequest("body is not a tar archive") from None
+    with tar:
+        count = 0
+        try:
+            for member in tar:
+                count += 1
+                if count > max_members:
+                    raise PayloadTooLarge("too many archive members")
+                name = member.name
+                if name.startswith("/") or "\x00" in name:
+                    raise InvalidRequest(f"archive member has an absolute name: {name!r}")
+                parts = [p for p in name.split("/") if p and p != "."]
+                if ".." in parts:
+                    raise InvalidRequest(f"archive member climbs out: {name!r}")
+                if not parts:
+                    continue
+                target = base.rstrip("/") + "/" + "/".join(parts)
+                seen.add(target)
+                if member.isdir():
+                    with resolver.resolve(target, create_parents=True) as res:
+                        if res.name is not None:
+                            try:
+                                os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
+                            except FileExistsError:
+                                pass
+                    dirs += 1
+                elif member.isfile():
+                    total += member.size
+                    if total > max_bytes:
+                        raise PayloadTooLarge("archive too large")
+                    src = tar.extractfile(member)
+                    assert src is not None
+                    with resolver.resolve(target, follow_final=False, create_parents=True) as res:
+                        if res.name is None:
+                            raise InvalidRequest(f"archive member replaces a mount: {name!r}")
+                        fd, tmp = create_temp(res)
+                        try:
+                            while chunk := src.read(CHUNK):
+                                _write(fd, chunk)
+                            commit_temp(res, fd, tmp, stat.S_IMODE(member.mode) & 0o777 or 0o644)
+                        except BaseException:
+                            abort_temp(res, fd, tmp)
+                            raise
+                    files += 1
+                elif member.issym():
+                    # Links are kept only when they stay inside the extracted tree.
+                    link = member.linkname
+                    if link.startswith("/") or "\x00" in link:
+                        raise InvalidRequest(f"archive link points out: {name!r}")
+                    depth = len(parts) - 1
+                    level = depth
+                    for p in link.split("/"):
+                        if p == "..":
+                            level -= 1
+                            if level < 0:
+                                raise InvalidRequest(f"archive link points out: {name!r}")
+                        elif p and p != ".":
+                            level += 1
+                    with resolver.resolve(target, follow_final=False, create_parents=True) as res:
+                        if res.name is None:
+                            raise InvalidRequest("archive member replaces a mount")
+                        try:
+                            os.unlink(res.name, dir_fd=res.dir_fd)
+                        except FileNotFoundError:
+                            pass
+                        os.symlink(link, res.name, dir_fd=res.dir_fd)
+                    files += 1
+                else:
+                    # Hard links, devices, FIFOs: refused.
+                    raise InvalidRequest(f"archive member type not allowed: {name!r}")
+        except tarfile.TarError:
+            raise InvalidRequest("corrupt tar archive") from None
+    deleted = _delete_missing(resolver, base, seen) if delete_missing else 0
+    return {"path": base, "files": files, "directories": dirs, "deleted": deleted, "bytes": total}
+
+
+def _delete_missing(resolver: PathResolver, base: str, seen: set[str]) -> int:
+    import shutil
+
+    deleted = 0
+    with resolver.resolve(base) as root:
+        top = root.open(os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            for dirpath, dirnames, filenames, dfd in os.fwalk(
+                ".", dir_fd=top, follow_symlinks=False
+            ):
+                rel = dirpath[2:] if dirpath != "." else ""
+                prefix = base.rstrip("/") + ("/" + rel if rel else "")
+                keep = []
+                for d in dirnames:
+                    if f"{prefix}/{d}" in seen:
+                        keep.append(d)
+                    else:
+                        shutil.rmtree(d, dir_fd=dfd)
+                        deleted += 1
+                dirnames[:] = keep
+                for f in filenames:
+                    if f"{prefix}/{f}" not in seen:
+                        os.unlink(f, dir_fd=dfd)
+                        deleted += 1
+        finally:
+            os.close(top)
+    return deleted
+
+
+class _QueueReader(io.RawIOBase):
+    """A blocking file object fed from the event loop (the tar reader runs in a thread)."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.q: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
+        self.buf = b""
+        self.eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b: Any) -> int:
+        while not self.buf and not self.eof:
+            item = self.q.get()
+            if item is None:
+                self.eof = True
+            else:
+                self.buf = item
+        n = min(len(b), len(self.buf))
+        b[:n] = self.buf[:n]
+        self.buf = self.buf[n:]
+        return n
+
+
+def build_transfer_routes(api: Api) -> list[Route]:
+    import asyncio
+
+    settings = api.host.settings
+
+    @endpoint
+    async def upload_route(request: Request) -> Response:
+        return await upload(api, request)
+
+    @endpoint
+    async def download_route(request: Request) -> Response:
+        return await download(api, request)
+
+    @endpoint
+    async def archive_in(request: Request) -> Response:
+        entry, ctx = await api.auth(request, Capability.FS_WRITE)
+        _, resolver, executor, _ = entry.ready()
+        path = query_path(request, default="/workspace")
+        delete_missing = query_bool(request, "delete_missing", False)
+        reader = _QueueReader()
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(
+            None,
+            lambda: _extract_as(executor, resolver, path, reader, delete_missing),
+        )
+        received = 0
+        try:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > settings.max_archive_bytes:
+                    raise PayloadTooLarge("archive too large")
+                while True:
+                    if job.done():
+                        break
+                    try:
+                        reader.q.put_nowait(chunk)
+                        break
+                    except Exception:
+                        await asyncio.sleep(0.002)
+                if job.done():
+                    break
+        finally:
+            while not job.done():
+                try:
+                    reader.q.put_nowait(None)
+                    break
+                except Exception:
+                    await asyncio.sleep(0.002)
+        result = await job
+        entry.changed((result["path"], "modified", {"archive": True, **result}), ctx.actor)
+        return json_response(result)
+
+    def _extract_as(executor: Any, resolver: PathResolver, path: str, reader: Any, dm: bool) -> Any:
+        limits = (settings.max_archive_bytes, settings.max_archive_members)
+        if executor.fs_ids is None:
+            return _extract(resolver, path, io.BufferedReader(reader), dm, limits)
+        fut = executor._pool.submit(_extract, resolver, path, io.BufferedReader(reader), dm, limits)
+        return fut.result()
+
+    @endpoint
+    async def archive_out(request: Request) -> Response:
+        entry, _ = await api.auth(request, Capability.FS_READ)
+        _, resolver, executor, _ = entry.ready()
+        path = query_path(request, default="/workspace")
+        data = await executor.heavy(_make_tar, resolver, path, settings.max_read_bytes * 64)
+        return Response(data, media_type="application/x-tar")
+
+    return [
+        Route("/files/upload", upload_route, methods=["POST", "PUT"]),
+        Route("/files/download", download_route, methods=["GET", "HEAD"]),
+        Route("/files/archive", archive_in, methods=["POST"]),
+        Route("/files/archive", archive_out, methods=["GET"]),
+    ]
+
+
+def _make_tar(resolver: PathResolver, path: str, limit: int) -> bytes:
+    out = io.BytesIO()
+    total = 0
+    with resolver.resolve(path) as root:
+        top = root.open(os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with tarfile.open(fileobj=out, mode="w") as tar:
+                for dirpath, dirnames, filenames, dfd in os.fwalk(
+                    ".", dir_fd=top, follow_symlinks=False
+                ):
+                    rel = dirpath[2:] if dirpath != "." else ""
+                    for d in dirnames:
+                        info = tarfile.TarInfo(f"{rel}/{d}" if rel else d)
+                        info.type = tarfile.DIRTYPE
+                        info.mode = 0o755
+                        tar.addfile(info)
+                    for f in filenames:
+                        name = f"{rel}/{f}" if rel else f
+                        st = os.stat(f, dir_fd=dfd, follow_symlinks=False)
+                        info = tarfile.TarInfo(name)
+                        info.mtime = int(st.st_mtime)
+                        info.mode = stat.S_IMODE(st.st_mode)
+                        if stat.S_ISLNK(st.st_mode):
+                            info.type = tarfile.SYMTYPE
+                            info.linkname = os.readlink(f, dir_fd=dfd)
+                            tar.addfile(info)
+                        elif stat.S_ISREG(st.st_mode):
+                            fd = os.open(
+                                f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd
+                            )
+                            with os.fdopen(fd, "rb") as fh:
+                                info.size = os.fstat(fh.fileno()).st_size
+                                total += info.size
+                                if total > limit:
+                                    raise PayloadTooLarge("directory too large for an archive")
+                                tar.addfile(info, fh)
+        finally:
+            os.close(top)
+    return out.getvalue()
+
+
+__all__ = ["build_transfer_routes", "download", "etag_of", "upload"]

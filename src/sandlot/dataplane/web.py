@@ -1,0 +1,182 @@
+"""HTTP plumbing shared by the dataplane routes: errors, request ids, auth, JSON.
+
+Routes are thin: they parse, authorise, call a service, serialise. Every
+failure leaves as the error envelope of PROTOCOL.md section 1 with an
+``X-Request-Id``; nothing a client sends can produce a traceback or a 500.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sandlot.dataplane.auth import AuthContext, bearer_from_header
+from sandlot.dataplane.paths import os_error
+from sandlot.protocol.common import Capability, new_id
+from sandlot.protocol.errors import (
+    InternalError,
+    InvalidRequest,
+    PayloadTooLarge,
+    SandboxNotFound,
+    SandlotError,
+)
+
+if TYPE_CHECKING:
+    from sandlot.dataplane.host import DataplaneHost
+    from sandlot.dataplane.sandbox import SandboxEntry
+
+log = logging.getLogger("sandlot.dataplane")
+
+M = TypeVar("M", bound=BaseModel)
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def request_id_of(headers: Any) -> str:
+    rid = headers.get("x-request-id")
+    return rid if rid and _REQUEST_ID.match(rid) else new_id("req", 8)
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(dumps(obj), status, headers=headers, media_type="application/json")
+
+
+def error_response(exc: SandlotError, request_id: str) -> Response:
+    headers = {"X-Request-Id": request_id}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return json_response(exc.to_wire(request_id), exc.status, headers)
+
+
+def as_sandlot_error(exc: BaseException) -> SandlotError:
+    if isinstance(exc, SandlotError):
+        return exc
+    if isinstance(exc, ValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        msg = first.get("msg", "invalid request")
+        return InvalidRequest(f"{where}: {msg}" if where else msg)
+    if isinstance(exc, OSError):
+        return os_error(exc)
+    if isinstance(exc, (UnicodeError, ValueError)):
+        return InvalidRequest("invalid request")
+    log.exception("unexpected error in the dataplane", exc_info=exc)
+    return InternalError("internal error")
+
+
+def endpoint(fn: Handler) -> Handler:
+    """Wrap a route: request id in and out, every exception as the error envelope."""
+
+    @functools.wraps(fn)
+    async def wrapper(request: Request) -> Response:
+        rid = request_id_of(request.headers)
+        request.state.request_id = rid
+        try:
+            response = await fn(request)
+        except Exception as exc:
+            return error_response(as_sandlot_error(exc), rid)
+        response.headers["X-Request-Id"] = rid
+        return response
+
+    return wrapper
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    length = request.headers.get("content-length")
+    if length is not None:
+        if not length.isdigit():
+            raise InvalidRequest("bad Content-Length")
+        if int(length) > limit:
+            raise PayloadTooLarge(f"body larger than {limit} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_json(request: Request, model: type[M], limit: int = 1 << 20) -> M:
+    body = await read_body(request, limit)
+    if not body:
+        raise InvalidRequest("a JSON body is required")
+    return model.model_validate_json(body)
+
+
+def query_int(request: Request, name: str, default: int, lo: int = 0, hi: int = 1 << 40) -> int:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise InvalidRequest(f"{name} must be an integer") from None
+    if not lo <= value <= hi:
+        raise InvalidRequest(f"{name} out of range")
+    return value
+
+
+def query_bool(request: Request, name: str, default: bool) -> bool:
+    raw = request.query_params.get(name)
+    if raw is None or raw == "":
+        return default
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise InvalidRequest(f"{name} must be a boolean")
+
+
+def query_path(request: Request, name: str = "path", default: str | None = None) -> str:
+    raw = request.query_params.get(name, default)
+    if raw is None or raw == "":
+        if default is not None:
+            return default
+        raise InvalidRequest(f"{name} is required")
+    return raw
+
+
+class Api:
+    """What routes need from the host: the sandbox addressed, and who is calling."""
+
+    def __init__(self, host: DataplaneHost, default_sandbox: str | None = None) -> None:
+        self.host = host
+        self.default_sandbox = default_sandbox
+
+    def sandbox_id(self, scope_params: dict[str, Any]) -> str:
+        sid = scope_params.get("sandbox_id") or self.default_sandbox
+        if not sid:
+            raise SandboxNotFound("no such sandbox")
+        return str(sid)
+
+    def entry(self, request: Request) -> SandboxEntry:
+        return self.host._entry(self.sandbox_id(request.path_params))
+
+    async def auth(
+        self, request: Request, capability: Capability | None
+    ) -> tuple[SandboxEntry, AuthContext]:
+        entry = self.entry(request)
+        ctx = await self.host.authenticator.authenticate(
+            bearer=bearer_from_header(request.headers.get("authorization")),
+            api_key=request.headers.get("x-api-key"),
+            sandbox_id=entry.sandbox_id,
+            generation=entry.generation,
+            capability=capability,
+        )
+        entry.touch()
+        return entry, ctx
