@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 
+from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditLog
 from sandlot.broker.events import EventHub
 from sandlot.broker.idempotency import IdempotencyStore
@@ -32,6 +33,7 @@ def prepare_store(settings: BrokerSettings) -> Store:
     """
     store = Store(settings.resolved_store_url)
     store.migrate()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
     templates = TemplateService(store)
     templates.sync_config(settings.templates)
     PoolService(store, templates).sync_config(settings.pools)
@@ -91,15 +93,18 @@ class Broker:
         )
         self.run_reaper = run_reaper
         self.started = False
+        failpoints.arm(settings.failpoints)
 
-    async def start(self, *, migrate: bool = True) -> None:
+    async def start(self, *, migrate: bool = True, recover: bool = True) -> None:
+        """Start serving; ``recover=False`` for worker processes that own no sandboxes."""
         self.hub.bind_loop(asyncio.get_running_loop())
         if migrate:
             await asyncio.to_thread(self._prepare)
         else:
             await asyncio.to_thread(self.keyring.reload)
         await self.provider.start(self.sandboxes.on_provider_status)
-        await self.reaper.recover()
+        if recover:
+            await self.reaper.recover()
         if self.run_reaper:
             self.reaper.start()
         self.started = True

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 from sqlalchemy import Connection, func, select, update
 
+from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.events import EventHub, append_event
 from sandlot.broker.settings import BrokerSettings
@@ -220,6 +221,8 @@ class SandboxService:
         spec = self.spec_for(row, template)
         try:
             status = await self.provider.create(spec)
+            if status.state is SandboxState.PROVISIONING:
+                failpoints.hit("mid_provision")
         except SandlotError as exc:
             await self.apply_state(row.id, SandboxState.FAILED, reason=exc.message)
             return
@@ -379,6 +382,7 @@ class SandboxService:
             return revoked, binding_id, changed
 
         revoked, binding_id, changed = await anyio.to_thread.run_sync(tx)
+        failpoints.hit("mid_release")
         if changed:
             self.hub.notify(sandbox_id)
             if binding_id:

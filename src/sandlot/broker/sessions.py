@@ -20,6 +20,7 @@ import anyio
 from sqlalchemy import Connection, select, update
 from sqlalchemy.exc import IntegrityError
 
+from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.events import EventHub, append_event, read_events
 from sandlot.broker.principals import Principal
@@ -177,6 +178,7 @@ class SessionService:
             self._negotiate_tx, ctx, principal, req, scope, caps, template
         )
         if result.provision is not None:
+            failpoints.hit("after_binding_insert")
             self.sandboxes.spawn(self.sandboxes.provision(result.provision, result.template))
         elif result.resume:
             state = await self.sandboxes.resume(result.grant.sandbox.id, reason="ensure")

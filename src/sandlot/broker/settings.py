@@ -9,7 +9,8 @@ Environment variables: ``SANDLOT_HOST``, ``SANDLOT_PORT``,
 ``SANDLOT_DATA_DIR``, ``SANDLOT_STORE`` (a SQLAlchemy URL),
 ``SANDLOT_PUBLIC_URL`` (how clients reach this server, when it is not
 ``http://HOST:PORT``), ``SANDLOT_PROVIDER_MODE`` (``isolated``|``unisolated``),
-``SANDLOT_LOG_FORMAT`` (``text``|``json``), ``SANDLOT_CONFIG`` (a config file).
+``SANDLOT_LOG_FORMAT`` (``text``|``json``), ``SANDLOT_CONFIG`` (a config file),
+``SANDLOT_FAILPOINTS`` (crash points for recovery tests).
 
 Config file keys (see ``default_config.toml`` for every one with its default):
 ``[policy]`` TTLs and capability policy per actor type, ``[quotas]``,
@@ -72,6 +73,8 @@ class BrokerSettings:
     pools: Mapping[str, Pool] = field(default_factory=dict)
     admins: frozenset[str] = frozenset()
     default_template: str = "default"
+    #: Crash points armed for recovery tests (``SANDLOT_FAILPOINTS``; see ``failpoints.py``).
+    failpoints: frozenset[str] = frozenset()
 
     @property
     def base_url(self) -> str:
@@ -195,6 +198,8 @@ def load_settings(
     for var, key in env_map.items():
         if env.get(var):
             values[key] = env[var]
+    if env.get("SANDLOT_FAILPOINTS"):
+        values["failpoints"] = frozenset(p.strip() for p in env["SANDLOT_FAILPOINTS"].split(","))
     values.update({k: v for k, v in overrides.items() if v is not None})
 
     try:

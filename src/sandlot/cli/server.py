@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -26,7 +25,9 @@ from sandlot.providers.base import Provider, provider_class
 log = logging.getLogger("sandlot.server")
 
 
-def build_provider(settings: BrokerSettings, broker_ref: list[Broker]) -> Provider:
+def build_provider(
+    settings: BrokerSettings, broker_ref: list[Broker], *, dataplane_url: str | None = None
+) -> Provider:
     """Instantiate the configured provider, wiring in what an in-process dataplane needs."""
 
     async def jwks() -> Mapping[str, Any]:
@@ -63,7 +64,7 @@ def build_provider(settings: BrokerSettings, broker_ref: list[Broker]) -> Provid
         **settings.provider_config,
         "mode": settings.provider_mode,
         "data_dir": settings.data_dir,
-        "public_url": settings.base_url,
+        "public_url": dataplane_url or settings.base_url,
         "issuer": settings.issuer,
         "jwks": jwks,
         "api_key_resolver": api_key_resolver,
@@ -77,14 +78,28 @@ def _scope_of(key: str) -> Any:
     return Scope.parse(key)
 
 
-def build_app(settings: BrokerSettings, *, run_reaper: bool = True) -> tuple[FastAPI, Broker]:
-    """The whole server as one ASGI app (its lifespan starts and stops the broker)."""
+def build_app(
+    settings: BrokerSettings,
+    *,
+    run_reaper: bool = True,
+    dataplane_url: str | None = None,
+    provider_secret: str | None = None,
+) -> tuple[FastAPI, Broker]:
+    """The whole server as one ASGI app (its lifespan starts and stops the broker).
+
+    With ``provider_secret`` the app also exposes its provider to broker worker
+    processes (see :mod:`sandlot.providers.remote`).
+    """
     ref: list[Broker] = []
-    provider = build_provider(settings, ref)
+    provider = build_provider(settings, ref, dataplane_url=dataplane_url)
     broker = Broker(settings, provider, run_reaper=run_reaper)
     ref.append(broker)
     mounts = {"/dp": provider.app} if hasattr(provider, "app") else {}
     app = create_app(broker, extra_mounts=mounts)
+    if provider_secret is not None:
+        from sandlot.providers.remote import provider_router
+
+        app.include_router(provider_router(provider, provider_secret))
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -113,10 +128,16 @@ def serve(settings: BrokerSettings) -> None:
     sock = bind_socket(settings.host, settings.port)
     port = sock.getsockname()[1]
     settings = replace(settings, port=port)
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    prepare_store(settings)
+    prepare_store(settings).dispose()
     app, _broker = build_app(settings)
-    config = uvicorn.Config(
+    server = uvicorn.Server(uvicorn_config(app))
+    sys.stdout.write(banner(settings))
+    sys.stdout.flush()
+    server.run(sockets=[sock])
+
+
+def uvicorn_config(app: Any) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         log_config=None,
         access_log=False,
@@ -125,19 +146,18 @@ def serve(settings: BrokerSettings) -> None:
         timeout_graceful_shutdown=5,
         lifespan="on",
     )
-    server = uvicorn.Server(config)
-    banner = (
+
+
+def banner(settings: BrokerSettings, extra: str = "") -> str:
+    return (
         f"sandlot listening on {settings.base_url}\n"
         f"  data directory: {settings.data_dir.absolute()}\n"
         f"  store: {_safe_url(settings.resolved_store_url)}\n"
         f"  provider: {settings.provider_name} ({settings.provider_mode})\n"
         f"  create an API key: sandlot keys create --user alice --actor human"
         f"{'' if str(settings.data_dir) == '.sandlot' else f' --data-dir {settings.data_dir}'}\n"
+        f"{extra}"
     )
-    sys.stdout.write(banner)
-    sys.stdout.flush()
-    signal.signal(signal.SIGTERM, lambda *_: setattr(server, "should_exit", True))
-    server.run(sockets=[sock])
 
 
 def _safe_url(url: str) -> str:

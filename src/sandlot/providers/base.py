@@ -98,6 +98,9 @@ class Provider(abc.ABC):
     #: Whether :meth:`suspend` keeps processes and files (else idle sandboxes are deleted).
     supports_suspend: bool = False
 
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        self.config: dict[str, Any] = dict(config or {})
+
     async def start(self, listener: StatusListener | None = None) -> None:  # noqa: B027
         """Preflight and clean up leftovers of a crashed server. Called once."""
 

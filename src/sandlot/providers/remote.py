@@ -1,0 +1,192 @@
+"""A provider served over HTTP, and the client that uses it.
+
+``sandlot serve --workers N`` runs the broker in N worker processes and the
+sandboxes (with their dataplane) in one *sandbox host* process: sandboxes,
+shared shells and reattach buffers must live in exactly one place. The host
+exposes its provider with :func:`provider_router` on a private Unix socket
+(guarded by a secret kept in the data directory, mode 0600) and the workers
+reach it through :class:`RemoteProvider`. The same pair is the way to put
+sandboxes on another machine than the broker.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, Request
+
+from sandlot.protocol.errors import ProviderUnavailable, SandlotError, error_from_wire
+from sandlot.protocol.sessions import DataplaneCoordinates, Template
+from sandlot.protocol.states import SandboxState
+from sandlot.providers.base import (
+    AdoptionRecord,
+    Provider,
+    ProviderStatus,
+    RevokedToken,
+    SandboxActivity,
+    SandboxSpec,
+)
+
+SECRET_HEADER = "x-sandlot-provider-secret"
+
+
+def _status(data: Mapping[str, Any]) -> ProviderStatus:
+    return ProviderStatus(
+        SandboxState(data["state"]), int(data["last_event_sequence"]), data.get("reason")
+    )
+
+
+def _status_json(status: ProviderStatus) -> dict[str, Any]:
+    return {
+        "state": status.state.value,
+        "last_event_sequence": status.last_event_sequence,
+        "reason": status.reason,
+    }
+
+
+def provider_router(provider: Provider, secret: str) -> APIRouter:
+    """Expose ``provider`` over HTTP (mount on a private socket only)."""
+    from sandlot.protocol.errors import Unauthenticated
+
+    router = APIRouter(prefix="/internal/provider")
+
+    def check(request: Request) -> None:
+        given = request.headers.get(SECRET_HEADER, "")
+        if not hmac.compare_digest(given.encode(), secret.encode()):
+            raise Unauthenticated("bad provider secret")
+
+    @router.post("/sandboxes")
+    async def create(request: Request) -> Any:
+        check(request)
+        body = await request.json()
+        spec = SandboxSpec(
+            sandbox_id=body["sandbox_id"],
+            generation=int(body["generation"]),
+            template=Template.model_validate(body["template"]),
+            owner_user_id=body.get("owner_user_id"),
+            name=body.get("name"),
+        )
+        return _status_json(await provider.create(spec))
+
+    @router.get("/sandboxes")
+    async def list_all(request: Request) -> Any:
+        check(request)
+        return {"ids": sorted(await provider.list_sandboxes())}
+
+    @router.get("/sandboxes/{sandbox_id}")
+    async def status(request: Request, sandbox_id: str) -> Any:
+        check(request)
+        return _status_json(await provider.status(sandbox_id))
+
+    @router.post("/sandboxes/{sandbox_id}/{action}")
+    async def act(request: Request, sandbox_id: str, action: str) -> Any:
+        check(request)
+        if action == "suspend":
+            return _status_json(await provider.suspend(sandbox_id))
+        if action == "resume":
+            return _status_json(await provider.resume(sandbox_id))
+        if action == "revoke":
+            body = await request.json()
+            await provider.revoke(
+                sandbox_id, [RevokedToken(t["jti"], float(t["expires_at"])) for t in body["tokens"]]
+            )
+            return {}
+        if action == "activity":
+            a = await provider.activity(sandbox_id)
+            return {
+                "running_execs": a.running_execs,
+                "attached_clients": a.attached_clients,
+                "last_active_at": a.last_active_at,
+            }
+        from sandlot.protocol.errors import ResourceNotFound
+
+        raise ResourceNotFound(f"no action {action}")
+
+    @router.delete("/sandboxes/{sandbox_id}")
+    async def delete(request: Request, sandbox_id: str) -> Any:
+        check(request)
+        await provider.delete(sandbox_id)
+        return {}
+
+    return router
+
+
+class RemoteProvider(Provider):
+    """A provider reached over HTTP (config: ``url``, ``uds``, ``secret``, ``dataplane_url``)."""
+
+    name = "local"
+
+    def __init__(self, config: Mapping[str, Any]) -> None:
+        self.name = str(config.get("name", "local"))  # type: ignore[misc]
+        self.supports_suspend = bool(config.get("supports_suspend", True))
+        self.dataplane_url = str(config["dataplane_url"]).rstrip("/")
+        transport = httpx.AsyncHTTPTransport(uds=config["uds"]) if config.get("uds") else None
+        self._client = httpx.AsyncClient(
+            base_url=str(config.get("url", "http://sandbox-host")),
+            transport=transport,
+            headers={SECRET_HEADER: str(config["secret"])},
+            timeout=httpx.Timeout(30.0, connect=5.0),
+        )
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        try:
+            resp = await self._client.request(method, f"/internal/provider{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise ProviderUnavailable("the sandbox host is unreachable") from exc
+        if resp.status_code >= 400:
+            try:
+                payload = resp.json()
+            except ValueError:
+                payload = None
+            raise error_from_wire(payload, resp.status_code)
+        return resp.json()
+
+    async def create(self, spec: SandboxSpec) -> ProviderStatus:
+        body = {
+            "sandbox_id": spec.sandbox_id,
+            "generation": spec.generation,
+            "template": spec.template.model_dump(mode="json"),
+            "owner_user_id": spec.owner_user_id,
+            "name": spec.name,
+        }
+        return _status(await self._call("POST", "/sandboxes", body))
+
+    async def status(self, sandbox_id: str) -> ProviderStatus:
+        return _status(await self._call("GET", f"/sandboxes/{sandbox_id}"))
+
+    async def suspend(self, sandbox_id: str) -> ProviderStatus:
+        return _status(await self._call("POST", f"/sandboxes/{sandbox_id}/suspend"))
+
+    async def resume(self, sandbox_id: str) -> ProviderStatus:
+        return _status(await self._call("POST", f"/sandboxes/{sandbox_id}/resume"))
+
+    async def delete(self, sandbox_id: str) -> None:
+        await self._call("DELETE", f"/sandboxes/{sandbox_id}")
+
+    def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
+        http = f"{self.dataplane_url}/dp/{sandbox_id}/v1"
+        return DataplaneCoordinates(http_base_url=http, ws_base_url="ws" + http[4:])
+
+    async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
+        body = {"tokens": [{"jti": t.jti, "expires_at": t.expires_at} for t in tokens]}
+        await self._call("POST", f"/sandboxes/{sandbox_id}/revoke", body)
+
+    async def activity(self, sandbox_id: str) -> SandboxActivity:
+        data = await self._call("POST", f"/sandboxes/{sandbox_id}/activity")
+        return SandboxActivity(**data)
+
+    async def load_state(self, records: Sequence[AdoptionRecord]) -> list[str]:
+        # The sandbox host re-adopts its own sandboxes; workers adopt nothing.
+        return []
+
+    async def list_sandboxes(self) -> set[str]:
+        return set((await self._call("GET", "/sandboxes"))["ids"])
+
+
+__all__ = ["RemoteProvider", "SandlotError", "provider_router"]
