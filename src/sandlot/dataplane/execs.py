@@ -271,9 +271,7 @@ class ExecManager:
 
     def _prune(self) -> None:
         horizon = time.time() - self.settings.reattach_window_seconds
-        finished = [
-            e for e in self._execs.values() if e.ended_at is not None and e.clients == 0
-        ]
+        finished = [e for e in self._execs.values() if e.ended_at is not None and e.clients == 0]
         drop = [e for e in finished if e.ended_at is not None and e.ended_at < horizon]
         excess = len(self._execs) - len(drop) - self.settings.max_execs
         if excess > 0:

@@ -248,7 +248,9 @@ class FileOps:
                         f"old_string occurs {count} times; pass replace_all or more context",
                         metadata={"occurrences": count},
                     )
-                out = (text.replace(old, new) if replace_all else text.replace(old, new, 1)).encode()
+                out = (
+                    text.replace(old, new) if replace_all else text.replace(old, new, 1)
+                ).encode()
                 if len(out) > self.max_write_bytes:
                     raise PayloadTooLarge("edited file too large")
                 replace_file(res, [out], stat.S_IMODE(st.st_mode))

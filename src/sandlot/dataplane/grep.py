@@ -116,9 +116,7 @@ async def grep(
                 rel = fname[len(target) :].lstrip("/")
                 spath = res.sandbox_path if single_file or not rel else f"{base}/{rel}"
                 line = text.rstrip(b"\n").decode("utf-8", "replace")
-                matches.append(
-                    {"path": spath, "line": int(lineno), "text": line[:MAX_LINE_CHARS]}
-                )
+                matches.append({"path": spath, "line": int(lineno), "text": line[:MAX_LINE_CHARS]})
         finally:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):

@@ -76,7 +76,8 @@ async def run_exec(api: Api, request: Request) -> dict[str, Any]:
 def exec_result(ex: Any, duration_ms: float) -> dict[str, Any]:
     out = ex.stdout.collected or b""
     err = ex.stderr.collected or b""
-    if not duration_ms and ex.ended_at:
+    # From the exec's own clock, so a replayed command_id answers identically.
+    if ex.ended_at:
         duration_ms = (ex.ended_at - ex.started_at) * 1000
     return {
         "exec_id": ex.exec_id,
@@ -279,11 +280,12 @@ def build_routes(api: Api) -> list[Route]:
                     try:
                         batch = entry.events.since(cursor)
                     except Exception:
-                        yield b"event: error\ndata: {\"code\":\"SEQUENCE_EXPIRED\"}\n\n"
+                        yield b'event: error\ndata: {"code":"SEQUENCE_EXPIRED"}\n\n'
                         return
                     if batch:
                         parts = [
-                            f"id: {seq}\nevent: {etype}\ndata: {data}\n\n" for seq, etype, data in batch
+                            f"id: {seq}\nevent: {etype}\ndata: {data}\n\n"
+                            for seq, etype, data in batch
                         ]
                         cursor = batch[-1][0]
                         yield "".join(parts).encode()

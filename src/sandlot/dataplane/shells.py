@@ -153,8 +153,12 @@ class ShellManager:
             self._emit(
                 "shell.created",
                 "shell",
-                {"name": name, "session_id": shell.session_id, "profile": profile,
-                 "status": "created"},
+                {
+                    "name": name,
+                    "session_id": shell.session_id,
+                    "profile": profile,
+                    "status": "created",
+                },
                 actor,
             )
             fut.set_result(shell)
@@ -187,8 +191,12 @@ class ShellManager:
         self._emit(
             "shell.exited",
             "shell",
-            {"name": shell.name, "session_id": shell.session_id, "exit_code": status.exit_code,
-             "status": "exited"},
+            {
+                "name": shell.name,
+                "session_id": shell.session_id,
+                "exit_code": status.exit_code,
+                "status": "exited",
+            },
             None,
         )
 
@@ -197,8 +205,12 @@ class ShellManager:
         self._emit(
             "shell.attached",
             "shell",
-            {"name": shell.name, "session_id": shell.session_id, "role": role,
-             "status": "attached"},
+            {
+                "name": shell.name,
+                "session_id": shell.session_id,
+                "role": role,
+                "status": "attached",
+            },
             actor,
         )
 
@@ -207,8 +219,12 @@ class ShellManager:
         self._emit(
             "shell.detached",
             "shell",
-            {"name": shell.name, "session_id": shell.session_id, "role": role,
-             "status": "detached"},
+            {
+                "name": shell.name,
+                "session_id": shell.session_id,
+                "role": role,
+                "status": "detached",
+            },
             actor,
         )
 

@@ -174,7 +174,9 @@ class Cursor:
 
     @property
     def drained(self) -> bool:
-        return all(s.eof and off >= s.end for s, off in zip(self.streams, self.offsets, strict=True))
+        return all(
+            s.eof and off >= s.end for s, off in zip(self.streams, self.offsets, strict=True)
+        )
 
     async def flush(self, send: Send, max_frame: int) -> None:
         """Send everything available from the cursor on (gaps first where bytes are gone)."""

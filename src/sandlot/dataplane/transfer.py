@@ -170,9 +170,7 @@ async def download(api: Api, request: Request) -> Response:
         finally:
             os.close(fd)
 
-    return StreamingResponse(
-        body(), status, headers=headers, media_type="application/octet-stream"
-    )
+    return StreamingResponse(body(), status, headers=headers, media_type="application/octet-stream")
 
 
 def _quote(path: str) -> str:
@@ -433,9 +431,7 @@ def _make_tar(resolver: PathResolver, path: str, limit: int) -> bytes:
                             info.linkname = os.readlink(f, dir_fd=dfd)
                             tar.addfile(info)
                         elif stat.S_ISREG(st.st_mode):
-                            fd = os.open(
-                                f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd
-                            )
+                            fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
                             with os.fdopen(fd, "rb") as fh:
                                 info.size = os.fstat(fh.fileno()).st_size
                                 total += info.size

@@ -214,9 +214,7 @@ def exec_exit_frame(ex: Exec) -> dict[str, Any]:
     }
 
 
-async def _start_or_attach(
-    sock: Socket, first: Any, *, langsmith: bool
-) -> tuple[Exec, list[int]]:
+async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tuple[Exec, list[int]]:
     entry = sock.entry
     runtime, *_ = entry.ready()
     assert sock.ctx is not None
@@ -271,9 +269,7 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
                 await sock.reauth(frame.token, Capability.EXEC)
             elif isinstance(frame, F.PingFrame):
                 await sock.send(F.PONG)
-            elif isinstance(
-                frame, (F.StartFrame, F.AttachFrame, F.ExecuteFrame, F.ReconnectFrame)
-            ):
+            elif isinstance(frame, (F.StartFrame, F.AttachFrame, F.ExecuteFrame, F.ReconnectFrame)):
                 first = frame
             elif isinstance(frame, F.CloseFrame):
                 await sock.close()
@@ -283,11 +279,18 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
         ex, offsets = await _start_or_attach(sock, first, langsmith=langsmith)
         ex.clients += 1
         if langsmith:
-            await sock.send({"type": "started", "command_id": ex.command_id or ex.exec_id,
-                             "pid": ex.pid, "exec_id": ex.exec_id})
+            await sock.send(
+                {
+                    "type": "started",
+                    "command_id": ex.command_id or ex.exec_id,
+                    "pid": ex.pid,
+                    "exec_id": ex.exec_id,
+                }
+            )
         else:
-            await sock.send({"type": "ready", "exec_id": ex.exec_id,
-                             "command_id": ex.command_id, "pid": ex.pid})
+            await sock.send(
+                {"type": "ready", "exec_id": ex.exec_id, "command_id": ex.command_id, "pid": ex.pid}
+            )
         cursor = Cursor(ex.streams, offsets[: len(ex.streams)])
         try:
             await run_until_closed(
@@ -397,14 +400,26 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
         create = q.get("create", "true").lower() not in ("0", "false", "no")
         runtime, *_ = entry.ready()
         shell = await entry.shells.open(
-            runtime, name=name, profile=profile, cols=cols, rows=rows, create=create,
+            runtime,
+            name=name,
+            profile=profile,
+            cols=cols,
+            rows=rows,
+            create=create,
             actor=sock.ctx.actor,
         )
         if role == "driver" and (q.get("cols") or q.get("rows")):
             shell.resize(cols, rows)
         entry.shells.attached(shell, sock.ctx.actor, role)
-        await sock.send({"type": "session", "session_id": shell.session_id, "name": shell.name,
-                         "profile": shell.profile, "role": role})
+        await sock.send(
+            {
+                "type": "session",
+                "session_id": shell.session_id,
+                "name": shell.name,
+                "profile": shell.profile,
+                "role": role,
+            }
+        )
         hist_off, hist = shell.stream.tail(api.host.settings.shell_history_bytes)
         from sandlot.dataplane.streams import decode
 
@@ -426,8 +441,10 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
                     continue
                 try:
                     if isinstance(frame, (F.StdinFrame, F.ResizeFrame, F.SignalFrame)):
-                        if role != "driver" or sock.ctx is None or (
-                            Capability.SHELL not in sock.ctx.caps
+                        if (
+                            role != "driver"
+                            or sock.ctx is None
+                            or (Capability.SHELL not in sock.ctx.caps)
                         ):
                             raise CapabilityDenied(
                                 "observers cannot type", metadata={"capability": "shell"}

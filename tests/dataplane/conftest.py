@@ -1,0 +1,203 @@
+"""A real dataplane on 127.0.0.1:0 (uvicorn in a thread), tokens signed with a test key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import pytest
+import uvicorn
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from jwt.algorithms import OKPAlgorithm
+
+from sandlot.dataplane.auth import TokenVerifier
+from sandlot.dataplane.host import DataplaneHost
+from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.states import SandboxState
+from sandlot.runtime.direct import DirectRuntime
+
+ISSUER = "https://broker.test"
+ALL_CAPS = ["fs_read", "fs_write", "exec", "shell", "shell_observe"]
+
+
+class Keys:
+    def __init__(self) -> None:
+        self.private = Ed25519PrivateKey.generate()
+        self.kid = "k_test"
+        self.fetches = 0
+
+    def jwks(self) -> dict[str, Any]:
+        jwk = json.loads(OKPAlgorithm.to_jwk(self.private.public_key()))
+        return {"keys": [{**jwk, "kid": self.kid, "alg": "EdDSA", "use": "sig"}]}
+
+    def claims(self, sandbox_id: str, **over: Any) -> dict[str, Any]:
+        now = int(time.time())
+        claims = {
+            "iss": ISSUER,
+            "aud": "sandlot-dataplane",
+            "typ": "sandbox+jwt",
+            "sub": "prn_agent",
+            "act": {"type": "agent", "id": "agent-1"},
+            "sid": "ssn_1",
+            "sandbox_id": sandbox_id,
+            "scope": "thread:thr_1",
+            "caps": ALL_CAPS,
+            "gen": 1,
+            "iat": now,
+            "nbf": now,
+            "exp": now + 900,
+            "jti": f"tok_{time.monotonic_ns()}",
+        }
+        claims.update(over)
+        return claims
+
+    def token(self, sandbox_id: str, **over: Any) -> str:
+        return jwt.encode(
+            self.claims(sandbox_id, **over),
+            self.private,
+            algorithm="EdDSA",
+            headers={"kid": self.kid},
+        )
+
+
+class RootedRuntime(DirectRuntime):
+    """A direct runtime whose file operations act as an unprivileged user."""
+
+    def __init__(self, *args: Any, fs_ids: tuple[int, int] | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._fs_ids = fs_ids
+
+    @property
+    def fs_ids(self) -> tuple[int, int] | None:
+        return self._fs_ids
+
+
+@dataclass
+class Server:
+    base: str
+    ws_base: str
+    host: DataplaneHost
+    loop: asyncio.AbstractEventLoop
+    keys: Keys
+    sandbox_id: str
+    workspace: Path
+    root: Path
+    runtime: RootedRuntime
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def url(self, path: str, sandbox_id: str | None = None) -> str:
+        return f"{self.base}/{sandbox_id or self.sandbox_id}/v1{path}"
+
+    def ws_url(self, path: str, sandbox_id: str | None = None) -> str:
+        return f"{self.ws_base}/{sandbox_id or self.sandbox_id}/v1{path}"
+
+    def token(self, **over: Any) -> str:
+        return self.keys.token(self.sandbox_id, **over)
+
+    def headers(self, **over: Any) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token(**over)}"}
+
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(*args)`` on the server's loop (host methods are loop-bound)."""
+
+        async def run() -> Any:
+            out = fn(*args)
+            if asyncio.iscoroutine(out):
+                out = await out
+            return out
+
+        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(
+    tmp_path: Path, *, fs_ids: tuple[int, int] | None = None, **settings: Any
+) -> Iterator[Server]:
+    keys = Keys()
+
+    async def jwks() -> dict[str, Any]:
+        keys.fetches += 1
+        return keys.jwks()
+
+    verifier = TokenVerifier(jwks, issuer=ISSUER, refetch_interval=0.2)
+    opts = {"watch_debounce_ms": 20, **settings}
+    host = DataplaneHost(verifier=verifier, settings=DataplaneSettings(**opts))
+    root = tmp_path / "root"
+    workspace = root / "workspace"
+    tmp = root / "tmp"
+    workspace.mkdir(parents=True)
+    tmp.mkdir()
+    if fs_ids is not None:
+        import os
+
+        os.chown(workspace, *fs_ids)
+        os.chown(tmp, *fs_ids)
+    template = Template(name="default", image="host", shells={"default": ["/bin/bash", "--norc", "--noprofile", "-i"], "sh": ["/bin/sh"]})
+    runtime = RootedRuntime("sb_test", 1, template, workspace, tmp=tmp, fs_ids=fs_ids)
+    port = _free_port()
+    config = uvicorn.Config(host.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", ws_ping_interval=None)
+    server = uvicorn.Server(config)
+    loop_box: dict[str, asyncio.AbstractEventLoop] = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        loop_box["loop"] = loop
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            host.register("sb_test", 1, SandboxState.ACTIVE, runtime)
+            await server.serve()
+            await host.close()
+
+        loop.run_until_complete(main())
+        loop.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not server.started:
+        if time.time() > deadline:
+            raise RuntimeError("server did not start")
+        time.sleep(0.01)
+    srv = Server(
+        base=f"http://127.0.0.1:{port}",
+        ws_base=f"ws://127.0.0.1:{port}",
+        host=host,
+        loop=loop_box["loop"],
+        keys=keys,
+        sandbox_id="sb_test",
+        workspace=workspace,
+        root=root,
+        runtime=runtime,
+    )
+    try:
+        yield srv
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[Server]:
+    yield from start_server(tmp_path)
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(headers=server.headers(), timeout=20) as c:
+        yield c
