@@ -5,7 +5,8 @@ with a key records a fingerprint of its body and runs; a retry with the same
 key and body gets the stored status and body back (errors included); the
 same key with another body is 422; a retry while the first is still running
 is 409 IDEMPOTENCY_IN_FLIGHT. An in-flight record left by a server that died
-(its ``owner`` is not this process) is taken over after ``STALE_SECONDS``, so
+(its ``owner`` process is gone, or after ``STALE_SECONDS`` for one on another
+machine) is taken over, so
 a client retrying after a crash gets an answer consistent with what was
 committed: the retried ``ensure`` attaches to the binding that was created.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -27,9 +29,33 @@ from sandlot.broker.store import Store
 from sandlot.broker.store.schema import idempotency
 from sandlot.protocol.errors import IdempotencyInFlight, IdempotencyKeyReused, InvalidRequest
 
-#: This process's identity for in-flight records.
-PROCESS_OWNER = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
 MAX_KEY_LENGTH = 255
+
+
+def _start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # The command name may hold spaces; fields after its closing paren are fixed.
+            return f.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+#: This process's identity for in-flight records: host, pid and the pid's start time,
+#: so a record left by a process that died on this host is recognised at once.
+PROCESS_OWNER = (
+    f"{socket.gethostname()}|{os.getpid()}|{_start_time(os.getpid())}|{uuid.uuid4().hex[:8]}"
+)
+
+
+def owner_alive(owner: str) -> bool:
+    """Whether the process that wrote an in-flight record may still be working on it."""
+    host, _, rest = owner.partition("|")
+    pid_text, _, rest = rest.partition("|")
+    started, _, _ = rest.partition("|")
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True  # another machine: only the timeout can tell
+    return _start_time(int(pid_text)) == started
 
 
 @dataclass(frozen=True)
@@ -94,7 +120,9 @@ class IdempotencyStore:
                 )
             if row.state == "done":
                 return StoredResponse(row.status, row.response)
-            stale = row.owner != PROCESS_OWNER and now - row.created_at > self.STALE_SECONDS
+            stale = row.owner != PROCESS_OWNER and (
+                not owner_alive(row.owner) or now - row.created_at > self.STALE_SECONDS
+            )
             if not stale:
                 raise IdempotencyInFlight("a request with this key is in progress", retry_after=1.0)
             conn.execute(
