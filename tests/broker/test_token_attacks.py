@@ -44,7 +44,7 @@ def _attacks(h: Harness, token: str, claims: dict) -> dict[str, str]:
             {**claims, **changes}, key.private, algorithm="EdDSA", headers={"kid": header["kid"]}
         )
 
-    head, payload, sig = token.split(".")
+    head, _payload, sig = token.split(".")
     edited_claims = {**claims, "caps": ["fs_read", "fs_write", "exec", "shell", "admin"]}
     return {
         "alg none": _forge({"alg": "none", "typ": "JWT", "kid": header["kid"]}, claims),
@@ -80,7 +80,7 @@ async def test_token_attacks_rejected_at_broker(harness: Harness) -> None:
 
 
 async def test_replay_after_release_and_recreation(harness: Harness) -> None:
-    k, g, claims = await _grant(harness)
+    k, g, _claims = await _grant(harness)
     r = await harness.client.post(
         "/sandbox/release", json={"session_id": g["session_id"]}, headers=k
     )

@@ -147,10 +147,21 @@ def start_server(
 
         os.chown(workspace, *fs_ids)
         os.chown(tmp, *fs_ids)
-    template = Template(name="default", image="host", shells={"default": ["/bin/bash", "--norc", "--noprofile", "-i"], "sh": ["/bin/sh"]})
+    template = Template(
+        name="default",
+        image="host",
+        shells={"default": ["/bin/bash", "--norc", "--noprofile", "-i"], "sh": ["/bin/sh"]},
+    )
     runtime = RootedRuntime("sb_test", 1, template, workspace, tmp=tmp, fs_ids=fs_ids)
     port = _free_port()
-    config = uvicorn.Config(host.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off", ws_ping_interval=None)
+    config = uvicorn.Config(
+        host.app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="off",
+        ws_ping_interval=None,
+    )
     server = uvicorn.Server(config)
     loop_box: dict[str, asyncio.AbstractEventLoop] = {}
 

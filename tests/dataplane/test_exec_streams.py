@@ -23,19 +23,27 @@ def test_exec_options(server: Server, client: httpx.Client) -> None:
     assert r.json()["exit_code"] == 124 and r.json()["timed_out"] is True
     r = client.post(server.url("/exec"), json={"command": ["cat"], "stdin": "piped"})
     assert r.json()["stdout"] == "piped"
-    r = client.post(server.url("/exec"), json={"command": "pwd; echo $FOO", "cwd": "sub", "env": {"FOO": "bar"}})
+    r = client.post(
+        server.url("/exec"), json={"command": "pwd; echo $FOO", "cwd": "sub", "env": {"FOO": "bar"}}
+    )
     assert r.status_code == 400  # cwd missing
     (server.workspace / "sub").mkdir()
-    r = client.post(server.url("/exec"), json={"command": "pwd; echo $FOO", "cwd": "sub", "env": {"FOO": "bar"}})
+    r = client.post(
+        server.url("/exec"), json={"command": "pwd; echo $FOO", "cwd": "sub", "env": {"FOO": "bar"}}
+    )
     assert r.json()["stdout"].endswith("sub\nbar\n")
-    big = client.post(server.url("/exec"), json={"command": "head -c 3000000 /dev/zero | tr '\\0' a"})
+    big = client.post(
+        server.url("/exec"), json={"command": "head -c 3000000 /dev/zero | tr '\\0' a"}
+    )
     assert big.json()["truncated"] is False and len(big.json()["stdout"]) == 3_000_000
     r1 = client.post(server.url("/exec"), json={"command": "echo $RANDOM", "command_id": "once"})
     r2 = client.post(server.url("/exec"), json={"command": "echo $RANDOM", "command_id": "once"})
     assert r1.json() == r2.json()
     snap = client.get(server.url(f"/execs/{r1.json()['exec_id']}")).json()
     assert snap["state"] == "exited" and snap["last_event_sequence"] >= 1
-    assert any(e["exec_id"] == snap["exec_id"] for e in client.get(server.url("/execs")).json()["execs"])
+    assert any(
+        e["exec_id"] == snap["exec_id"] for e in client.get(server.url("/execs")).json()["execs"]
+    )
     assert client.get(server.url("/execs/ex_nope")).status_code == 404
     bad = client.post(server.url("/exec"), json={"command": ""})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "INVALID_REQUEST"
@@ -55,17 +63,18 @@ def test_output_cap_truncates(tmp_path: Any) -> None:
 
 
 PRODUCER = (
-    "python3 -c \"import hashlib,sys,time\n"
+    'python3 -c "import hashlib,sys,time\n'
     "for i in range({n}):\n"
     "  line='%06d %s\\n'%(i,hashlib.sha1(str(i).encode()).hexdigest()+'é✓')\n"
     "  sys.stdout.write(line); sys.stdout.flush()\n"
-    "  if i%5==0: time.sleep(0.003)\""
+    '  if i%5==0: time.sleep(0.003)"'
 )
 
 
 def _expected(n: int) -> bytes:
     return b"".join(
-        (f"{i:06d} " + hashlib.sha1(str(i).encode()).hexdigest() + "é✓\n").encode() for i in range(n)
+        (f"{i:06d} " + hashlib.sha1(str(i).encode()).hexdigest() + "é✓\n").encode()
+        for i in range(n)
     )
 
 
@@ -81,7 +90,16 @@ async def _reattach_run(server: Server, n: int, drops: int) -> None:
             if exec_id is None:
                 await ws.send(json.dumps({"type": "start", "command": PRODUCER.format(n=n)}))
             else:
-                await ws.send(json.dumps({"type": "attach", "exec_id": exec_id, "stdout_offset": len(got), "stderr_offset": 0}))
+                await ws.send(
+                    json.dumps(
+                        {
+                            "type": "attach",
+                            "exec_id": exec_id,
+                            "stdout_offset": len(got),
+                            "stderr_offset": 0,
+                        }
+                    )
+                )
                 reattaches += 1
             ready = await _recv(ws)
             assert ready["type"] == "ready", ready
@@ -101,7 +119,9 @@ async def _reattach_run(server: Server, n: int, drops: int) -> None:
                 elif frame["type"] == "exit":
                     assert frame["exit_code"] == 0
                     assert reattaches >= drops
-                    assert hashlib.sha256(got).hexdigest() == hashlib.sha256(_expected(n)).hexdigest()
+                    assert (
+                        hashlib.sha256(got).hexdigest() == hashlib.sha256(_expected(n)).hexdigest()
+                    )
                     return
                 elif frame["type"] == "gap":
                     raise AssertionError(f"unexpected gap {frame}")
@@ -114,12 +134,20 @@ def test_reattach_hundreds_of_times_loses_nothing(server: Server) -> None:
 async def _gap_run(server: Server) -> None:
     hdr = server.headers()
     async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=hdr) as ws:
-        await ws.send(json.dumps({"type": "start", "command": "head -c 300000 /dev/zero | tr '\\0' x; echo done >&2"}))
+        await ws.send(
+            json.dumps(
+                {"type": "start", "command": "head -c 300000 /dev/zero | tr '\\0' x; echo done >&2"}
+            )
+        )
         ready = await _recv(ws)
     exec_id = ready["exec_id"]
     await asyncio.sleep(0.5)
     async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=hdr) as ws:
-        await ws.send(json.dumps({"type": "attach", "exec_id": exec_id, "stdout_offset": 0, "stderr_offset": 0}))
+        await ws.send(
+            json.dumps(
+                {"type": "attach", "exec_id": exec_id, "stdout_offset": 0, "stderr_offset": 0}
+            )
+        )
         assert (await _recv(ws))["type"] == "ready"
         frames = []
         while True:
@@ -149,7 +177,11 @@ def test_gap_beyond_buffer(tmp_path: Any) -> None:
 async def _two_clients(server: Server) -> None:
     hdr = server.headers()
     async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=hdr) as a:
-        await a.send(json.dumps({"type": "start", "command": "read x; seq 1 20000; echo $x", "command_id": "shared"}))
+        await a.send(
+            json.dumps(
+                {"type": "start", "command": "read x; seq 1 20000; echo $x", "command_id": "shared"}
+            )
+        )
         ready = await _recv(a)
         async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=hdr) as b:
             await b.send(json.dumps({"type": "attach", "command_id": "shared"}))
@@ -177,7 +209,17 @@ def test_two_clients_identical(server: Server) -> None:
 async def _pty_and_signal(server: Server) -> None:
     hdr = server.headers()
     async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=hdr) as ws:
-        await ws.send(json.dumps({"type": "start", "command": "stty size; tty >/dev/null && echo TTY; sleep 30", "pty": True, "cols": 100, "rows": 40}))
+        await ws.send(
+            json.dumps(
+                {
+                    "type": "start",
+                    "command": "stty size; tty >/dev/null && echo TTY; sleep 30",
+                    "pty": True,
+                    "cols": 100,
+                    "rows": 40,
+                }
+            )
+        )
         assert (await _recv(ws))["type"] == "ready"
         out = ""
         while "TTY" not in out:
@@ -199,11 +241,15 @@ def test_pty_mode_resize_signal(server: Server) -> None:
 
 def test_signal_endpoint(server: Server, client: httpx.Client) -> None:
     async def run() -> None:
-        async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=server.headers()) as ws:
+        async with websockets.connect(
+            server.ws_url("/exec/ws"), additional_headers=server.headers()
+        ) as ws:
             await ws.send(json.dumps({"type": "start", "command": "sleep 30"}))
             ready = await _recv(ws)
             r = await asyncio.to_thread(
-                client.post, server.url(f"/execs/{ready['exec_id']}/signal"), json={"signal": "SIGKILL"}
+                client.post,
+                server.url(f"/execs/{ready['exec_id']}/signal"),
+                json={"signal": "SIGKILL"},
             )
             assert r.status_code == 200
             while (f := await _recv(ws))["type"] != "exit":
@@ -217,18 +263,39 @@ def test_langsmith_execute_ws_reconnect(server: Server) -> None:
     async def run() -> None:
         hdr = {"X-Api-Key": server.token()}
         async with websockets.connect(server.ws_url("/execute/ws"), additional_headers=hdr) as ws:
-            await ws.send(json.dumps({"type": "execute", "command": "echo one; sleep 0.3; echo two", "command_id": "ls1"}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "execute",
+                        "command": "echo one; sleep 0.3; echo two",
+                        "command_id": "ls1",
+                    }
+                )
+            )
             started = await _recv(ws)
             assert started["type"] == "started" and started["command_id"] == "ls1"
             first = await _recv(ws)
             assert first == {"type": "stdout", "data": "one\n", "offset": 0}
         async with websockets.connect(server.ws_url("/execute/ws"), additional_headers=hdr) as ws:
-            await ws.send(json.dumps({"type": "reconnect", "command_id": "ls1", "stdout_offset": 4, "stderr_offset": 0}))
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "reconnect",
+                        "command_id": "ls1",
+                        "stdout_offset": 4,
+                        "stderr_offset": 0,
+                    }
+                )
+            )
             assert (await _recv(ws))["type"] == "started"
             f = await _recv(ws)
             assert f["type"] == "stdout" and f["offset"] == 4 and f["data"] == "two\n"
             assert (await _recv(ws))["type"] == "exit"
 
     asyncio.run(run())
-    r = httpx.post(server.url("/execute"), headers={"X-Api-Key": server.token()}, json={"command": "echo ls", "timeout": 5})
+    r = httpx.post(
+        server.url("/execute"),
+        headers={"X-Api-Key": server.token()},
+        json={"command": "echo ls", "timeout": 5},
+    )
     assert r.json()["stdout"] == "ls\n" and r.json()["exit_code"] == 0
