@@ -17,6 +17,7 @@ between resolution and use makes the operation fail instead of escaping.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -167,6 +168,12 @@ class PathResolver:
             for i in range(len(parts)):
                 self._virtual.add("/" + "/".join(parts[:i]))
         self._fds: dict[str, int] = {}
+        # Opened now, with the server's identity: the host directories leading to a
+        # mount are none of the sandbox user's business (file operations may run
+        # as that user, who need not be able to traverse them).
+        for m in self.mounts:
+            with contextlib.suppress(SandlotError):
+                self._mount_fd(m)
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -1,0 +1,301 @@
+"""Path escapes through every file endpoint, token attacks, revocation."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+import tarfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import jwt
+import pytest
+import websockets
+
+from tests.dataplane.conftest import Server, start_server
+
+SECRET = "TOP-SECRET-SENTINEL"
+NOBODY = (65534, 65534)
+
+
+@pytest.fixture
+def confined(tmp_path: Path) -> Iterator[Server]:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text(SECRET)
+    os.chmod(outside / "sentinel", 0o600)
+    gen = start_server(tmp_path, fs_ids=NOBODY)
+    srv = next(gen)
+    srv.extra["outside"] = outside
+    ws = srv.workspace
+    os.symlink(str(outside), ws / "out_abs")
+    os.symlink("../../outside/sentinel", ws / "out_rel")
+    os.symlink("/proc/self/root" + str(outside), ws / "out_proc")
+    os.symlink("/proc/self/cwd", ws / "out_cwd")
+    os.symlink("loop2", ws / "loop1")
+    os.symlink("loop1", ws / "loop2")
+    os.link(outside / "sentinel", ws / "hardlink")
+    os.mkfifo(ws / "fifo")
+    os.chown(ws / "fifo", *NOBODY)
+    os.symlink("/workspace/inside.txt", ws / "ok_abs")
+    (ws / "inside.txt").write_text("inside")
+    os.chown(ws / "inside.txt", *NOBODY)
+    try:
+        yield srv
+    finally:
+        gen.close()
+
+
+ESCAPES = [
+    "../../outside/sentinel",
+    "/workspace/../../outside/sentinel",
+    "../" * 20 + "etc/passwd",
+    "%2e%2e/%2e%2e/outside/sentinel",
+    "/etc/passwd",
+    "/etc/shadow",
+    "/proc/self/environ",
+    "/proc/self/root/etc/passwd",
+    "out_abs/sentinel",
+    "out_rel",
+    "out_proc/sentinel",
+    "out_cwd/etc/passwd",
+    "loop1",
+    "hardlink",
+    "fifo",
+    "a\x00b",
+    "x" * 300,
+    "/".join(["d"] * 3000),
+]
+
+
+def _check(r: httpx.Response) -> None:
+    assert r.status_code < 500, (r.status_code, r.text)
+    assert SECRET not in r.text
+    assert "root:x:0:0" not in r.text
+
+
+def test_escape_corpus_every_endpoint(confined: Server) -> None:
+    srv = confined
+    outside: Path = srv.extra["outside"]
+    with httpx.Client(headers=srv.headers(), timeout=10) as c:
+        # The hard link is readable only with the sandbox user's rights: denied.
+        r = c.get(srv.url("/fs/read"), params={"path": "hardlink"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "PERMISSION_DENIED"
+        # Symlinks inside the sandbox view keep working.
+        assert c.get(srv.url("/fs/read"), params={"path": "ok_abs"}).json()["content"] == "inside"
+        for p in ESCAPES:
+            for r in (
+                c.get(srv.url("/fs/read"), params={"path": p}),
+                c.get(srv.url("/fs/stat"), params={"path": p}),
+                c.get(srv.url("/fs/list"), params={"path": p}),
+                c.get(srv.url("/files/download"), params={"path": p}),
+                c.head(srv.url("/files/download"), params={"path": p}),
+                c.get(srv.url("/download"), params={"path": p}),
+                c.get(srv.url("/files/archive"), params={"path": p}),
+                c.post(srv.url("/fs/grep"), json={"pattern": "SECRET", "path": p}),
+                c.post(srv.url("/fs/glob"), json={"pattern": "**/*", "path": p}),
+                c.post(srv.url("/fs/glob"), json={"pattern": p + "/*"}),
+                c.put(srv.url("/fs/write"), json={"path": p + "/new", "content": "x"}),
+                c.put(srv.url("/fs/write"), json={"path": p, "content": "pwned"}),
+                c.post(srv.url("/fs/edit"), json={"path": p, "old_string": "SECRET", "new_string": "x"}),
+                c.post(srv.url("/files/upload"), params={"path": p}, content=b"pwned"),
+                c.post(srv.url("/upload"), params={"path": p}, files={"file": ("f", b"pwned")}),
+                c.post(srv.url("/fs/mkdir"), json={"path": p + "/dir"}),
+                c.post(srv.url("/fs/move"), json={"src": "inside.txt", "dst": p + "/moved"}),
+                c.post(srv.url("/fs/move"), json={"src": p, "dst": "stolen"}),
+            ):
+                _check(r)
+            if p not in ("out_rel", "hardlink", "fifo", "loop1"):
+                _check(c.delete(srv.url("/fs"), params={"path": p + "/sentinel"}))
+        # Archive members trying to climb out.
+        for name, kind in (("../evil", tarfile.REGTYPE), ("/abs", tarfile.REGTYPE), ("lnk", tarfile.SYMTYPE), ("hl", tarfile.LNKTYPE)):
+            buf = io.BytesIO()
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                info = tarfile.TarInfo(name)
+                info.type = kind
+                if kind == tarfile.SYMTYPE:
+                    info.linkname = "../../outside/sentinel"
+                elif kind == tarfile.LNKTYPE:
+                    info.linkname = "/etc/passwd"
+                info.size = 0 if kind != tarfile.REGTYPE else 5
+                tar.addfile(info, io.BytesIO(b"pwned") if kind == tarfile.REGTYPE else None)
+            r = c.post(srv.url("/files/archive"), params={"path": "x"}, content=buf.getvalue())
+            assert r.status_code == 400, r.text
+        r = c.post(srv.url("/files/archive"), params={"path": "out_abs"}, content=buf.getvalue())
+        _check(r)
+    assert (outside / "sentinel").read_text() == SECRET
+    assert sorted(os.listdir(outside)) == ["sentinel"]
+    assert not (srv.root.parent / "evil").exists()
+
+
+def test_files_created_as_sandbox_user(confined: Server) -> None:
+    srv = confined
+    with httpx.Client(headers=srv.headers(), timeout=10) as c:
+        assert c.put(srv.url("/fs/write"), json={"path": "d/new.txt", "content": "x"}).status_code == 201
+        st = (srv.workspace / "d" / "new.txt").stat()
+        assert (st.st_uid, st.st_gid) == NOBODY
+        assert (srv.workspace / "d").stat().st_uid == NOBODY[0]
+        os.chmod(srv.workspace / "d", 0o555)
+        r = c.put(srv.url("/fs/write"), json={"path": "d/other.txt", "content": "x"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "PERMISSION_DENIED"
+
+
+def test_symlink_swap_race(confined: Server) -> None:
+    """A thread flips a directory and a symlink out while reads and writes run."""
+    srv = confined
+    outside: Path = srv.extra["outside"]
+    target = srv.workspace / "swap"
+    stop = threading.Event()
+
+    def flipper() -> None:
+        real = srv.workspace / "swap_real"
+        real.mkdir()
+        (real / "sentinel").write_text("inside")
+        os.chown(real, *NOBODY)
+        os.chown(real / "sentinel", *NOBODY)
+        while not stop.is_set():
+            try:
+                os.symlink(str(outside), str(target) + ".tmp")
+                os.replace(str(target) + ".tmp", target)
+                os.replace(target, str(target) + ".old") if False else None
+                os.unlink(target)
+                os.symlink("swap_real", target)
+                os.unlink(target)
+            except OSError:
+                pass
+
+    t = threading.Thread(target=flipper)
+    t.start()
+    try:
+        with httpx.Client(headers=srv.headers(), timeout=10) as c:
+            for i in range(150):
+                _check(c.get(srv.url("/fs/read"), params={"path": "swap/sentinel"}))
+                _check(c.put(srv.url("/fs/write"), json={"path": "swap/sentinel", "content": f"w{i}"}))
+                _check(c.get(srv.url("/files/download"), params={"path": "swap/sentinel"}))
+    finally:
+        stop.set()
+        t.join()
+    assert (outside / "sentinel").read_text() == SECRET
+    assert sorted(os.listdir(outside)) == ["sentinel"]
+
+
+# --- tokens ----------------------------------------------------------------------------
+
+
+def _attacks(srv: Server) -> list[tuple[str, dict[str, str], set[int]]]:
+    keys = srv.keys
+    good = srv.token()
+    head, payload, sig = good.split(".")
+    claims = keys.claims(srv.sandbox_id)
+    pub = keys.private.public_key()
+    from cryptography.hazmat.primitives import serialization
+
+    pem = pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    none_tok = (
+        base64.urlsafe_b64encode(b'{"alg":"none","typ":"JWT","kid":"k_test"}').rstrip(b"=").decode()
+        + "."
+        + base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
+        + "."
+    )
+    import hmac
+    import hashlib
+
+    h = base64.urlsafe_b64encode(b'{"alg":"HS256","kid":"k_test"}').rstrip(b"=")
+    p = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=")
+    mac = base64.urlsafe_b64encode(hmac.new(pem, h + b"." + p, hashlib.sha256).digest()).rstrip(b"=")
+    hs_tok = (h + b"." + p + b"." + mac).decode()
+    edited = json.loads(base64.urlsafe_b64decode(payload + "=="))
+    edited["caps"] = ["fs_read", "fs_write", "exec", "shell"]
+    edited_tok = head + "." + base64.urlsafe_b64encode(json.dumps(edited).encode()).rstrip(b"=").decode() + "." + sig
+    other = jwt.encode(claims, __import__("cryptography.hazmat.primitives.asymmetric.ed25519", fromlist=["x"]).Ed25519PrivateKey.generate(), algorithm="EdDSA", headers={"kid": "k_unknown"})
+    now = int(time.time())
+    bearer = lambda t: {"Authorization": f"Bearer {t}"}  # noqa: E731
+    return [
+        ("missing", {}, {401}),
+        ("garbage", bearer("garbage"), {401}),
+        ("alg none", bearer(none_tok), {401}),
+        ("hs256 with public key", bearer(hs_tok), {401}),
+        ("unknown kid", bearer(other), {401}),
+        ("expired", bearer(srv.token(exp=now - 120, iat=now - 1000, nbf=now - 1000)), {401}),
+        ("future nbf", bearer(srv.token(nbf=now + 600)), {401}),
+        ("wrong iss", bearer(srv.token(iss="https://evil")), {401}),
+        ("wrong aud", bearer(srv.token(aud="other")), {401}),
+        ("wrong typ", bearer(srv.token(typ="JWT")), {401}),
+        ("other sandbox", bearer(srv.keys.token("sb_other")), {403}),
+        ("capability escalation", bearer(srv.token(caps=["fs_read"])), {403}),
+        ("edited payload", bearer(edited_tok), {401}),
+        ("wrong generation", bearer(srv.token(gen=2)), {401}),
+        ("oversized", bearer("eyJ" + "a" * 20000 + ".b.c"), {401}),
+        ("api key without resolver", {"X-Api-Key": "sl_abc_def"}, {401}),
+    ]
+
+
+def test_token_attacks(server: Server) -> None:
+    for name, headers, expected in _attacks(server):
+        r = httpx.post(server.url("/exec"), headers=headers, json={"command": "true"})
+        assert r.status_code in expected, (name, r.status_code, r.text)
+        assert r.json()["error"]["code"] in ("UNAUTHENTICATED", "TOKEN_EXPIRED", "FORBIDDEN", "CAPABILITY_DENIED")
+        assert r.headers["x-request-id"]
+
+
+def test_revocation_closes_socket_within_a_second(server: Server) -> None:
+    from sandlot.providers.base import RevokedToken
+
+    jti = "tok_revoked"
+    token = server.token(jti=jti)
+
+    async def run() -> float:
+        async with websockets.connect(server.ws_url("/shell/ws?session=rv")) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": token}))
+            assert json.loads(await ws.recv())["type"] == "auth_ok"
+            t0 = time.monotonic()
+            await asyncio.to_thread(server.call, server.host.revoke, [RevokedToken(jti, time.time() + 900)])
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 2)
+            assert info.value.rcvd is not None and info.value.rcvd.code == 4401
+            return time.monotonic() - t0
+
+    assert asyncio.run(run()) < 1.0
+    r = httpx.get(server.url("/fs/list"), headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 401
+
+
+def test_ws_auth_failures(server: Server) -> None:
+    async def code(url: str, frame: Any = None, headers: Any = None) -> int:
+        async with websockets.connect(url, additional_headers=headers) as ws:
+            if frame is not None:
+                await ws.send(json.dumps(frame))
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 5)
+            assert info.value.rcvd is not None
+            return info.value.rcvd.code
+
+    async def run() -> None:
+        assert await code(server.ws_url("/exec/ws"), {"type": "auth", "token": "bad"}) == 4401
+        assert await code(server.ws_url("/exec/ws"), {"type": "start", "command": "true"}) == 4401
+        low = server.token(caps=["shell_observe"])
+        assert await code(server.ws_url("/exec/ws"), {"type": "auth", "token": low}) == 4403
+        assert await code(server.ws_url("/shell/ws?session=nope&create=false"), headers=server.headers()) == 4404
+        assert await code(server.ws_url("/exec/ws", "sb_missing"), headers=server.headers()) == 4404
+
+    asyncio.run(run())
+
+
+def test_starting_sandbox_is_423(server: Server) -> None:
+    from sandlot.protocol.states import SandboxState
+
+    server.call(server.host.register, "sb_new", 1, SandboxState.PROVISIONING, None)
+    r = httpx.get(server.url("/fs/list", "sb_new"), headers={"Authorization": f"Bearer {server.keys.token('sb_new')}"})
+    assert r.status_code == 423 and r.headers["retry-after"] and r.json()["error"]["code"] == "SANDBOX_STARTING"
+    seq = server.call(server.host.set_state, "sb_new", SandboxState.ACTIVE)
+    assert server.call(server.host.status, "sb_new") == (SandboxState.ACTIVE, seq)
+    server.call(server.host.unregister, "sb_new")
