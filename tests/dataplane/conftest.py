@@ -174,6 +174,12 @@ def start_server(
             host.register("sb_test", 1, SandboxState.ACTIVE, runtime)
             await server.serve()
             await host.close()
+            # Whatever the server left behind (tasks of sockets cut mid-way) ends here.
+            current = asyncio.current_task()
+            rest = [t for t in asyncio.all_tasks() if t is not current]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
 
         loop.run_until_complete(main())
         loop.close()

@@ -362,8 +362,15 @@ class ExecManager:
         )
 
     async def close(self) -> None:
-        for ex in self._execs.values():
+        running = [ex for ex in self._execs.values() if ex.state is ExecState.RUNNING]
+        for ex in running:
             ex.signal(signals.SIGKILL)
+        # Let the supervisors reap what was killed (no zombie, no Popen left running).
+        if running:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(ex.done.wait() for ex in running)), EOF_GRACE + 1.0
+                )
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

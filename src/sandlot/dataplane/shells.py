@@ -238,8 +238,12 @@ class ShellManager:
             await asyncio.wait_for(shell.done.wait(), 2.0)
 
     async def close(self) -> None:
-        for shell in list(self._shells.values()):
+        shells = list(self._shells.values())
+        for shell in shells:
             shell.signal(signals.SIGKILL)
+        if shells:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(s.done.wait() for s in shells)), 2.0)
         for task in list(self._tasks):
             task.cancel()
         for task in list(self._tasks):

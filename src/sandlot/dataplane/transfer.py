@@ -215,7 +215,9 @@ def _extract(
                 if not parts:
                     continue
                 target = base.rstrip("/") + "/" + "/".join(parts)
-                seen.add(target)
+                # Directories implied by a member's name are part of the tree too.
+                for i in range(1, len(parts) + 1):
+                    seen.add(base.rstrip("/") + "/" + "/".join(parts[:i]))
                 if member.isdir():
                     with resolver.resolve(target, create_parents=True) as res:
                         if res.name is not None:
