@@ -64,6 +64,8 @@ def configure_logging(fmt: str = "text", level: int = logging.INFO) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # Migrations narrate every plugin they load; only their warnings matter here.
+    logging.getLogger("alembic").setLevel(max(level, logging.WARNING))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         lg = logging.getLogger(name)
         lg.handlers[:] = []

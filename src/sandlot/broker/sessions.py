@@ -174,6 +174,7 @@ class SessionService:
             template = await anyio.to_thread.run_sync(
                 self.templates.get, req.template or self.settings.default_template
             )
+        await anyio.to_thread.run_sync(self._warm_caches)
         result = await anyio.to_thread.run_sync(
             self._negotiate_tx, ctx, principal, req, scope, caps, template
         )
@@ -185,6 +186,11 @@ class SessionService:
             result.grant.binding.state = state.value
         self.hub.notify(result.grant.session_id)
         return result.grant
+
+    def _warm_caches(self) -> None:
+        """Reload what transactions read from memory (never open a second connection in one)."""
+        self.keyring.refresh_if_stale()
+        self.templates.list()
 
     def _negotiate_tx(
         self,
@@ -488,12 +494,8 @@ class SessionService:
         return minted
 
     def policy(self, template_name: str | None = None) -> Policy:
-        tpl: Template | None = None
-        if template_name:
-            try:
-                tpl = self.templates.get(template_name)
-            except Exception:
-                tpl = None
+        # From the template cache only: this runs inside transactions.
+        tpl = self.templates.peek(template_name) if template_name else None
         return Policy(
             idle_timeout_seconds=(tpl.idle_timeout_seconds if tpl else None)
             or self.settings.idle_timeout_seconds,
@@ -610,6 +612,7 @@ class SessionService:
         )
 
     def refresh(self, ctx: AuditContext, principal: Principal, session_id: str) -> RefreshResponse:
+        self._warm_caches()
         with self.store.write() as conn:
             binding, sandbox = self._load(conn, principal, session_id)
             lease = self._lease(conn, principal, binding.id)

@@ -74,6 +74,10 @@ class TemplateService:
             raise ResourceNotFound(f"no template {name!r}", metadata={"template": name})
         return tpl
 
+    def peek(self, name: str) -> Template | None:
+        """The cached template, without touching the store (safe inside a transaction)."""
+        return self._cache.get(name)
+
     def list(self) -> list[Template]:
         return sorted(self._load().values(), key=lambda t: t.name)
 

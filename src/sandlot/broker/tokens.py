@@ -110,6 +110,10 @@ class KeyRing:
             self._keys = keys
             self._loaded_at = time.monotonic()
 
+    def refresh_if_stale(self) -> None:
+        """Pick up keys added by other workers; call outside any transaction."""
+        self._maybe_reload()
+
     def _maybe_reload(self) -> None:
         if time.monotonic() - self._loaded_at > self.RELOAD_SECONDS:
             self.reload()
@@ -162,12 +166,11 @@ class KeyRing:
         ttl: int,
         now: float | None = None,
     ) -> MintedToken:
-        self._maybe_reload()
+        # No store access here: minting happens inside write transactions
+        # (see refresh_if_stale, called before them).
         key = self._active()
         if key is None:
-            self.ensure_key()
-            key = self._active()
-            assert key is not None
+            raise RuntimeError("no signing key loaded (KeyRing.ensure_key was not called)")
         iat = int(now if now is not None else time.time())
         jti = new_id("tok", 12)
         claims = {

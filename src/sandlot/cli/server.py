@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Mapping
@@ -133,7 +134,18 @@ def serve(settings: BrokerSettings) -> None:
     server = uvicorn.Server(uvicorn_config(app))
     sys.stdout.write(banner(settings))
     sys.stdout.flush()
-    server.run(sockets=[sock])
+    run_until_signalled(server, [sock])
+
+
+def run_until_signalled(server: uvicorn.Server, sockets: list[socket.socket]) -> None:
+    """Serve until SIGTERM/SIGINT, shut down gracefully, and exit 0.
+
+    uvicorn re-raises the signal it caught once it has shut down; the no-op
+    handlers make that a clean exit instead of death by signal.
+    """
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    server.run(sockets=sockets)
 
 
 def uvicorn_config(app: Any) -> uvicorn.Config:

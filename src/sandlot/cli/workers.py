@@ -32,7 +32,13 @@ from fastapi import FastAPI
 from sandlot.broker.app import create_app
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.settings import BrokerSettings
-from sandlot.cli.server import banner, bind_socket, build_app, uvicorn_config
+from sandlot.cli.server import (
+    banner,
+    bind_socket,
+    build_app,
+    run_until_signalled,
+    uvicorn_config,
+)
 from sandlot.providers.remote import RemoteProvider
 
 
@@ -46,7 +52,7 @@ def _run_host(
     uds.bind(uds_path)
     os.chmod(uds_path, 0o600)
     uds.listen(1024)
-    uvicorn.Server(uvicorn_config(app)).run(sockets=[dp_sock, uds])
+    run_until_signalled(uvicorn.Server(uvicorn_config(app)), [dp_sock, uds])
 
 
 def _run_worker(
@@ -67,7 +73,7 @@ def _run_worker(
             await broker.stop()
 
     app.router.lifespan_context = lifespan
-    uvicorn.Server(uvicorn_config(app)).run(sockets=[sock])
+    run_until_signalled(uvicorn.Server(uvicorn_config(app)), [sock])
 
 
 def _fork(target: Any, *args: Any) -> int:
@@ -75,8 +81,6 @@ def _fork(target: Any, *args: Any) -> int:
     if pid == 0:
         code = 0
         try:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
             target(*args)
         except BaseException:
             import traceback
