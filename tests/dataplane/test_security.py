@@ -104,7 +104,9 @@ def test_escape_corpus_every_endpoint(confined: Server) -> None:
                 c.post(srv.url("/fs/glob"), json={"pattern": p + "/*"}),
                 c.put(srv.url("/fs/write"), json={"path": p + "/new", "content": "x"}),
                 c.put(srv.url("/fs/write"), json={"path": p, "content": "pwned"}),
-                c.post(srv.url("/fs/edit"), json={"path": p, "old_string": "SECRET", "new_string": "x"}),
+                c.post(
+                    srv.url("/fs/edit"), json={"path": p, "old_string": "SECRET", "new_string": "x"}
+                ),
                 c.post(srv.url("/files/upload"), params={"path": p}, content=b"pwned"),
                 c.post(srv.url("/upload"), params={"path": p}, files={"file": ("f", b"pwned")}),
                 c.post(srv.url("/fs/mkdir"), json={"path": p + "/dir"}),
@@ -115,7 +117,12 @@ def test_escape_corpus_every_endpoint(confined: Server) -> None:
             if p not in ("out_rel", "hardlink", "fifo", "loop1"):
                 _check(c.delete(srv.url("/fs"), params={"path": p + "/sentinel"}))
         # Archive members trying to climb out.
-        for name, kind in (("../evil", tarfile.REGTYPE), ("/abs", tarfile.REGTYPE), ("lnk", tarfile.SYMTYPE), ("hl", tarfile.LNKTYPE)):
+        for name, kind in (
+            ("../evil", tarfile.REGTYPE),
+            ("/abs", tarfile.REGTYPE),
+            ("lnk", tarfile.SYMTYPE),
+            ("hl", tarfile.LNKTYPE),
+        ):
             buf = io.BytesIO()
             with tarfile.open(fileobj=buf, mode="w") as tar:
                 info = tarfile.TarInfo(name)
@@ -138,7 +145,10 @@ def test_escape_corpus_every_endpoint(confined: Server) -> None:
 def test_files_created_as_sandbox_user(confined: Server) -> None:
     srv = confined
     with httpx.Client(headers=srv.headers(), timeout=10) as c:
-        assert c.put(srv.url("/fs/write"), json={"path": "d/new.txt", "content": "x"}).status_code == 201
+        assert (
+            c.put(srv.url("/fs/write"), json={"path": "d/new.txt", "content": "x"}).status_code
+            == 201
+        )
         st = (srv.workspace / "d" / "new.txt").stat()
         assert (st.st_uid, st.st_gid) == NOBODY
         assert (srv.workspace / "d").stat().st_uid == NOBODY[0]
@@ -177,7 +187,9 @@ def test_symlink_swap_race(confined: Server) -> None:
         with httpx.Client(headers=srv.headers(), timeout=10) as c:
             for i in range(150):
                 _check(c.get(srv.url("/fs/read"), params={"path": "swap/sentinel"}))
-                _check(c.put(srv.url("/fs/write"), json={"path": "swap/sentinel", "content": f"w{i}"}))
+                _check(
+                    c.put(srv.url("/fs/write"), json={"path": "swap/sentinel", "content": f"w{i}"})
+                )
                 _check(c.get(srv.url("/files/download"), params={"path": "swap/sentinel"}))
     finally:
         stop.set()
@@ -197,24 +209,41 @@ def _attacks(srv: Server) -> list[tuple[str, dict[str, str], set[int]]]:
     pub = keys.private.public_key()
     from cryptography.hazmat.primitives import serialization
 
-    pem = pub.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pem = pub.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     none_tok = (
         base64.urlsafe_b64encode(b'{"alg":"none","typ":"JWT","kid":"k_test"}').rstrip(b"=").decode()
         + "."
         + base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
         + "."
     )
-    import hmac
     import hashlib
+    import hmac
 
     h = base64.urlsafe_b64encode(b'{"alg":"HS256","kid":"k_test"}').rstrip(b"=")
     p = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=")
-    mac = base64.urlsafe_b64encode(hmac.new(pem, h + b"." + p, hashlib.sha256).digest()).rstrip(b"=")
+    mac = base64.urlsafe_b64encode(hmac.new(pem, h + b"." + p, hashlib.sha256).digest()).rstrip(
+        b"="
+    )
     hs_tok = (h + b"." + p + b"." + mac).decode()
     edited = json.loads(base64.urlsafe_b64decode(payload + "=="))
     edited["caps"] = ["fs_read", "fs_write", "exec", "shell"]
-    edited_tok = head + "." + base64.urlsafe_b64encode(json.dumps(edited).encode()).rstrip(b"=").decode() + "." + sig
-    other = jwt.encode(claims, __import__("cryptography.hazmat.primitives.asymmetric.ed25519", fromlist=["x"]).Ed25519PrivateKey.generate(), algorithm="EdDSA", headers={"kid": "k_unknown"})
+    edited_tok = (
+        head
+        + "."
+        + base64.urlsafe_b64encode(json.dumps(edited).encode()).rstrip(b"=").decode()
+        + "."
+        + sig
+    )
+    other = jwt.encode(
+        claims,
+        __import__(
+            "cryptography.hazmat.primitives.asymmetric.ed25519", fromlist=["x"]
+        ).Ed25519PrivateKey.generate(),
+        algorithm="EdDSA",
+        headers={"kid": "k_unknown"},
+    )
     now = int(time.time())
     bearer = lambda t: {"Authorization": f"Bearer {t}"}  # noqa: E731
     return [
@@ -241,7 +270,12 @@ def test_token_attacks(server: Server) -> None:
     for name, headers, expected in _attacks(server):
         r = httpx.post(server.url("/exec"), headers=headers, json={"command": "true"})
         assert r.status_code in expected, (name, r.status_code, r.text)
-        assert r.json()["error"]["code"] in ("UNAUTHENTICATED", "TOKEN_EXPIRED", "FORBIDDEN", "CAPABILITY_DENIED")
+        assert r.json()["error"]["code"] in (
+            "UNAUTHENTICATED",
+            "TOKEN_EXPIRED",
+            "FORBIDDEN",
+            "CAPABILITY_DENIED",
+        )
         assert r.headers["x-request-id"]
 
 
@@ -256,7 +290,9 @@ def test_revocation_closes_socket_within_a_second(server: Server) -> None:
             await ws.send(json.dumps({"type": "auth", "token": token}))
             assert json.loads(await ws.recv())["type"] == "auth_ok"
             t0 = time.monotonic()
-            await asyncio.to_thread(server.call, server.host.revoke, [RevokedToken(jti, time.time() + 900)])
+            await asyncio.to_thread(
+                server.call, server.host.revoke, [RevokedToken(jti, time.time() + 900)]
+            )
             with pytest.raises(websockets.ConnectionClosed) as info:
                 while True:
                     await asyncio.wait_for(ws.recv(), 2)
@@ -284,7 +320,12 @@ def test_ws_auth_failures(server: Server) -> None:
         assert await code(server.ws_url("/exec/ws"), {"type": "start", "command": "true"}) == 4401
         low = server.token(caps=["shell_observe"])
         assert await code(server.ws_url("/exec/ws"), {"type": "auth", "token": low}) == 4403
-        assert await code(server.ws_url("/shell/ws?session=nope&create=false"), headers=server.headers()) == 4404
+        assert (
+            await code(
+                server.ws_url("/shell/ws?session=nope&create=false"), headers=server.headers()
+            )
+            == 4404
+        )
         assert await code(server.ws_url("/exec/ws", "sb_missing"), headers=server.headers()) == 4404
 
     asyncio.run(run())
@@ -294,8 +335,15 @@ def test_starting_sandbox_is_423(server: Server) -> None:
     from sandlot.protocol.states import SandboxState
 
     server.call(server.host.register, "sb_new", 1, SandboxState.PROVISIONING, None)
-    r = httpx.get(server.url("/fs/list", "sb_new"), headers={"Authorization": f"Bearer {server.keys.token('sb_new')}"})
-    assert r.status_code == 423 and r.headers["retry-after"] and r.json()["error"]["code"] == "SANDBOX_STARTING"
+    r = httpx.get(
+        server.url("/fs/list", "sb_new"),
+        headers={"Authorization": f"Bearer {server.keys.token('sb_new')}"},
+    )
+    assert (
+        r.status_code == 423
+        and r.headers["retry-after"]
+        and r.json()["error"]["code"] == "SANDBOX_STARTING"
+    )
     seq = server.call(server.host.set_state, "sb_new", SandboxState.ACTIVE)
     assert server.call(server.host.status, "sb_new") == (SandboxState.ACTIVE, seq)
     server.call(server.host.unregister, "sb_new")

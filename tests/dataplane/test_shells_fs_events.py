@@ -33,15 +33,21 @@ def test_driver_and_observer_see_identical_bytes(server: Server) -> None:
         drv_tok = server.token(caps=["shell"])
         obs_tok = server.token(caps=["shell_observe"], act={"type": "human", "id": "h"})
         url = server.ws_url("/shell/ws?session=main&cols=100&rows=30")
-        async with websockets.connect(url, additional_headers={"Authorization": f"Bearer {drv_tok}"}) as drv:
+        async with websockets.connect(
+            url, additional_headers={"Authorization": f"Bearer {drv_tok}"}
+        ) as drv:
             s = await _recv(drv)
             assert s["type"] == "session" and s["name"] == "main"
             assert (await _recv(drv))["type"] == "history"
-            async with websockets.connect(url + "&role=observer", additional_headers={"Authorization": f"Bearer {obs_tok}"}) as obs:
+            async with websockets.connect(
+                url + "&role=observer", additional_headers={"Authorization": f"Bearer {obs_tok}"}
+            ) as obs:
                 assert (await _recv(obs))["type"] == "session"
                 hist = await _recv(obs)
                 start = hist["offset"] + len(hist["data"].encode())
-                await drv.send(json.dumps({"type": "stdin", "data": "echo MARK$((6*7)); stty size\n"}))
+                await drv.send(
+                    json.dumps({"type": "stdin", "data": "echo MARK$((6*7)); stty size\n"})
+                )
                 # Observers cannot type.
                 await obs.send(json.dumps({"type": "stdin", "data": "echo nope\n"}))
                 frames_d: list[dict[str, Any]] = []
@@ -63,7 +69,7 @@ def test_driver_and_observer_see_identical_bytes(server: Server) -> None:
                     out = b""
                     for f in frames:
                         if f["type"] == "stdout" and f["offset"] + len(f["data"].encode()) > start:
-                            out += f["data"].encode()[max(0, start - f["offset"]):]
+                            out += f["data"].encode()[max(0, start - f["offset"]) :]
                     return out
 
                 a, b = stream(frames_d), stream(frames_o)
@@ -73,12 +79,12 @@ def test_driver_and_observer_see_identical_bytes(server: Server) -> None:
                 await obs.send(json.dumps({"type": "attach", "offset": start}))
                 replay = await _until(obs, "30 100")
                 assert "MARK42" in replay
-        r = httpx.get(server.url("/shells"), headers=server.headers())
-        assert [s["name"] for s in r.json()["shells"]] == ["main"]
-        assert httpx.delete(server.url("/shells/main"), headers=server.headers()).status_code == 204
-        assert httpx.delete(server.url("/shells/main"), headers=server.headers()).status_code == 404
 
     asyncio.run(run())
+    r = httpx.get(server.url("/shells"), headers=server.headers())
+    assert [s["name"] for s in r.json()["shells"]] == ["main"]
+    assert httpx.delete(server.url("/shells/main"), headers=server.headers()).status_code == 204
+    assert httpx.delete(server.url("/shells/main"), headers=server.headers()).status_code == 404
 
 
 def test_slow_reader_does_not_stall_fast_one(tmp_path: Any) -> None:
@@ -95,7 +101,14 @@ def test_slow_reader_does_not_stall_fast_one(tmp_path: Any) -> None:
             await _recv(fast)
             await _recv(fast)
             t0 = time.monotonic()
-            await fast.send(json.dumps({"type": "stdin", "data": "head -c 3000000 /dev/zero | tr '\\0' y; echo; echo FLOO''DED\n"}))
+            await fast.send(
+                json.dumps(
+                    {
+                        "type": "stdin",
+                        "data": "head -c 3000000 /dev/zero | tr '\\0' y; echo; echo FLOO''DED\n",
+                    }
+                )
+            )
             await _until(fast, "FLOODED\r\n")
             assert time.monotonic() - t0 < 15
         slow.transport.abort()
@@ -111,15 +124,43 @@ def test_fs_operations(server: Server, client: httpx.Client) -> None:
     w = client.put(u("/fs/write"), json={"path": "src/a.py", "content": "x = 1\ny = 2\nx = 3\n"})
     etag = w.json()["etag"]
     r = client.get(u("/fs/read"), params={"path": "src/a.py", "offset": 1, "limit": 1}).json()
-    assert r["content"] == "y = 2\n" and r["total_lines"] == 3 and r["next_offset"] == 2 and r["etag"] == etag
-    assert client.put(u("/fs/write"), json={"path": "src/a.py", "content": "z", "if_none_match": "*"}).status_code == 409
-    assert client.put(u("/fs/write"), json={"path": "src/a.py", "content": "z", "if_match": "stale"}).status_code == 409
-    e = client.post(u("/fs/edit"), json={"path": "src/a.py", "old_string": "x =", "new_string": "X ="})
+    assert (
+        r["content"] == "y = 2\n"
+        and r["total_lines"] == 3
+        and r["next_offset"] == 2
+        and r["etag"] == etag
+    )
+    assert (
+        client.put(
+            u("/fs/write"), json={"path": "src/a.py", "content": "z", "if_none_match": "*"}
+        ).status_code
+        == 409
+    )
+    assert (
+        client.put(
+            u("/fs/write"), json={"path": "src/a.py", "content": "z", "if_match": "stale"}
+        ).status_code
+        == 409
+    )
+    e = client.post(
+        u("/fs/edit"), json={"path": "src/a.py", "old_string": "x =", "new_string": "X ="}
+    )
     assert e.status_code == 400 and e.json()["error"]["metadata"]["occurrences"] == 2
-    e = client.post(u("/fs/edit"), json={"path": "src/a.py", "old_string": "x =", "new_string": "X =", "replace_all": True, "if_match": etag})
+    e = client.post(
+        u("/fs/edit"),
+        json={
+            "path": "src/a.py",
+            "old_string": "x =",
+            "new_string": "X =",
+            "replace_all": True,
+            "if_match": etag,
+        },
+    )
     assert e.json()["occurrences"] == 2
     assert (server.workspace / "src/a.py").read_text() == "X = 1\ny = 2\nX = 3\n"
-    client.put(u("/fs/write"), json={"path": "bin.dat", "content": "AAEC/w==", "encoding": "base64"})
+    client.put(
+        u("/fs/write"), json={"path": "bin.dat", "content": "AAEC/w==", "encoding": "base64"}
+    )
     assert client.get(u("/fs/read"), params={"path": "bin.dat"}).json()["encoding"] == "base64"
     client.put(u("/fs/write"), json={"path": "src/deep/b.py", "content": "needle here\n"})
     client.put(u("/fs/write"), json={"path": ".hidden/c.py", "content": "needle\n"})
@@ -131,21 +172,42 @@ def test_fs_operations(server: Server, client: httpx.Client) -> None:
     g = client.post(u("/fs/glob"), json={"pattern": "/workspace/**/.*.py"}).json()
     assert [m["path"] for m in g["matches"]] == ["/workspace/src/.d.py"]
     gr = client.post(u("/fs/grep"), json={"pattern": "needle", "path": "/workspace/src"}).json()
-    assert {(m["path"], m["line"]) for m in gr["matches"]} == {("/workspace/src/deep/b.py", 1), ("/workspace/src/.d.py", 1)}
+    assert {(m["path"], m["line"]) for m in gr["matches"]} == {
+        ("/workspace/src/deep/b.py", 1),
+        ("/workspace/src/.d.py", 1),
+    }
     gr = client.post(u("/fs/grep"), json={"pattern": "ne.dle", "path": "/workspace"}).json()
     assert gr["matches"] == []
-    gr = client.post(u("/grep"), json={"pattern": "ne.dle", "regex": True, "glob": "*.py", "path": "/workspace/src/deep"}).json()
+    gr = client.post(
+        u("/grep"),
+        json={"pattern": "ne.dle", "regex": True, "glob": "*.py", "path": "/workspace/src/deep"},
+    ).json()
     assert gr["matches"] == [{"path": "/workspace/src/deep/b.py", "line": 1, "text": "needle here"}]
-    assert client.post(u("/glob"), json={"pattern": "**/b.py"}).json()["matches"][0]["path"] == "/workspace/src/deep/b.py"
+    assert (
+        client.post(u("/glob"), json={"pattern": "**/b.py"}).json()["matches"][0]["path"]
+        == "/workspace/src/deep/b.py"
+    )
     lst = client.get(u("/fs/list"), params={"path": "src"}).json()["entries"]
-    assert {e["path"] for e in lst} == {"/workspace/src/a.py", "/workspace/src/deep", "/workspace/src/.d.py"}
+    assert {e["path"] for e in lst} == {
+        "/workspace/src/a.py",
+        "/workspace/src/deep",
+        "/workspace/src/.d.py",
+    }
     deep = client.get(u("/fs/list"), params={"path": "src", "depth": 3}).json()["entries"]
     assert "/workspace/src/deep/b.py" in {e["path"] for e in deep}
     st = client.get(u("/fs/stat"), params={"path": "src"}).json()
     assert st["type"] == "directory"
     assert client.post(u("/fs/mkdir"), json={"path": "new/dir"}).status_code == 201
-    assert client.post(u("/fs/move"), json={"src": "src/a.py", "dst": "new/dir/a.py"}).status_code == 200
-    assert client.post(u("/fs/move"), json={"src": "bin.dat", "dst": "new/dir/a.py", "overwrite": False}).status_code == 409
+    assert (
+        client.post(u("/fs/move"), json={"src": "src/a.py", "dst": "new/dir/a.py"}).status_code
+        == 200
+    )
+    assert (
+        client.post(
+            u("/fs/move"), json={"src": "bin.dat", "dst": "new/dir/a.py", "overwrite": False}
+        ).status_code
+        == 409
+    )
     assert client.delete(u("/fs"), params={"path": "new"}).status_code == 200
     assert not (server.workspace / "new").exists()
     assert client.get(u("/fs/read"), params={"path": "nope"}).status_code == 404
@@ -162,10 +224,21 @@ def test_transfers(server: Server, client: httpx.Client) -> None:
     d = client.get(u("/files/download"), params={"path": "up/blob.bin"})
     assert d.content == data
     d = client.get(u("/download"), params={"path": "up/blob.bin"}, headers={"Range": "bytes=10-19"})
-    assert d.status_code == 206 and d.content == data[10:20] and d.headers["content-range"] == f"bytes 10-19/{len(data)}"
+    assert (
+        d.status_code == 206
+        and d.content == data[10:20]
+        and d.headers["content-range"] == f"bytes 10-19/{len(data)}"
+    )
     h = client.head(u("/files/download"), params={"path": "up/blob.bin"})
     assert h.status_code == 200 and int(h.headers["content-length"]) == len(data)
-    assert client.get(u("/files/download"), params={"path": "up/blob.bin"}, headers={"Range": "bytes=99999999-"}).status_code == 416
+    assert (
+        client.get(
+            u("/files/download"),
+            params={"path": "up/blob.bin"},
+            headers={"Range": "bytes=99999999-"},
+        ).status_code
+        == 416
+    )
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for name, body in (("a.txt", b"A"), ("d/b.txt", b"B")):
@@ -174,14 +247,22 @@ def test_transfers(server: Server, client: httpx.Client) -> None:
             tar.addfile(info, io.BytesIO(body))
     (server.workspace / "sync").mkdir()
     (server.workspace / "sync/stale.txt").write_text("old")
-    r = client.post(u("/files/archive"), params={"path": "sync", "delete_missing": "true"}, content=buf.getvalue())
+    r = client.post(
+        u("/files/archive"),
+        params={"path": "sync", "delete_missing": "true"},
+        content=buf.getvalue(),
+    )
     assert r.status_code == 200, r.text
     assert r.json()["files"] == 2 and r.json()["deleted"] == 1
     assert (server.workspace / "sync/d/b.txt").read_bytes() == b"B"
     out = client.get(u("/files/archive"), params={"path": "sync"})
-    names = tarfile.open(fileobj=io.BytesIO(out.content)).getnames()
+    with tarfile.open(fileobj=io.BytesIO(out.content)) as tar:
+        names = tar.getnames()
     assert sorted(names) == ["a.txt", "d", "d/b.txt"]
-    assert client.post(u("/files/archive"), params={"path": "x"}, content=b"not a tar").status_code == 400
+    assert (
+        client.post(u("/files/archive"), params={"path": "x"}, content=b"not a tar").status_code
+        == 400
+    )
 
 
 def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> None:
@@ -197,7 +278,9 @@ def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> No
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
-                if events and events[-1]["sequence"] == server.call(lambda: server.host.status("sb_test")[1]):
+                if events and events[-1]["sequence"] == server.call(
+                    lambda: server.host.status("sb_test")[1]
+                ):
                     break
         if any(e["details"].get("fs", {}).get("path") == "/workspace/cmd.txt" for e in events):
             break
@@ -206,12 +289,17 @@ def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> No
     assert "fs" in kinds and "exec" in kinds
     api = [e for e in events if e["details"].get("fs", {}).get("path") == "/workspace/ev.txt"]
     assert len(api) == 1 and api[0]["actor"]["type"] == "agent"
-    assert any(e["details"].get("fs", {}).get("path") == "/workspace/cmd.txt" and e["actor"] is None for e in events)
+    assert any(
+        e["details"].get("fs", {}).get("path") == "/workspace/cmd.txt" and e["actor"] is None
+        for e in events
+    )
     seqs = [e["sequence"] for e in events]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
     async def ws_run() -> None:
-        async with websockets.connect(server.ws_url(f"/events/ws?after={seqs[-1]}"), additional_headers=server.headers()) as ws:
+        async with websockets.connect(
+            server.ws_url(f"/events/ws?after={seqs[-1]}"), additional_headers=server.headers()
+        ) as ws:
             await asyncio.to_thread(client.post, u("/fs/mkdir"), json={"path": "evdir"})
             e = await _recv(ws)
             assert e["sequence"] == seqs[-1] + 1 and e["details"]["fs"]["op"] == "created"

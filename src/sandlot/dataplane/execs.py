@@ -265,7 +265,7 @@ class ExecManager:
     def by_command_id(self, command_id: str) -> Exec | None:
         return self._by_command.get(command_id)
 
-    def list(self) -> list[Exec]:
+    def all(self) -> list[Exec]:
         self._prune()
         return list(self._execs.values())
 

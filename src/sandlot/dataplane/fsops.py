@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import hashlib
 import os
 import secrets
@@ -294,7 +295,7 @@ class FileOps:
         except OSError as exc:
             raise os_error(exc) from None
 
-    def list(self, path: str, depth: int) -> dict[str, Any]:
+    def list_dir(self, path: str, depth: int) -> dict[str, Any]:
         if not 1 <= depth <= 64:
             raise InvalidRequest("depth must be between 1 and 64")
         entries: list[dict[str, Any]] = []
@@ -492,14 +493,10 @@ def commit_temp(res: Resolved, fd: int, tmp: str, mode: int | None) -> None:
 
 
 def abort_temp(res: Resolved, fd: int, tmp: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
-    try:
+    with contextlib.suppress(OSError):
         os.unlink(tmp, dir_fd=res.dir_fd)
-    except OSError:
-        pass
 
 
 _RENAME_NOREPLACE = 1

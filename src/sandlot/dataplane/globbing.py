@@ -107,7 +107,10 @@ class GlobPattern:
 
 
 def split_base(pattern: str) -> tuple[str, str]:
-    """Split the literal leading directories off a pattern: ``/a/b/**/*.py`` → ``/a/b``, ``**/*.py``."""
+    """Split the literal leading directories off a pattern.
+
+    ``/a/b/**/*.py`` → ``("/a/b", "**/*.py")``.
+    """
     parts = pattern.split("/")
     literal: list[str] = []
     for idx, part in enumerate(parts[:-1]):

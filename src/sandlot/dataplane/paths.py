@@ -248,10 +248,8 @@ class PathResolver:
                         return self._result(stack, names, part)
                     if not create_parents:
                         raise
-                    try:
+                    with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o755, dir_fd=parent.fd)
-                    except FileExistsError:
-                        pass
                     pending.append(part)
                     continue
                 st = os.fstat(fd)

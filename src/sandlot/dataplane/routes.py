@@ -103,7 +103,7 @@ def build_routes(api: Api) -> list[Route]:
     async def execs(request: Request) -> Response:
         entry, _ = await api.auth(request, Capability.FS_READ)
         seq = entry.events.last_sequence
-        return json_response({"execs": [e.snapshot(seq) for e in entry.execs.list()]})
+        return json_response({"execs": [e.snapshot(seq) for e in entry.execs.all()]})
 
     @endpoint
     async def exec_get(request: Request) -> Response:
@@ -122,7 +122,7 @@ def build_routes(api: Api) -> list[Route]:
     @endpoint
     async def shells(request: Request) -> Response:
         entry, _ = await api.auth(request, Capability.SHELL_OBSERVE)
-        return json_response({"shells": [s.snapshot() for s in entry.shells.list()]})
+        return json_response({"shells": [s.snapshot() for s in entry.shells.all()]})
 
     @endpoint
     async def shell_delete(request: Request) -> Response:
@@ -139,7 +139,7 @@ def build_routes(api: Api) -> list[Route]:
         path = query_path(request, default="/workspace")
         depth = query_int(request, "depth", 1, 1, 64)
         run = executor.light if depth == 1 else executor.heavy
-        return json_response(await run(files.list, path, depth))
+        return json_response(await run(files.list_dir, path, depth))
 
     @endpoint
     async def fs_read(request: Request) -> Response:

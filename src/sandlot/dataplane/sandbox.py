@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sandlot.dataplane.events import EventLog, WorkspaceWatcher
@@ -21,7 +21,7 @@ from sandlot.protocol.states import SandboxState
 from sandlot.runtime.base import SandboxRuntime
 
 #: Closes one connection with a WebSocket close code (SSE streams just end).
-Closer = Callable[[int, str], Awaitable[None]]
+Closer = Callable[[int, str], Coroutine[Any, Any, None]]
 
 
 class Connection:

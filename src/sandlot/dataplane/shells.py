@@ -105,7 +105,7 @@ class ShellManager:
     def clients(self) -> int:
         return sum(s.clients for s in self._shells.values())
 
-    def list(self) -> list[Shell]:
+    def all(self) -> list[Shell]:
         return list(self._shells.values())
 
     def get(self, name: str) -> Shell | None:

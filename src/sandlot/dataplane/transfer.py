@@ -8,6 +8,7 @@ Archive members go through the same resolver one by one: absolute names,
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -191,12 +192,10 @@ def _extract(
     base = normalize(base)
     with resolver.resolve(base, create_parents=True) as root:
         if root.name is not None:
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.mkdir(root.name, 0o755, dir_fd=root.dir_fd)
-            except FileExistsError:
-                pass
     try:
-        tar = tarfile.open(fileobj=fileobj, mode="r|*")
+        tar = tarfile.open(fileobj=fileobj, mode="r|*")  # noqa: SIM115 (closed by the with below)
     except tarfile.TarError:
         raise InvalidRequest("body is not a tar archive") from None
     with tar:
@@ -221,10 +220,8 @@ def _extract(
                 if member.isdir():
                     with resolver.resolve(target, create_parents=True) as res:
                         if res.name is not None:
-                            try:
+                            with contextlib.suppress(FileExistsError):
                                 os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
-                            except FileExistsError:
-                                pass
                     dirs += 1
                 elif member.isfile():
                     total += member.size
@@ -261,10 +258,8 @@ def _extract(
                     with resolver.resolve(target, follow_final=False, create_parents=True) as res:
                         if res.name is None:
                             raise InvalidRequest("archive member replaces a mount")
-                        try:
+                        with contextlib.suppress(FileNotFoundError):
                             os.unlink(res.name, dir_fd=res.dir_fd)
-                        except FileNotFoundError:
-                            pass
                         os.symlink(link, res.name, dir_fd=res.dir_fd)
                     files += 1
                 else:

@@ -65,9 +65,11 @@ def as_sandlot_error(exc: BaseException) -> SandlotError:
     if isinstance(exc, SandlotError):
         return exc
     if isinstance(exc, ValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        msg = first.get("msg", "invalid request")
+        errors = exc.errors()
+        if not errors:
+            return InvalidRequest("invalid request")
+        where = ".".join(str(p) for p in errors[0]["loc"])
+        msg = errors[0]["msg"]
         return InvalidRequest(f"{where}: {msg}" if where else msg)
     if isinstance(exc, OSError):
         return os_error(exc)

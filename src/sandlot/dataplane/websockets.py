@@ -321,7 +321,7 @@ class _Protocol(Exception):
     pass
 
 
-def SandlotError_invalid(message: str) -> SandlotError:  # noqa: N802
+def SandlotError_invalid(message: str) -> SandlotError:
     from sandlot.protocol.errors import InvalidRequest
 
     first_line = message.splitlines()[0] if message else "invalid frame"
@@ -351,9 +351,7 @@ async def _exec_reader(sock: Socket, ex: Exec, cursor: Cursor) -> None:
                 await sock.send(F.PONG)
             elif isinstance(frame, F.AuthFrame):
                 await sock.reauth(frame.token, Capability.EXEC)
-            elif isinstance(frame, F.AttachFrame):
-                cursor.seek([frame.stdout_offset, frame.stderr_offset][: len(ex.streams)])
-            elif isinstance(frame, F.ReconnectFrame):
+            elif isinstance(frame, (F.AttachFrame, F.ReconnectFrame)):
                 cursor.seek([frame.stdout_offset, frame.stderr_offset][: len(ex.streams)])
             elif isinstance(frame, F.CloseFrame):
                 return
