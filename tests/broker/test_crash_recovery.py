@@ -1,0 +1,125 @@
+"""kill -9 of the server at named points, restart, one reaper pass: nothing orphaned,
+and a retry with the same Idempotency-Key gets a consistent answer."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandlot.runtime.local import LocalRuntimeManager, RuntimeSettings
+from tests.broker.test_e2e import wait_active
+from tests.servers import SandlotServer
+
+CONFIG = """
+[policy]
+reaper_interval_seconds = 0.3
+"""
+
+
+def live_sandboxes(db: Path) -> set[str]:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute(
+            "SELECT id FROM sandboxes WHERE state NOT IN ('terminated', 'failed')"
+        ).fetchall()
+    return {r[0] for r in rows}
+
+
+def existing_on_host(data: Path, mode: str) -> set[str]:
+    manager = LocalRuntimeManager(
+        RuntimeSettings(
+            run_dir=data / "run",
+            workspaces_dir=data / "workspaces",
+            volumes_dir=data / "volumes",
+            mode=mode,  # type: ignore[arg-type]
+        )
+    )
+    on_host = manager.list_existing()
+    workspaces = (
+        {p.name for p in (data / "workspaces").iterdir()}
+        if (data / "workspaces").exists()
+        else set()
+    )
+    return on_host | workspaces
+
+
+def assert_no_orphans(srv: SandlotServer) -> None:
+    time.sleep(1.0)  # more than one reaper pass
+    deadline = time.monotonic() + 10
+    while True:
+        live = live_sandboxes(srv.data_dir / "sandlot.db")
+        host = existing_on_host(srv.data_dir, srv.mode)
+        if host == live:
+            return
+        assert time.monotonic() < deadline, f"store {live} != host {host}"
+        time.sleep(0.2)
+
+
+def ensure(srv: SandlotServer, headers: dict, key: str) -> httpx.Response:
+    return httpx.post(
+        f"{srv.url}/v1/sandbox/sessions",
+        json={"thread_id": "thr_crash"},
+        headers={**headers, "Idempotency-Key": key},
+        timeout=30,
+    )
+
+
+@pytest.mark.reliability
+@pytest.mark.parametrize("point", ["after_binding_insert", "mid_provision"])
+def test_kill9_while_provisioning(tmp_path: Path, point: str) -> None:
+    srv = SandlotServer(tmp_path / "d", config=CONFIG, env={"SANDLOT_FAILPOINTS": point}).start()
+    try:
+        headers = srv.headers("alice")
+        with pytest.raises(httpx.TransportError):
+            ensure(srv, headers, "key-1")
+        assert srv.proc is not None and srv.proc.wait(10) == -9
+        srv.restart(SANDLOT_FAILPOINTS="")
+        r = ensure(srv, headers, "key-1")
+        assert r.status_code == 200, r.text
+        grant = r.json()
+        wait_active(srv.url, headers, grant)
+        again = ensure(srv, headers, "key-1")
+        assert again.status_code == 200
+        assert again.json()["session_id"] == grant["session_id"]
+        with sqlite3.connect(srv.data_dir / "sandlot.db") as conn:
+            n_bind = conn.execute(
+                "SELECT count(*) FROM bindings WHERE scope_key='thread:thr_crash'"
+            ).fetchone()[0]
+            n_sb = conn.execute(
+                "SELECT count(*) FROM sandboxes WHERE scope_key='thread:thr_crash'"
+            ).fetchone()[0]
+        assert (n_bind, n_sb) == (1, 1)
+        token = {"Authorization": f"Bearer {grant['token']}"}
+        r = httpx.post(
+            f"{grant['dataplane']['http_base_url']}/exec", json={"command": "true"}, headers=token
+        )
+        assert r.status_code == 200 and r.json()["exit_code"] == 0
+        assert_no_orphans(srv)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.reliability
+def test_kill9_mid_release(tmp_path: Path) -> None:
+    srv = SandlotServer(tmp_path / "d", config=CONFIG).start()
+    try:
+        headers = srv.headers("alice")
+        grant = ensure(srv, headers, "k").json()
+        wait_active(srv.url, headers, grant)
+        srv.restart(SANDLOT_FAILPOINTS="mid_release")
+        url = f"{srv.url}/v1/sandbox/sessions/{grant['session_id']}?terminate=true"
+        with pytest.raises(httpx.TransportError):
+            httpx.delete(url, headers=headers, timeout=30)
+        srv.restart(SANDLOT_FAILPOINTS="")
+        assert httpx.delete(url, headers=headers, timeout=30).status_code == 204
+        snap = httpx.get(
+            f"{srv.url}/v1/sandbox/sessions/{grant['session_id']}", headers=headers
+        ).json()
+        assert snap["binding"]["state"] == "terminated"
+        assert_no_orphans(srv)
+        assert live_sandboxes(srv.data_dir / "sandlot.db") == set()
+    finally:
+        srv.stop()
