@@ -126,7 +126,11 @@ def _free_port() -> int:
 
 
 def start_server(
-    tmp_path: Path, *, fs_ids: tuple[int, int] | None = None, **settings: Any
+    tmp_path: Path,
+    *,
+    fs_ids: tuple[int, int] | None = None,
+    api_key_resolver: Any = None,
+    **settings: Any,
 ) -> Iterator[Server]:
     keys = Keys()
 
@@ -136,7 +140,9 @@ def start_server(
 
     verifier = TokenVerifier(jwks, issuer=ISSUER, refetch_interval=0.2)
     opts = {"watch_debounce_ms": 20, **settings}
-    host = DataplaneHost(verifier=verifier, settings=DataplaneSettings(**opts))
+    host = DataplaneHost(
+        verifier=verifier, settings=DataplaneSettings(**opts), api_key_resolver=api_key_resolver
+    )
     root = tmp_path / "root"
     workspace = root / "workspace"
     tmp = root / "tmp"

@@ -6,6 +6,7 @@ import asyncio
 import hashlib
 import json
 import random
+import socket
 from typing import Any
 
 import httpx
@@ -299,3 +300,69 @@ def test_langsmith_execute_ws_reconnect(server: Server) -> None:
         json={"command": "echo ls", "timeout": 5},
     )
     assert r.json()["stdout"] == "ls\n" and r.json()["exit_code"] == 0
+
+
+def test_slow_client_gets_gap_and_never_stalls_fast_one(tmp_path: Any) -> None:
+    """A client that stops reading falls behind the buffer, not the others."""
+    from tests.dataplane.conftest import start_server
+
+    gen = start_server(tmp_path, stream_buffer_bytes=256 * 1024)
+    server = next(gen)
+    total = 12_000_000
+
+    async def run() -> None:
+        hdr = server.headers()
+        url = server.ws_url("/exec/ws")
+        async with websockets.connect(url, additional_headers=hdr) as fast:
+            await fast.send(
+                json.dumps(
+                    {
+                        "type": "start",
+                        "command": f"read go; head -c {total} /dev/zero | tr '\\0' y",
+                        "command_id": "flood",
+                    }
+                )
+            )
+            await _recv(fast)
+            # A small receive buffer: otherwise the client's kernel (autotuned up to
+            # tcp_rmem's 32 MiB here) absorbs the whole flood for it.
+            sk = socket.socket()
+            sk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+            sk.connect(("127.0.0.1", int(server.base.rsplit(":", 1)[1])))
+            # No permessage-deflate either: a flood of "y" would compress to nothing.
+            slow = await websockets.connect(
+                url, additional_headers=hdr, max_queue=1, sock=sk, compression=None
+            )
+            await slow.send(json.dumps({"type": "attach", "command_id": "flood"}))
+            assert (await _recv(slow))["type"] == "ready"
+            slow.transport.pause_reading()
+            await fast.send(json.dumps({"type": "stdin", "data": "go\n"}))
+            got = 0
+            while True:
+                f = await _recv(fast)
+                if f["type"] == "stdout":
+                    assert f["offset"] == got
+                    got += len(f["data"])
+                elif f["type"] == "exit":
+                    break
+                else:
+                    raise AssertionError(f)
+            assert got == total
+            slow.transport.resume_reading()
+            gaps, received = [], 0
+            while True:
+                f = await _recv(slow)
+                if f["type"] == "gap":
+                    gaps.append(f)
+                elif f["type"] == "stdout":
+                    received += len(f["data"])
+                elif f["type"] == "exit":
+                    break
+            assert gaps, "the slow client must be told what it lost"
+            assert received + sum(g["to"] - g["from"] for g in gaps) == total
+            slow.transport.abort()
+
+    try:
+        asyncio.run(run())
+    finally:
+        gen.close()

@@ -347,3 +347,75 @@ def test_starting_sandbox_is_423(server: Server) -> None:
     seq = server.call(server.host.set_state, "sb_new", SandboxState.ACTIVE)
     assert server.call(server.host.status, "sb_new") == (SandboxState.ACTIVE, seq)
     server.call(server.host.unregister, "sb_new")
+
+
+def test_key_rotation_and_rate_limited_refetch(server: Server) -> None:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    ok = httpx.get(server.url("/fs/list"), headers=server.headers())
+    assert ok.status_code == 200
+    fetches = server.keys.fetches
+    # Forged kids in a burst cost at most one JWKS fetch.
+    forged = jwt.encode(
+        server.keys.claims(server.sandbox_id),
+        Ed25519PrivateKey.generate(),
+        algorithm="EdDSA",
+        headers={"kid": "k_forged"},
+    )
+    for _ in range(5):
+        r = httpx.get(server.url("/fs/list"), headers={"Authorization": f"Bearer {forged}"})
+        assert r.status_code == 401
+    assert server.keys.fetches - fetches <= 1
+    # The broker rotates: a token under the new kid verifies once the JWKS is re-read.
+    server.keys.private = Ed25519PrivateKey.generate()
+    server.keys.kid = "k_new"
+    time.sleep(0.25)
+    r = httpx.get(server.url("/fs/list"), headers=server.headers())
+    assert r.status_code == 200, r.text
+
+
+def test_api_key_resolver(tmp_path: Path) -> None:
+    from sandlot.dataplane.auth import AuthContext
+    from sandlot.protocol.common import Actor, Capability
+
+    async def resolver(key: str, sandbox_id: str) -> AuthContext | None:
+        if key != "sl_goodkey_secret" or sandbox_id != "sb_test":
+            return None
+        return AuthContext(
+            principal_id="prn_h",
+            actor=Actor(type="human", id="h"),  # type: ignore[arg-type]
+            caps=frozenset({Capability.FS_READ}),
+            sandbox_id=sandbox_id,
+        )
+
+    gen = start_server(tmp_path, api_key_resolver=resolver)
+    srv = next(gen)
+    try:
+        good = {"X-Api-Key": "sl_goodkey_secret"}
+        assert httpx.get(srv.url("/fs/list"), headers=good).status_code == 200
+        r = httpx.post(srv.url("/execute"), headers=good, json={"command": "true"})
+        assert r.status_code == 403 and r.json()["error"]["code"] == "CAPABILITY_DENIED"
+        bad = httpx.get(srv.url("/fs/list"), headers={"X-Api-Key": "sl_bad_key"})
+        assert bad.status_code == 401
+        # A sandbox token in X-Api-Key works as well.
+        assert httpx.get(srv.url("/fs/list"), headers={"X-Api-Key": srv.token()}).status_code == 200
+    finally:
+        gen.close()
+
+
+def test_socket_closed_when_token_expires(server: Server) -> None:
+    now = int(time.time())
+    # Expired 29.5 s ago: still within the 30 s leeway for half a second.
+    token = server.token(exp=now - 29, iat=now - 100, nbf=now - 100)
+
+    async def run() -> int:
+        async with websockets.connect(
+            server.ws_url("/events/ws"), additional_headers={"Authorization": f"Bearer {token}"}
+        ) as ws:
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 5)
+            assert info.value.rcvd is not None
+            return info.value.rcvd.code
+
+    assert asyncio.run(run()) == 4401

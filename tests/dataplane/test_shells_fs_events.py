@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
 import tarfile
 import time
 from typing import Any
@@ -96,7 +97,17 @@ def test_slow_reader_does_not_stall_fast_one(tmp_path: Any) -> None:
     async def run() -> None:
         hdr = server.headers()
         url = server.ws_url("/shell/ws?session=flood&profile=sh")
-        slow = await websockets.connect(url, additional_headers=hdr, max_queue=1)
+        # Small receive buffer, no compression: the slow client's kernel must not
+        # absorb the flood on its behalf.
+        sk = socket.socket()
+        sk.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sk.connect(("127.0.0.1", int(server.base.rsplit(":", 1)[1])))
+        slow = await websockets.connect(
+            url, additional_headers=hdr, max_queue=1, sock=sk, compression=None
+        )
+        await _recv(slow)
+        await _recv(slow)
+        slow.transport.pause_reading()
         async with websockets.connect(url, additional_headers=hdr) as fast:
             await _recv(fast)
             await _recv(fast)
@@ -105,12 +116,23 @@ def test_slow_reader_does_not_stall_fast_one(tmp_path: Any) -> None:
                 json.dumps(
                     {
                         "type": "stdin",
-                        "data": "head -c 3000000 /dev/zero | tr '\\0' y; echo; echo FLOO''DED\n",
+                        "data": "head -c 6000000 /dev/zero | tr '\\0' y; echo; echo FLOO''DED\n",
                     }
                 )
             )
             await _until(fast, "FLOODED\r\n")
             assert time.monotonic() - t0 < 15
+        # The slow client resumes with an explicit gap; the server kept no queue for it.
+        slow.transport.resume_reading()
+        gaps: list[dict[str, Any]] = []
+        text = ""
+        while "FLOODED" not in text:
+            f = await _recv(slow)
+            if f["type"] == "gap":
+                gaps.append(f)
+            elif f["type"] == "stdout":
+                text += f["data"]
+        assert gaps and gaps[0]["stream"] == "stdout"
         slow.transport.abort()
 
     try:
