@@ -1,0 +1,246 @@
+"""The server's side of the init's control socket: start, signal and wait for processes.
+
+One SOCK_SEQPACKET connection per process (see the wire format in ``init.c``):
+the request carries argv, env, cwd and, in pipe mode, the child's ends of the
+stdio pipes; the init answers with the pid (and the pty master, opened inside
+the sandbox so that ``tty`` names it), later with the raw wait status.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+from sandlot.runtime.base import ExitStatus, ProcessSpec, SandboxProcess
+
+MAGIC = 0x31544C53
+REQ_SPAWN = 1
+REQ_SIGNAL = 2
+FLAG_PTY = 1
+RESP_STARTED = 1
+RESP_ERROR = 2
+RESP_EXIT = 3
+CHUNK = 32768
+MAX_PAYLOAD = 8 << 20
+
+_REQUEST = struct.Struct("=IIIHHiIII")
+_RESPONSE = struct.Struct("=Iiii")
+
+
+class ControlSocketError(OSError):
+    """The sandbox's init did not answer (it is gone, or the sandbox is being destroyed)."""
+
+
+def _encode(spec: ProcessSpec, env: dict[str, str]) -> tuple[bytes, int, int]:
+    parts = [spec.cwd, *spec.argv, *(f"{k}={v}" for k, v in env.items())]
+    if any("\x00" in p for p in parts):
+        raise ValueError("NUL byte in argv, env or cwd")
+    payload = b"".join(p.encode() + b"\x00" for p in parts)
+    if len(payload) > MAX_PAYLOAD:
+        raise ValueError("argv and env too large")
+    return payload, len(spec.argv), len(env)
+
+
+def status_from_wait(raw: int) -> ExitStatus:
+    if os.WIFSIGNALED(raw):
+        signo = os.WTERMSIG(raw)
+        try:
+            name = signal.Signals(signo).name
+        except ValueError:
+            name = f"SIG{signo}"
+        return ExitStatus(exit_code=128 + signo, signal=name)
+    return ExitStatus(exit_code=os.WEXITSTATUS(raw))
+
+
+async def _sendmsg(sock: socket.socket, data: bytes, fds: list[int]) -> None:
+    loop = asyncio.get_running_loop()
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    while True:
+        try:
+            sock.sendmsg([data], ancillary)
+            return
+        except BlockingIOError:
+            waiter = loop.create_future()
+            loop.add_writer(sock.fileno(), waiter.set_result, None)
+            try:
+                await waiter
+            finally:
+                loop.remove_writer(sock.fileno())
+
+
+async def _recv_response(sock: socket.socket) -> tuple[tuple[int, int, int, int], int | None]:
+    loop = asyncio.get_running_loop()
+    while True:
+        try:
+            data, ancdata, _, _ = sock.recvmsg(
+                _RESPONSE.size, socket.CMSG_SPACE(4), socket.MSG_CMSG_CLOEXEC
+            )
+            break
+        except BlockingIOError:
+            waiter = loop.create_future()
+            loop.add_reader(sock.fileno(), waiter.set_result, None)
+            try:
+                await waiter
+            finally:
+                loop.remove_reader(sock.fileno())
+    fd = None
+    for level, kind, blob in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds = array.array("i")
+            fds.frombytes(blob[: len(blob) - len(blob) % 4])
+            for extra in fds[1:]:
+                os.close(extra)
+            fd = fds[0] if fds else None
+    if len(data) != _RESPONSE.size:
+        if fd is not None:
+            os.close(fd)
+        raise ControlSocketError("the sandbox init closed the connection")
+    return _RESPONSE.unpack(data), fd
+
+
+class InitProcess(SandboxProcess):
+    """A process forked by a sandbox's init; ``pid`` is its pid inside the sandbox."""
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        pid: int,
+        *,
+        stdin_fd: int | None,
+        stdout_fd: int | None,
+        stderr_fd: int | None,
+        pty_fd: int | None,
+        on_exit: Callable[[ExitStatus], ExitStatus],
+    ) -> None:
+        self.pid = pid
+        self.stdin_fd, self.stdout_fd, self.stderr_fd, self.pty_fd = (
+            stdin_fd,
+            stdout_fd,
+            stderr_fd,
+            pty_fd,
+        )
+        self._sock = sock
+        self._on_exit = on_exit
+        self._status: ExitStatus | None = None
+        self._loop = asyncio.get_running_loop()
+        self._exit: asyncio.Future[ExitStatus] = self._loop.create_future()
+        self._loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = self._sock.recv(_RESPONSE.size)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if len(data) == _RESPONSE.size:
+            kind, _, _, raw = _RESPONSE.unpack(data)
+            if kind != RESP_EXIT:
+                return
+            status = status_from_wait(raw)
+        else:
+            # The init is gone: the sandbox was destroyed (or died) under the process.
+            status = ExitStatus(exit_code=128 + signal.SIGKILL, signal="SIGKILL")
+        self._finish(self._on_exit(status))
+
+    def _finish(self, status: ExitStatus) -> None:
+        self._loop.remove_reader(self._sock.fileno())
+        self._sock.close()
+        self._status = status
+        if not self._exit.done():
+            self._exit.set_result(status)
+
+    async def wait(self) -> ExitStatus:
+        return await asyncio.shield(self._exit)
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._status is None else self._status.exit_code
+
+    def send_signal(self, signo: int) -> None:
+        if self._status is not None:
+            return
+        request = _REQUEST.pack(MAGIC, REQ_SIGNAL, 0, 0, 0, signo, 0, 0, 0)
+        with contextlib.suppress(OSError):
+            self._sock.send(request)
+
+
+def _nonblocking(fd: int) -> int:
+    os.set_blocking(fd, False)
+    os.set_inheritable(fd, False)
+    return fd
+
+
+async def spawn_via_init(
+    control_path: Path,
+    spec: ProcessSpec,
+    env: dict[str, str],
+    on_exit: Callable[[ExitStatus], ExitStatus],
+) -> InitProcess:
+    """Ask the init listening at ``control_path`` to start ``spec``; raises ``OSError``."""
+    payload, nargv, nenv = _encode(spec, env)
+    flags, cols, rows = 0, 0, 0
+    if spec.pty is not None:
+        flags, (cols, rows) = FLAG_PTY, spec.pty
+    header = _REQUEST.pack(MAGIC, REQ_SPAWN, flags, cols, rows, 0, nargv, nenv, len(payload))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    sock.setblocking(False)
+    ours: list[int] = []
+    theirs: list[int] = []
+    try:
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, str(control_path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            raise ControlSocketError(f"sandbox init not reachable: {exc.strerror}") from exc
+        if spec.pty is None:
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            ours, theirs = [in_w, out_r, err_r], [in_r, out_w, err_w]
+        first = CHUNK - len(header)
+        await _sendmsg(sock, header + payload[:first], theirs)
+        for offset in range(first, len(payload), CHUNK):
+            await _sendmsg(sock, payload[offset : offset + CHUNK], [])
+        for fd in theirs:
+            os.close(fd)
+        theirs = []
+        (kind, pid, err, _), master = await _recv_response(sock)
+        if kind == RESP_ERROR:
+            raise OSError(err, os.strerror(err), spec.argv[0] if spec.argv else None)
+        if kind != RESP_STARTED:
+            raise ControlSocketError(f"unexpected reply {kind} from the sandbox init")
+    except BaseException:
+        sock.close()
+        for fd in ours + theirs:
+            os.close(fd)
+        raise
+    if spec.pty is not None:
+        if master is None:
+            sock.close()
+            raise ControlSocketError("the sandbox init sent no pty master")
+        return InitProcess(
+            sock,
+            pid,
+            stdin_fd=None,
+            stdout_fd=None,
+            stderr_fd=None,
+            pty_fd=_nonblocking(master),
+            on_exit=on_exit,
+        )
+    in_w, out_r, err_r = ours
+    return InitProcess(
+        sock,
+        pid,
+        stdin_fd=_nonblocking(in_w),
+        stdout_fd=_nonblocking(out_r),
+        stderr_fd=_nonblocking(err_r),
+        pty_fd=None,
+        on_exit=on_exit,
+    )

@@ -1,0 +1,759 @@
+"""Local sandboxes: bubblewrap namespaces + cgroups + seccomp, managed for the local provider.
+
+A sandbox is one long-lived init (``init.c``) started by bubblewrap from an
+unprivileged host uid (``uid_base + n`` when the server is root, else the
+server's own uid) in new user, mount, pid, ipc, uts and (by default) network
+namespaces, inside its own cgroup. Every exec and shell is forked by that init
+on request, so it inherits the namespaces, cgroup, seccomp filter and dropped
+capabilities. Sandboxes do not die with the server (bubblewrap's
+``--die-with-parent`` is tied to the spawning thread, and a crash must not take
+the user's work down): a restarted server re-adopts them from their cgroup and
+run directory, and removes what it does not want to keep.
+
+Per sandbox, on the host::
+
+    run_dir/<id>/state.json   uid, generation, workspace, volumes (for adopt/destroy)
+    run_dir/<id>/ctl          the init's control socket (never visible inside)
+    run_dir/<id>/tmp/         the sandbox's /tmp
+    run_dir/<id>/launch.log   bubblewrap's and the init's error output
+    workspaces_dir/<id>/      /workspace, unless a named volume is mounted there
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from sandlot.protocol.sessions import NetworkMode, Template
+from sandlot.protocol.states import SandboxState
+from sandlot.runtime.base import (
+    WORKSPACE,
+    ExitStatus,
+    Mount,
+    ProcessSpec,
+    SandboxProcess,
+    SandboxRuntime,
+)
+from sandlot.runtime.bwrap import (
+    SANDBOX_USER,
+    BindMount,
+    build_host_etc,
+    bwrap_args,
+    image_entries,
+)
+from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
+from sandlot.runtime.control import ControlSocketError, spawn_via_init
+from sandlot.runtime.direct import DirectRuntime
+from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
+from sandlot.runtime.preflight import (
+    RuntimeUnavailable,
+    check_platform,
+    check_uid_range,
+    check_user_namespaces,
+    find_bwrap,
+)
+
+__all__ = [
+    "IsolatedRuntime",
+    "LocalRuntimeManager",
+    "RuntimeSettings",
+    "RuntimeUnavailable",
+    "SandboxStartError",
+]
+
+_SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+READY_TIMEOUT = 10.0
+BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    """Where the local runtime keeps its state, and how it isolates.
+
+    ``run_dir`` holds one directory per sandbox (and the cached init binary);
+    ``workspaces_dir`` the workspaces, ``volumes_dir`` the named volumes.
+    ``mode="unisolated"`` runs plain subprocesses (no isolation; only when
+    asked for explicitly). ``uid_base``/``uid_count``: the host uids given to
+    sandboxes when the server runs as root, one per sandbox.
+    """
+
+    run_dir: Path
+    workspaces_dir: Path
+    volumes_dir: Path
+    mode: Literal["isolated", "unisolated"] = "isolated"
+    bwrap: str = "bwrap"
+    uid_base: int = 2_000_000
+    uid_count: int = 60_000
+
+
+class SandboxStartError(RuntimeError):
+    """bubblewrap or the sandbox init failed; the message carries their error output."""
+
+
+@dataclass
+class _Record:
+    """What survives a server restart about one sandbox (``state.json``)."""
+
+    generation: int
+    mode: str
+    uid: int
+    gid: int
+    workspace: str
+    image: str
+    #: ``[sandbox path, host path, writable]``
+    volumes: list[tuple[str, str, bool]] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, path: Path) -> _Record | None:
+        try:
+            data = json.loads(path.read_text())
+            data["volumes"] = [tuple(v) for v in data.get("volumes", [])]
+            return cls(**data)
+        except (OSError, ValueError, TypeError):
+            return None
+
+    def save(self, path: Path) -> None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        tmp.replace(path)
+
+
+def _oom_aware(cgroup: SandboxCgroup, before: int) -> Callable[[ExitStatus], ExitStatus]:
+    def on_exit(status: ExitStatus) -> ExitStatus:
+        killed = status.signal == "SIGKILL" or status.exit_code == 137
+        if killed and cgroup.oom_kills() > before:
+            return ExitStatus(exit_code=status.exit_code, signal=status.signal, oom_killed=True)
+        return status
+
+    return on_exit
+
+
+class IsolatedRuntime(SandboxRuntime):
+    """A running isolated sandbox, as the dataplane uses it."""
+
+    def __init__(
+        self,
+        sandbox_id: str,
+        generation: int,
+        template: Template,
+        *,
+        record: _Record,
+        run: Path,
+        cgroup: SandboxCgroup,
+        init_pid: int,
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.generation = generation
+        self.template = template
+        self.init_pid = init_pid
+        self.cgroup = cgroup
+        self._record = record
+        self._run = run
+        self._state = SandboxState.ACTIVE
+        self._loop = asyncio.get_running_loop()
+        self._pidfd: int | None = os.pidfd_open(init_pid)
+        self._loop.add_reader(self._pidfd, self._init_exited)
+        # sun_path holds 108 bytes; a deep data directory is reached through a dir fd.
+        self._run_fd = os.open(run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        path = run / "ctl"
+        self._control = path if len(str(path)) < 100 else Path(f"/proc/self/fd/{self._run_fd}/ctl")
+
+    def _init_exited(self) -> None:
+        if self._state.live:
+            self._state = SandboxState.FAILED
+        self.close()
+
+    def close(self) -> None:
+        """Stop watching the sandbox (it keeps running; a new manager may adopt it)."""
+        if self._pidfd is not None:
+            with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                self._loop.remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+        if self._run_fd >= 0:
+            os.close(self._run_fd)
+            self._run_fd = -1
+
+    @property
+    def state(self) -> SandboxState:
+        return self._state
+
+    @state.setter
+    def state(self, value: SandboxState) -> None:
+        self._state = value
+
+    @property
+    def uid(self) -> int:
+        return self._record.uid
+
+    @property
+    def fs_ids(self) -> tuple[int, int] | None:
+        return (self._record.uid, self._record.gid)
+
+    def mounts(self) -> list[Mount]:
+        mounts = [
+            Mount(WORKSPACE, Path(self._record.workspace), True),
+            Mount("/tmp", self._run / "tmp", True),
+        ]
+        mounts += [Mount(p, Path(h), w) for p, h, w in self._record.volumes if p != WORKSPACE]
+        if self._record.image == "host":
+            mounts += [Mount(p, h, False) for p, h in image_entries("host")]
+        else:
+            mounts.append(Mount("/", Path(self._record.image), False))
+        return mounts
+
+    def environment(self, spec: ProcessSpec) -> dict[str, str]:
+        env = {
+            "PATH": BASE_PATH,
+            "HOME": WORKSPACE,
+            "USER": SANDBOX_USER,
+            "LOGNAME": SANDBOX_USER,
+            "LANG": "C.UTF-8",
+            **self.template.env,
+            **spec.env,
+        }
+        if spec.pty is not None:
+            env.setdefault("TERM", "xterm-256color")
+        return env
+
+    async def spawn(self, spec: ProcessSpec) -> SandboxProcess:
+        if not self._state.live:
+            raise ControlSocketError(f"sandbox {self.sandbox_id} is {self._state.value}")
+        if not spec.argv:
+            raise ValueError("empty argv")
+        on_exit = _oom_aware(self.cgroup, self.cgroup.oom_kills())
+        return await spawn_via_init(self._control, spec, self.environment(spec), on_exit)
+
+
+def _find_init(cgroup: SandboxCgroup) -> int | None:
+    """Host pid of the sandbox's init: the cgroup member that is pid 1 of a child pid ns."""
+    for pid in cgroup.pids():
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("NSpid:"):
+                ids = line.split()[1:]
+                if len(ids) > 1 and ids[-1] == "1":
+                    return pid
+    return None
+
+
+async def _wait_readable(fd: int, timeout: float) -> None:
+    loop = asyncio.get_running_loop()
+    waiter = loop.create_future()
+
+    def wake() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    loop.add_reader(fd, wake)
+    try:
+        await asyncio.wait_for(waiter, timeout)
+    finally:
+        loop.remove_reader(fd)
+
+
+def _chown_tree(path: Path, uid: int, gid: int) -> None:
+    os.lchown(path, uid, gid)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.lchown(os.path.join(root, name), uid, gid)
+
+
+def _rmtree(path: Path) -> None:
+    def fix_and_retry(func: object, p: str, exc_info: object) -> None:
+        # A non-root server cannot delete inside a directory the sandbox made read-only.
+        with contextlib.suppress(OSError):
+            os.chmod(os.path.dirname(p), 0o700)
+            if os.path.isdir(p) and not os.path.islink(p):
+                os.chmod(p, 0o700)
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                os.unlink(p)
+
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, onerror=fix_and_retry)
+
+
+class LocalRuntimeManager:
+    """Creates, adopts, suspends and destroys the sandboxes of this host for the local provider."""
+
+    def __init__(self, settings: RuntimeSettings) -> None:
+        self.settings = settings
+        self._is_root = os.geteuid() == 0
+        resolved = str(settings.run_dir.resolve())
+        digest = hashlib.sha256(resolved.encode()).digest()
+        #: Tells this server's cgroups apart from other servers' on the same host.
+        self.tag = digest.hex()[:10]
+        self._uid_offset = int.from_bytes(digest[:4], "big") % max(1, settings.uid_count)
+        self._prepared = False
+        self._layout: CgroupLayout | None = None
+        self._bwrap = ""
+        self._init_binary = Path()
+        self._seccomp = b""
+        self._etc = settings.run_dir / ".etc"
+        self._runtimes: dict[str, IsolatedRuntime] = {}
+        self._uids_in_use: set[int] = set()
+
+    # --- preflight ------------------------------------------------------------------
+
+    def preflight(self) -> None:
+        """Check that sandboxes can be made here; raises :class:`RuntimeUnavailable`."""
+        for d in (self.settings.run_dir, self.settings.workspaces_dir, self.settings.volumes_dir):
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise RuntimeUnavailable(f"cannot create {d}: {exc.strerror}") from exc
+        self.settings.run_dir.chmod(0o711)
+        if self.settings.mode == "unisolated":
+            self._prepared = True
+            return
+        check_platform()
+        bwrap = find_bwrap(self.settings.bwrap)
+        check_user_namespaces()
+        check_uid_range(self._is_root, self.settings.uid_base, self.settings.uid_count)
+        binary = ensure_init_binary(self.settings.run_dir / ".init")
+        seccomp = export_seccomp(binary)
+        try:
+            layout = CgroupLayout(self.tag)
+            layout.ensure_parents()
+            probe = layout.sandbox(f".preflight-{os.getpid()}")
+            probe.create(Limits(memory_bytes=64 << 20, pids=16, cpu=0.5))
+            probe.thaw()
+            asyncio_free_remove(probe)
+        except (CgroupError, OSError) as exc:
+            hint = (
+                "run the server as root"
+                if not self._is_root
+                else "check that the cgroup filesystem is mounted read-write"
+            )
+            raise RuntimeUnavailable(
+                f"cgroup controllers (memory, pids, cpu, freezer) are not writable: {exc}; "
+                f"{hint}, or delegate a cgroup v2 subtree to this user "
+                "(or use the explicit 'unisolated' mode)"
+            ) from exc
+        build_host_etc(self._etc)
+        self._bwrap, self._init_binary, self._seccomp, self._layout = bwrap, binary, seccomp, layout
+        self._trial(binary, bwrap)
+        self._prepared = True
+
+    def _trial(self, binary: Path, bwrap: str) -> None:
+        """Start a throwaway namespace sandbox the way real ones start, to catch what
+        only the kernel can tell (user namespaces refused, setuid blocked)."""
+        uid, gid = self._ids_for(self.settings.uid_base + self._uid_offset)
+        args = [
+            "--unshare-user",
+            "--unshare-pid",
+            "--unshare-ipc",
+            "--unshare-uts",
+            "--unshare-net",
+            "--disable-userns",
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--symlink",
+            "usr/bin",
+            "/bin",
+            "--symlink",
+            "usr/lib",
+            "/lib",
+            "--symlink",
+            "usr/lib64",
+            "/lib64",
+            "--proc",
+            "/proc",
+        ]
+        args_fd = os.memfd_create("bwrap-args", 0)
+        try:
+            os.write(args_fd, b"".join(a.encode() + b"\0" for a in args))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+            result = subprocess.run(
+                [
+                    str(binary),
+                    "launch",
+                    str(uid),
+                    str(gid),
+                    bwrap,
+                    str(args_fd),
+                    "0",
+                    "0",
+                    "/usr/bin/true",
+                ],
+                pass_fds=(args_fd,),
+                capture_output=True,
+                text=True,
+                env={},
+                check=False,
+                timeout=10,
+            )
+        finally:
+            os.close(args_fd)
+        if result.returncode != 0 or result.stderr.strip():
+            raise RuntimeUnavailable(
+                "a trial sandbox failed to start (user namespaces, or the sandbox uid): "
+                + (result.stderr.strip() or f"exit status {result.returncode}")
+            )
+
+    def _require(self) -> CgroupLayout:
+        if not self._prepared:
+            self.preflight()
+        assert self._layout is not None
+        return self._layout
+
+    # --- bookkeeping ----------------------------------------------------------------
+
+    def _ids_for(self, uid: int) -> tuple[int, int]:
+        if not self._is_root:
+            return os.getuid(), os.getgid()
+        return uid, uid
+
+    def _allocate_uid(self) -> int:
+        if not self._is_root:
+            return os.getuid()
+        if not self._uids_in_use:
+            for sid in self._run_entries():
+                rec = _Record.load(self.settings.run_dir / sid / "state.json")
+                if rec is not None:
+                    self._uids_in_use.add(rec.uid)
+        base, count = self.settings.uid_base, self.settings.uid_count
+        for i in range(count):
+            uid = base + (self._uid_offset + i) % count
+            if uid not in self._uids_in_use:
+                self._uids_in_use.add(uid)
+                return uid
+        raise SandboxStartError(f"all {count} sandbox uids from {base} are in use")
+
+    def _run_entries(self) -> set[str]:
+        try:
+            return {
+                e.name
+                for e in os.scandir(self.settings.run_dir)
+                if e.is_dir(follow_symlinks=False) and _SANDBOX_ID.match(e.name)
+            }
+        except FileNotFoundError:
+            return set()
+
+    def list_existing(self) -> set[str]:
+        """Sandboxes with a run directory or a cgroup on this host (from this data dir)."""
+        names = self._run_entries()
+        if self.settings.mode == "isolated":
+            with contextlib.suppress(CgroupError, RuntimeUnavailable):
+                names |= {n for n in self._require().existing() if _SANDBOX_ID.match(n)}
+        return names
+
+    async def cleanup_leftovers(self, keep: set[str]) -> None:
+        """Destroy every sandbox of this data dir not in ``keep`` (after a crash)."""
+        for sandbox_id in sorted(self.list_existing() - keep):
+            await self.destroy(sandbox_id)
+
+    # --- lifecycle ------------------------------------------------------------------
+
+    async def create(
+        self,
+        sandbox_id: str,
+        generation: int,
+        template: Template,
+        volumes: Mapping[str, Path],
+    ) -> SandboxRuntime:
+        """Start a sandbox and return once its init accepts commands."""
+        if not _SANDBOX_ID.match(sandbox_id):
+            raise ValueError(f"invalid sandbox id {sandbox_id!r}")
+        if self.settings.mode == "isolated":
+            self._require()
+        run = self.settings.run_dir / sandbox_id
+        if sandbox_id in self._runtimes or run.exists():
+            # A retry after a crash mid-create: start clean, keep the user's files.
+            await self.destroy(sandbox_id, keep_workspace=True)
+        uid, gid = self._ids_for(self._allocate_uid())
+        try:
+            record = self._prepare_dirs(sandbox_id, generation, template, volumes, uid, gid)
+            if self.settings.mode == "unisolated":
+                return DirectRuntime(
+                    sandbox_id,
+                    generation,
+                    template,
+                    Path(record.workspace),
+                    tmp=run / "tmp",
+                )
+            runtime = await self._launch(sandbox_id, generation, template, record)
+        except BaseException:
+            await asyncio.shield(self.destroy(sandbox_id, keep_workspace=True))
+            raise
+        self._runtimes[sandbox_id] = runtime
+        return runtime
+
+    def _prepare_dirs(
+        self,
+        sandbox_id: str,
+        generation: int,
+        template: Template,
+        volumes: Mapping[str, Path],
+        uid: int,
+        gid: int,
+    ) -> _Record:
+        run = self.settings.run_dir / sandbox_id
+        run.mkdir()
+        # Traversable (not listable) by the sandbox uid, which bubblewrap runs as.
+        run.chmod(0o711)
+        tmp = run / "tmp"
+        tmp.mkdir()
+        os.chown(tmp, uid, gid)
+        tmp.chmod(0o1777)
+        mounted: list[tuple[str, str, bool]] = []
+        workspace: Path | None = None
+        for vm in template.volume_mounts:
+            if vm.volume not in volumes:
+                raise ValueError(f"volume {vm.volume!r} of template {template.name!r} not given")
+            host = Path(volumes[vm.volume])
+            host.mkdir(parents=True, exist_ok=True)
+            if not vm.read_only and host.stat().st_uid != uid:
+                # Named volumes outlive sandboxes, and each sandbox has its own uid.
+                _chown_tree(host, uid, gid)
+            mounted.append((vm.path.rstrip("/") or "/", str(host), not vm.read_only))
+            if vm.path.rstrip("/") == WORKSPACE:
+                workspace = host
+        if workspace is None:
+            workspace = self.settings.workspaces_dir / sandbox_id
+            workspace.mkdir(mode=0o755, exist_ok=True)
+            if workspace.stat().st_uid != uid:
+                _chown_tree(workspace, uid, gid)
+        image = template.image
+        if image != "host" and not Path(image).is_dir():
+            raise ValueError(f"image {image!r} is neither 'host' nor a rootfs directory")
+        record = _Record(
+            generation=generation,
+            mode=self.settings.mode,
+            uid=uid,
+            gid=gid,
+            workspace=str(workspace),
+            image=image,
+            volumes=mounted,
+        )
+        record.save(run / "state.json")
+        return record
+
+    async def _launch(
+        self, sandbox_id: str, generation: int, template: Template, record: _Record
+    ) -> IsolatedRuntime:
+        layout = self._require()
+        run = self.settings.run_dir / sandbox_id
+        cgroup = layout.sandbox(sandbox_id)
+        res = template.resources
+        cgroup.create(Limits(memory_bytes=res.memory_mb << 20, pids=res.pids, cpu=res.cpu))
+
+        opened: list[int] = []
+
+        def keep(fd: int) -> int:
+            opened.append(fd)
+            return fd
+
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        try:
+            run_fd = keep(os.open(run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            ctl = str(run / "ctl")
+            listener.bind(ctl if len(ctl) < 100 else f"/proc/self/fd/{run_fd}/ctl")
+            os.chmod("ctl", 0o600, dir_fd=run_fd)
+            ready_r, ready_w = os.pipe()
+            keep(ready_r)
+            keep(ready_w)
+
+            mounts = [
+                BindMount(run / "tmp", "/tmp", True),
+                BindMount(Path(record.workspace), WORKSPACE, True),
+            ]
+            mounts += [
+                BindMount(Path(host), path, writable)
+                for path, host, writable in record.volumes
+                if path != WORKSPACE
+            ]
+            init_fd = keep(os.open(self._init_binary, os.O_RDONLY | os.O_CLOEXEC))
+            seccomp_fd = keep(os.memfd_create("seccomp", os.MFD_CLOEXEC))
+            os.write(seccomp_fd, self._seccomp)
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            args, command = bwrap_args(
+                image=record.image,
+                etc=self._etc if record.image == "host" else None,
+                mounts=mounts,
+                share_net=template.network is NetworkMode.HOST,
+                seccomp_fd=seccomp_fd,
+                init_fd=init_fd,
+                listen_fd=listener.fileno(),
+                ready_fd=ready_w,
+            )
+            args_fd = keep(os.memfd_create("bwrap-args", os.MFD_CLOEXEC))
+            os.write(args_fd, b"".join(a.encode() + b"\0" for a in args))
+            os.lseek(args_fd, 0, os.SEEK_SET)
+            log_fd = keep(
+                os.open(run / "launch.log", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            )
+            null_fd = keep(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+            passed = [
+                listener.fileno(),
+                ready_w,
+                seccomp_fd,
+                init_fd,
+            ]
+            argv = [
+                "sandlot-init",
+                "launch",
+                str(record.uid),
+                str(record.gid),
+                self._bwrap,
+                str(args_fd),
+                str(len(passed)),
+                *map(str, passed),
+                str(len(cgroup.procs_files)),
+                *map(str, cgroup.procs_files),
+                *command,
+            ]
+            actions = [
+                (os.POSIX_SPAWN_DUP2, null_fd, 0),
+                (os.POSIX_SPAWN_DUP2, null_fd, 1),
+                (os.POSIX_SPAWN_DUP2, log_fd, 2),
+                # dup2 onto itself clears close-on-exec in the child only.
+                *((os.POSIX_SPAWN_DUP2, fd, fd) for fd in [args_fd, *passed]),
+            ]
+            launcher = os.posix_spawn(
+                self._init_binary, argv, {}, file_actions=actions, setsid=True
+            )
+        finally:
+            listener.close()
+            for fd in opened:
+                if fd != ready_r:
+                    os.close(fd)
+        try:
+            try:
+                await _wait_readable(ready_r, READY_TIMEOUT)
+                ok = os.read(ready_r, 1) == b"R"
+            except TimeoutError:
+                ok = False
+            await self._reap(launcher)
+        finally:
+            os.close(ready_r)
+        init_pid = _find_init(cgroup) if ok else None
+        if init_pid is None:
+            log = ""
+            with contextlib.suppress(OSError):
+                log = (run / "launch.log").read_text(errors="replace").strip()
+            raise SandboxStartError(
+                f"sandbox {sandbox_id} failed to start: {log or 'no error output'}"
+            )
+        return IsolatedRuntime(
+            sandbox_id,
+            generation,
+            template,
+            record=record,
+            run=run,
+            cgroup=cgroup,
+            init_pid=init_pid,
+        )
+
+    @staticmethod
+    async def _reap(pid: int) -> None:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            # The launcher exits as soon as bubblewrap is running.
+            await _wait_readable(pidfd, READY_TIMEOUT)
+        except TimeoutError:
+            pass
+        finally:
+            os.close(pidfd)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, os.WNOHANG)  # noqa: ASYNC222 - it has exited: no wait
+
+    async def adopt(
+        self, sandbox_id: str, generation: int, template: Template
+    ) -> SandboxRuntime | None:
+        """Take over a sandbox left running by a previous server, or ``None`` if it is gone."""
+        if not _SANDBOX_ID.match(sandbox_id):
+            return None
+        run = self.settings.run_dir / sandbox_id
+        record = _Record.load(run / "state.json")
+        if record is None or record.generation != generation or record.mode != self.settings.mode:
+            return None
+        if self.settings.mode == "unisolated":
+            return DirectRuntime(
+                sandbox_id, generation, template, Path(record.workspace), tmp=run / "tmp"
+            )
+        cgroup = self._require().sandbox(sandbox_id)
+        init_pid = _find_init(cgroup)
+        if init_pid is None:
+            return None
+        self._uids_in_use.add(record.uid)
+        runtime = IsolatedRuntime(
+            sandbox_id,
+            generation,
+            template,
+            record=record,
+            run=run,
+            cgroup=cgroup,
+            init_pid=init_pid,
+        )
+        if cgroup.is_frozen():
+            runtime.state = SandboxState.SUSPENDED
+        self._runtimes[sandbox_id] = runtime
+        return runtime
+
+    async def suspend(self, rt: SandboxRuntime) -> None:
+        """Freeze every process of the sandbox (cgroup freezer)."""
+        if isinstance(rt, IsolatedRuntime):
+            await rt.cgroup.freeze()
+            rt.state = SandboxState.SUSPENDED
+        elif isinstance(rt, DirectRuntime):
+            rt.state = SandboxState.SUSPENDED
+
+    async def resume(self, rt: SandboxRuntime) -> None:
+        """Thaw a suspended sandbox."""
+        if isinstance(rt, IsolatedRuntime):
+            rt.cgroup.thaw()
+            rt.state = SandboxState.ACTIVE
+        elif isinstance(rt, DirectRuntime):
+            rt.state = SandboxState.ACTIVE
+
+    async def destroy(self, sandbox_id: str, *, keep_workspace: bool = False) -> None:
+        """Kill every process of the sandbox, remove its cgroup and run dir (idempotent).
+
+        The workspace goes too unless ``keep_workspace``; named volumes always stay.
+        """
+        if not _SANDBOX_ID.match(sandbox_id):
+            raise ValueError(f"invalid sandbox id {sandbox_id!r}")
+        runtime = self._runtimes.pop(sandbox_id, None)
+        if runtime is not None:
+            runtime.state = SandboxState.TERMINATED
+            runtime.close()
+        run = self.settings.run_dir / sandbox_id
+        record = _Record.load(run / "state.json")
+        if self.settings.mode == "isolated":
+            cgroup = self._require().sandbox(sandbox_id)
+            await cgroup.kill_all()
+            await cgroup.remove()
+        await asyncio.to_thread(_rmtree, run)
+        if not keep_workspace:
+            await asyncio.to_thread(_rmtree, self.settings.workspaces_dir / sandbox_id)
+        if record is not None:
+            self._uids_in_use.discard(record.uid)
+
+
+def asyncio_free_remove(cgroup: SandboxCgroup) -> None:
+    """Remove an empty cgroup from synchronous code (the preflight probe)."""
+    for d in cgroup.dirs.values():
+        with contextlib.suppress(FileNotFoundError):
+            d.rmdir()
