@@ -247,10 +247,12 @@ class ExecManager:
         self._execs: dict[str, Exec] = {}
         self._by_command: dict[str, Exec] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._running = 0
+        self._pruned_at = 0.0
 
     @property
     def running(self) -> int:
-        return sum(1 for e in self._execs.values() if e.state is ExecState.RUNNING)
+        return self._running
 
     @property
     def clients(self) -> int:
@@ -266,10 +268,15 @@ class ExecManager:
         return self._by_command.get(command_id)
 
     def all(self) -> list[Exec]:
-        self._prune()
+        self._prune(force=True)
         return list(self._execs.values())
 
-    def _prune(self) -> None:
+    def _prune(self, *, force: bool = False) -> None:
+        # A full pass is O(execs): run it at most once a second, or when over the cap.
+        now = time.monotonic()
+        if not force and len(self._execs) < self.settings.max_execs and now - self._pruned_at < 1:
+            return
+        self._pruned_at = now
         horizon = time.time() - self.settings.reattach_window_seconds
         finished = [e for e in self._execs.values() if e.ended_at is not None and e.clients == 0]
         drop = [e for e in finished if e.ended_at is not None and e.ended_at < horizon]
@@ -321,6 +328,7 @@ class ExecManager:
         except OSError as exc:
             raise InvalidRequest(f"cannot start command: {exc.strerror}") from None
         ex.attach_process(process, timeout)
+        self._running += 1
         self._execs[ex.exec_id] = ex
         if command_id is not None:
             self._by_command[command_id] = ex
@@ -346,6 +354,7 @@ class ExecManager:
         return ex
 
     def _exited(self, ex: Exec) -> None:
+        self._running -= 1
         status = "killed" if ex.state is ExecState.KILLED else "exited"
         self._emit(
             f"exec.{status}",

@@ -390,8 +390,36 @@ def build_transfer_routes(api: Api) -> list[Route]:
         entry, _ = await api.auth(request, Capability.FS_READ)
         _, resolver, executor, _ = entry.ready()
         path = query_path(request, default="/workspace")
-        data = await executor.heavy(_make_tar, resolver, path, settings.max_read_bytes * 64)
-        return Response(data, media_type="application/x-tar")
+
+        def open_dir() -> int:
+            with resolver.resolve(path) as root:
+                return root.open(os.O_RDONLY | os.O_DIRECTORY)
+
+        top = await executor.light(open_dir)
+        out = _QueueWriter()
+        task = asyncio.ensure_future(executor.heavy(_make_tar, top, out))
+        loop = asyncio.get_running_loop()
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                while True:
+                    item = await loop.run_in_executor(None, out.q.get)
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        # Headers are gone already: end the stream early (the tar is
+                        # then visibly truncated for the client).
+                        break
+                    yield item
+            finally:
+                out.cancelled = True
+                # Wake a getter thread still waiting on the queue.
+                with contextlib.suppress(Exception):
+                    out.q.put_nowait(None)
+                with contextlib.suppress(BaseException):
+                    await task
+
+        return StreamingResponse(body(), media_type="application/x-tar")
 
     return [
         Route("/files/upload", upload_route, methods=["POST", "PUT"]),
@@ -401,43 +429,90 @@ def build_transfer_routes(api: Api) -> list[Route]:
     ]
 
 
-def _make_tar(resolver: PathResolver, path: str, limit: int) -> bytes:
-    out = io.BytesIO()
-    total = 0
-    with resolver.resolve(path) as root:
-        top = root.open(os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            with tarfile.open(fileobj=out, mode="w") as tar:
-                for dirpath, dirnames, filenames, dfd in os.fwalk(
-                    ".", dir_fd=top, follow_symlinks=False
-                ):
-                    rel = dirpath[2:] if dirpath != "." else ""
-                    for d in dirnames:
-                        info = tarfile.TarInfo(f"{rel}/{d}" if rel else d)
-                        info.type = tarfile.DIRTYPE
-                        info.mode = 0o755
-                        tar.addfile(info)
-                    for f in filenames:
-                        name = f"{rel}/{f}" if rel else f
+class _QueueWriter(io.RawIOBase):
+    """A file object for the tar writer thread; bounded hand-off to the response."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
+        self.buf = bytearray()
+        self.cancelled = False
+
+    def writable(self) -> bool:
+        return True
+
+    def put(self, item: bytes | BaseException | None) -> None:
+        import queue
+
+        # Give up when the response is gone, or after a minute without progress
+        # (a client that stopped reading): the writer thread never hangs forever.
+        for _ in range(120):
+            if self.cancelled:
+                break
+            try:
+                self.q.put(item, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+        raise OSError("client went away")
+
+    def write(self, b: Any) -> int:
+        self.buf += b
+        if len(self.buf) >= CHUNK:
+            self.put(bytes(self.buf))
+            self.buf.clear()
+        return len(b)
+
+    def finish(self, error: BaseException | None) -> None:
+        if self.buf and error is None:
+            self.put(bytes(self.buf))
+        self.put(error)
+
+
+def _make_tar(top: int, out: _QueueWriter) -> None:
+    """Write a tar of the directory ``top`` (an fd, closed here) into ``out``."""
+    error: BaseException | None = None
+    try:
+        with tarfile.open(fileobj=out, mode="w|") as tar:
+            for dirpath, dirnames, filenames, dfd in os.fwalk(
+                ".", dir_fd=top, follow_symlinks=False
+            ):
+                rel = dirpath[2:] if dirpath != "." else ""
+                for d in dirnames:
+                    info = tarfile.TarInfo(f"{rel}/{d}" if rel else d)
+                    info.type = tarfile.DIRTYPE
+                    info.mode = 0o755
+                    tar.addfile(info)
+                for f in filenames:
+                    name = f"{rel}/{f}" if rel else f
+                    try:
                         st = os.stat(f, dir_fd=dfd, follow_symlinks=False)
-                        info = tarfile.TarInfo(name)
-                        info.mtime = int(st.st_mtime)
-                        info.mode = stat.S_IMODE(st.st_mode)
-                        if stat.S_ISLNK(st.st_mode):
-                            info.type = tarfile.SYMTYPE
-                            info.linkname = os.readlink(f, dir_fd=dfd)
-                            tar.addfile(info)
-                        elif stat.S_ISREG(st.st_mode):
-                            fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
-                            with os.fdopen(fd, "rb") as fh:
-                                info.size = os.fstat(fh.fileno()).st_size
-                                total += info.size
-                                if total > limit:
-                                    raise PayloadTooLarge("directory too large for an archive")
-                                tar.addfile(info, fh)
-        finally:
-            os.close(top)
-    return out.getvalue()
+                    except FileNotFoundError:
+                        continue
+                    info = tarfile.TarInfo(name)
+                    info.mtime = int(st.st_mtime)
+                    info.mode = stat.S_IMODE(st.st_mode)
+                    if stat.S_ISLNK(st.st_mode):
+                        info.type = tarfile.SYMTYPE
+                        info.linkname = os.readlink(f, dir_fd=dfd)
+                        tar.addfile(info)
+                    elif stat.S_ISREG(st.st_mode):
+                        # FIFOs and devices are skipped; O_NONBLOCK keeps a swapped-in
+                        # FIFO from hanging the open, fstat then checks the type.
+                        fd = os.open(f, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+                        with os.fdopen(fd, "rb") as fh:
+                            fst = os.fstat(fh.fileno())
+                            if not stat.S_ISREG(fst.st_mode):
+                                continue
+                            info.size = fst.st_size
+                            tar.addfile(info, fh)
+    except BaseException as exc:
+        error = exc
+    finally:
+        os.close(top)
+    with contextlib.suppress(OSError):
+        out.finish(error)
 
 
 __all__ = ["build_transfer_routes", "download", "etag_of", "upload"]
