@@ -241,7 +241,7 @@ def main() -> None:
         am, ap = stats(a)
         bm, bp = stats(b)
         print(
-            f"| {name} | {am:.3f} ms | {ap:.3f} ms | {bm:.3f} ms | {bp:.3f} ms | {am / bm:.1f}× |"
+            f"| {name} | {am:.3f} ms | {ap:.3f} ms | {bm:.3f} ms | {bp:.3f} ms | {am / bm:.1f}x |"
         )
 
 
