@@ -59,6 +59,7 @@ from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
 from sandlot.runtime.preflight import (
     RuntimeUnavailable,
     check_platform,
+    check_traversable,
     check_uid_range,
     check_user_namespaces,
     find_bwrap,
@@ -319,11 +320,16 @@ class LocalRuntimeManager:
                 d.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise RuntimeUnavailable(f"cannot create {d}: {exc.strerror}") from exc
-        self.settings.run_dir.chmod(0o711)
         if self.settings.mode == "unisolated":
             self._prepared = True
             return
         check_platform()
+        for d in (self.settings.run_dir, self.settings.workspaces_dir, self.settings.volumes_dir):
+            d.chmod(d.stat().st_mode | 0o011)
+        if self._is_root:
+            check_traversable(
+                [self.settings.run_dir, self.settings.workspaces_dir, self.settings.volumes_dir]
+            )
         bwrap = find_bwrap(self.settings.bwrap)
         check_user_namespaces()
         check_uid_range(self._is_root, self.settings.uid_base, self.settings.uid_count)
