@@ -412,11 +412,23 @@ class FileOps:
 
     # --- searching --------------------------------------------------------------------
 
-    def glob(self, pattern: str, path: str) -> dict[str, Any]:
+    def glob(
+        self,
+        pattern: str,
+        path: str,
+        *,
+        relative: bool = False,
+        include_dirs: bool = False,
+        limit: int | None = None,
+    ) -> dict[str, Any]:
+        """deepagents semantics by default; ``relative`` (LangSmith): the pattern always
+        matches the path relative to ``path`` (``*`` lists one level) and directories
+        are included with ``include_dirs``."""
         if "\x00" in pattern:
             raise InvalidRequest("pattern contains a NUL byte")
+        cap = min(limit, self.max_glob_results) if limit else self.max_glob_results
         base, rest = split_base(pattern)
-        anchored = "/" in pattern
+        anchored = "/" in pattern or relative
         root = normalize(base if base.startswith("/") else _join(normalize(path), base))
         try:
             matcher = GlobPattern(rest, anchored=anchored)
@@ -435,6 +447,23 @@ class FileOps:
                         if not matcher.enters_hidden:
                             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
                         rel_dir = dirpath[2:] if dirpath != "." else ""
+                        if include_dirs:
+                            for name in dirnames:
+                                rel = f"{rel_dir}/{name}" if rel_dir else name
+                                if not matcher.match(rel, name):
+                                    continue
+                                if len(out) >= cap:
+                                    truncated = True
+                                    break
+                                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                                out.append(
+                                    {
+                                        "path": f"{prefix}/{rel}",
+                                        "is_dir": True,
+                                        "size": st.st_size,
+                                        "modified_at": iso(st.st_mtime),
+                                    }
+                                )
                         for name in filenames:
                             rel = f"{rel_dir}/{name}" if rel_dir else name
                             if not matcher.match(rel, name):
@@ -447,7 +476,7 @@ class FileOps:
                                 continue
                             if not stat.S_ISREG(st.st_mode):
                                 continue
-                            if len(out) >= self.max_glob_results:
+                            if len(out) >= cap:
                                 truncated = True
                                 break
                             out.append(

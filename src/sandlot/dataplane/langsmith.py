@@ -8,13 +8,17 @@ the 3.6 bodies. ``/execute/ws`` lives in :mod:`sandlot.dataplane.websockets`.
 
 from __future__ import annotations
 
+from typing import Any
+
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from sandlot.dataplane.routes import run_exec
 from sandlot.dataplane.transfer import download, upload
-from sandlot.dataplane.web import Api, endpoint, json_response
+from sandlot.dataplane.web import Api, endpoint, json_response, parse_json
+from sandlot.protocol.common import Capability
+from sandlot.protocol.dataplane import GlobRequest
 
 
 def build_langsmith_routes(api: Api, fs_routes: dict[str, Route]) -> list[Route]:
@@ -39,10 +43,26 @@ def build_langsmith_routes(api: Api, fs_routes: dict[str, Route]) -> list[Route]
     async def download_route(request: Request) -> Response:
         return await download(api, request)
 
+    @endpoint
+    async def glob(request: Request) -> Response:
+        entry, _ = await api.auth(request, Capability.FS_READ)
+        _, _, executor, files = entry.ready()
+        body = await parse_json(request, GlobRequest)
+
+        def run() -> Any:
+            return files.glob(
+                body.pattern, body.path, relative=True, include_dirs=True, limit=body.limit
+            )
+
+        result = await executor.heavy(run)
+        for m in result["matches"]:
+            m["size_bytes"] = m["size"]
+        return json_response(result)
+
     return [
         Route("/execute", execute, methods=["POST"]),
         Route("/upload", upload_route, methods=["POST", "PUT"]),
         Route("/download", download_route, methods=["GET", "HEAD"]),
-        Route("/glob", fs_routes["/fs/glob"].endpoint, methods=["POST"]),
+        Route("/glob", glob, methods=["POST"]),
         Route("/grep", fs_routes["/fs/grep"].endpoint, methods=["POST"]),
     ]

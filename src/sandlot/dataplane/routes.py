@@ -190,7 +190,11 @@ def build_routes(api: Api) -> list[Route]:
         entry, _ = await api.auth(request, Capability.FS_READ)
         _, _, executor, files = entry.ready()
         body = await parse_json(request, GlobRequest)
-        return json_response(await executor.heavy(files.glob, body.pattern, body.path))
+
+        def glob() -> Any:
+            return files.glob(body.pattern, body.path, limit=body.limit)
+
+        return json_response(await executor.heavy(glob))
 
     @endpoint
     async def fs_grep(request: Request) -> Response:

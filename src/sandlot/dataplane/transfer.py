@@ -14,6 +14,7 @@ import os
 import stat
 import tarfile
 from collections.abc import AsyncIterator
+from email.utils import formatdate
 from typing import Any
 
 from starlette.requests import Request
@@ -127,11 +128,20 @@ async def download(api: Api, request: Request) -> Response:
     headers = {
         "Accept-Ranges": "bytes",
         "ETag": etag,
+        "Last-Modified": formatdate(st.st_mtime, usegmt=True),
         "Content-Disposition": f"attachment; filename*=UTF-8''{_quote(spath)}",
     }
+    if_none_match = request.headers.get("if-none-match")
+    if if_none_match and etag in [t.strip() for t in if_none_match.split(",")]:
+        os.close(fd)
+        return Response(status_code=304, headers=headers)
     start, end = 0, size - 1
     status = 200
     rng = request.headers.get("range")
+    if_range = request.headers.get("if-range")
+    if rng and if_range and if_range.strip() != etag:
+        # The file changed since the caller's chunk: send it whole (RFC 9110 If-Range).
+        rng = None
     if rng:
         try:
             parsed = _parse_range(rng, size)

@@ -26,7 +26,7 @@ from sandlot.dataplane.sandbox import SandboxEntry
 from sandlot.dataplane.streams import Cursor
 from sandlot.dataplane.web import Api, as_sandlot_error, dumps
 from sandlot.protocol import frames as F
-from sandlot.protocol.common import Capability
+from sandlot.protocol.common import Capability, new_id
 from sandlot.protocol.errors import (
     CapabilityDenied,
     Forbidden,
@@ -77,11 +77,12 @@ class Socket:
                 await self.ws.close(code, reason[:120])
 
     async def fail(self, exc: SandlotError, *, langsmith: bool = False) -> None:
-        frame = (
-            F.langsmith_error_frame(exc.wire_code, exc.message)
-            if langsmith
-            else F.error_frame(exc.wire_code, exc.message, exc.retryable)
-        )
+        if langsmith:
+            # LangSmith clients dispatch on these error types.
+            error_type = "CommandNotFound" if isinstance(exc, NotFound) else exc.wire_code
+            frame = F.langsmith_error_frame(error_type, exc.message)
+        else:
+            frame = F.error_frame(exc.wire_code, exc.message, exc.retryable)
         with contextlib.suppress(Exception):
             await self.send(frame)
         await self.close(close_code_for(exc), exc.message)
@@ -219,10 +220,14 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
     runtime, *_ = entry.ready()
     assert sock.ctx is not None
     if isinstance(first, (F.StartFrame, F.ExecuteFrame)):
-        if first.command_id is not None:
-            existing = entry.execs.by_command_id(first.command_id)
+        command_id = first.command_id
+        if command_id is not None:
+            existing = entry.execs.by_command_id(command_id)
             if existing is not None:
                 return existing, [0, 0]
+        elif langsmith:
+            # LangSmith clients reconnect by the command_id of ``started``: always have one.
+            command_id = new_id("cmd", 8)
         ex = await entry.execs.start(
             runtime,
             command=first.command,
@@ -230,17 +235,21 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
             env=first.env,
             cwd=first.cwd,
             pty=(getattr(first, "cols", 80), getattr(first, "rows", 24)) if first.pty else None,
-            timeout=first.timeout_seconds,
-            command_id=first.command_id,
+            timeout=first.timeout_seconds or None,
+            command_id=command_id,
             actor=sock.ctx.actor,
         )
-        if isinstance(first, F.StartFrame):
-            ex.kill_on_disconnect = first.kill_on_disconnect
-            if first.stdin is not None:
-                await ex.write_stdin(first.stdin.encode())
+        ex.kill_on_disconnect = first.kill_on_disconnect
+        if isinstance(first, F.StartFrame) and first.stdin is not None:
+            await ex.write_stdin(first.stdin.encode())
+        if isinstance(first, F.ExecuteFrame) and first.close_stdin:
+            await ex.close_stdin()
         return ex, [0, 0]
     if isinstance(first, F.ReconnectFrame):
         ex_found = entry.execs.by_command_id(first.command_id)
+        if ex_found is None and first.command_id.startswith("ex_"):
+            with contextlib.suppress(NotFound):
+                ex_found = entry.execs.get(first.command_id)
         if ex_found is None:
             raise NotFound(f"no command {first.command_id}")
         return ex_found, [first.stdout_offset, first.stderr_offset]

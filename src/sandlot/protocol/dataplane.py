@@ -153,6 +153,7 @@ class EditResponse(WireModel):
 class GlobRequest(WireModel):
     pattern: str = Field(min_length=1, max_length=4096)
     path: str = Field(default="/workspace", min_length=1, max_length=4096)
+    limit: int | None = Field(default=None, ge=1, le=1_000_000)
 
 
 class GlobResponse(WireModel):
@@ -164,7 +165,9 @@ class GrepRequest(WireModel):
     pattern: str = Field(min_length=1, max_length=4096)
     path: str = Field(default="/workspace", min_length=1, max_length=4096)
     glob: str | None = Field(default=None, max_length=4096)
-    max_count: int | None = Field(default=None, ge=1, le=100_000)
+    max_count: int | None = Field(
+        default=None, ge=1, le=1_000_000, validation_alias=AliasChoices("max_count", "limit")
+    )
     regex: bool = False
     ignore_case: bool = False
 

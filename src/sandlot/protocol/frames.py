@@ -95,9 +95,12 @@ class ExecuteFrame(WireModel):
     cwd: str | None = Field(default=None, max_length=4096)
     pty: bool = False
     timeout_seconds: float | None = Field(
-        default=None, gt=0, le=86400, validation_alias=AliasChoices("timeout_seconds", "timeout")
+        default=None, ge=0, le=86400, validation_alias=AliasChoices("timeout_seconds", "timeout")
     )
     command_id: str | None = Field(default=None, min_length=1, max_length=200)
+    kill_on_disconnect: bool = False
+    #: Close the command's stdin right after it starts.
+    close_stdin: bool = False
 
 
 class KillFrame(WireModel):
