@@ -87,16 +87,26 @@ def read_events(
 
 
 class EventHub:
-    """Wakes this process's subscribers when a stream gets new events."""
+    """Wakes this process's subscribers when a stream gets new events.
+
+    Each stream has a version counter; a subscriber remembers the version it
+    read before fetching, so a notification that lands between its fetch and
+    its wait is never lost.
+    """
 
     POLL_SECONDS = 0.5
 
     def __init__(self) -> None:
-        self._waiters: dict[str, set[asyncio.Event]] = {}
+        self._versions: dict[str, int] = {}
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+
+    def version(self, stream_id: str) -> int:
+        """The stream's version; from this call on, its notifications are counted."""
+        return self._versions.setdefault(stream_id, 0)
 
     def notify(self, stream_id: str) -> None:
         """Safe to call from any thread."""
@@ -113,22 +123,31 @@ class EventHub:
             loop.call_soon_threadsafe(self._wake, stream_id)
 
     def _wake(self, stream_id: str) -> None:
-        for ev in self._waiters.get(stream_id, ()):
-            ev.set()
+        if stream_id in self._waiters or stream_id in self._versions:
+            self._versions[stream_id] = self._versions.get(stream_id, 0) + 1
+        for fut in self._waiters.pop(stream_id, ()):
+            if not fut.done():
+                fut.set_result(None)
 
-    async def wait(self, stream_id: str, timeout: float) -> None:
-        ev = asyncio.Event()
-        self._waiters.setdefault(stream_id, set()).add(ev)
+    async def wait(self, stream_id: str, timeout: float, seen: int | None = None) -> None:
+        """Wait for a notification newer than version ``seen`` (or for ``timeout``)."""
+        if seen is not None and self._versions.get(stream_id, 0) != seen:
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(stream_id, set()).add(fut)
+        self._versions.setdefault(stream_id, 0)
         try:
-            await asyncio.wait_for(ev.wait(), timeout)
+            await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            pass
-        finally:
             waiters = self._waiters.get(stream_id)
             if waiters is not None:
-                waiters.discard(ev)
+                waiters.discard(fut)
                 if not waiters:
                     del self._waiters[stream_id]
+
+    def forget(self, stream_id: str) -> None:
+        if stream_id not in self._waiters:
+            self._versions.pop(stream_id, None)
 
 
 __all__ = ["RETAINED_EVENTS", "EventHub", "append_event", "bindings", "read_events", "sandboxes"]

@@ -169,14 +169,8 @@ class SessionService:
             )
         scope = self.effective_scope(req)
         caps = self.granted_capabilities(principal, req.requested_capabilities)
-        template: Template | None = None
-        if req.mode.creates:
-            template = await anyio.to_thread.run_sync(
-                self.templates.get, req.template or self.settings.default_template
-            )
-        await anyio.to_thread.run_sync(self._warm_caches)
         result = await anyio.to_thread.run_sync(
-            self._negotiate_tx, ctx, principal, req, scope, caps, template
+            self._negotiate_tx, ctx, principal, req, scope, caps
         )
         if result.provision is not None:
             failpoints.hit("after_binding_insert")
@@ -199,8 +193,11 @@ class SessionService:
         req: SessionRequest,
         scope: Scope,
         caps: list[Capability],
-        template: Template | None,
     ) -> _Negotiated:
+        self._warm_caches()
+        template: Template | None = None
+        if req.mode.creates:
+            template = self.templates.get(req.template or self.settings.default_template)
         for _ in range(5):
             try:
                 with self.store.write() as conn:

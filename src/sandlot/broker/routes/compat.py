@@ -141,13 +141,14 @@ def _find_box(broker: Broker, principal: Principal, name: str) -> SandboxRow:
 async def _wait_ready(broker: Broker, sandbox_id: str, timeout: float) -> SandboxRow:
     deadline = time.monotonic() + timeout
     while True:
+        seen = broker.hub.version(sandbox_id)
         row = await anyio.to_thread.run_sync(broker.sandboxes.get, sandbox_id)
         if row.state is not SandboxState.PROVISIONING:
             return row
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ProviderUnavailable(f"box {sandbox_id} was not ready within {timeout:g} s")
-        await broker.hub.wait(sandbox_id, min(remaining, broker.hub.POLL_SECONDS))
+        await broker.hub.wait(sandbox_id, min(remaining, broker.hub.POLL_SECONDS), seen)
 
 
 @router.post("/v2/sandboxes/boxes")

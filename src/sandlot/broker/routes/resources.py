@@ -287,6 +287,7 @@ async def sandbox_events(
     return sse_response(
         fetch,
         cursor,
-        wait=lambda t: broker.hub.wait(sandbox_id, min(t, broker.hub.POLL_SECONDS)),
+        hub=broker.hub,
+        stream_id=sandbox_id,
         ended=lambda: not broker.sandboxes.get(sandbox_id).state.live,
     )

@@ -11,6 +11,7 @@ import anyio
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from sandlot.broker.events import EventHub
 from sandlot.broker.idempotency import fingerprint
 from sandlot.broker.principals import Principal
 from sandlot.broker.routes.deps import (
@@ -151,7 +152,8 @@ def sse_response(
     fetch: Callable[[int], list[dict[str, Any]]],
     cursor: int,
     *,
-    wait: Callable[[float], Awaitable[None]],
+    hub: EventHub,
+    stream_id: str,
     ended: Callable[[], bool],
 ) -> StreamingResponse:
     """An SSE stream: events after ``cursor``, then live, keep-alive every 15 s."""
@@ -160,20 +162,25 @@ def sse_response(
         nonlocal cursor
         last_sent = time.monotonic()
         yield b": stream open\n\n"
-        while True:
-            items = await anyio.to_thread.run_sync(fetch, cursor)
-            for ev in items:
-                cursor = int(ev["sequence"])
-                data = json.dumps(ev, separators=(",", ":"))
-                yield f"id: {cursor}\nevent: {ev['event_type']}\ndata: {data}\n\n".encode()
-                last_sent = time.monotonic()
-            if not items:
-                if await anyio.to_thread.run_sync(ended):
-                    return
-                await wait(1.0)
-                if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
-                    yield b": keep-alive\n\n"
+        try:
+            while True:
+                seen = hub.version(stream_id)
+                items = await anyio.to_thread.run_sync(fetch, cursor)
+                for ev in items:
+                    cursor = int(ev["sequence"])
+                    data = json.dumps(ev, separators=(",", ":"))
+                    yield f"id: {cursor}\nevent: {ev['event_type']}\ndata: {data}\n\n".encode()
                     last_sent = time.monotonic()
+                if not items:
+                    if await anyio.to_thread.run_sync(ended):
+                        return
+                    # Other worker processes do not notify this one: re-read now and then.
+                    await hub.wait(stream_id, hub.POLL_SECONDS, seen)
+                    if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
+                        yield b": keep-alive\n\n"
+                        last_sent = time.monotonic()
+        finally:
+            hub.forget(stream_id)
 
     return StreamingResponse(
         stream(),
@@ -201,7 +208,8 @@ async def session_events(
     return sse_response(
         lambda c: broker.sessions.events_after(principal, session_id, c),
         cursor,
-        wait=lambda t: broker.hub.wait(session_id, min(t, broker.hub.POLL_SECONDS)),
+        hub=broker.hub,
+        stream_id=session_id,
         ended=ended,
     )
 
