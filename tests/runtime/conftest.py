@@ -81,9 +81,8 @@ async def collect(proc: SandboxProcess, *, stdin: bytes = b"", timeout: float = 
     return Result(status, out.decode(errors="replace"), err.decode(errors="replace"))
 
 
-@pytest.fixture
-def data_dir() -> Iterator[Path]:
-    require_isolation()
+@pytest.fixture(scope="session")
+def shared_root() -> Iterator[Path]:
     # Sandbox uids walk into this tree as bubblewrap: keep it out of 0700 pytest dirs.
     path = Path(tempfile.mkdtemp(prefix="sandlot-rt-", dir="/tmp"))
     path.chmod(0o711)
@@ -92,9 +91,19 @@ def data_dir() -> Iterator[Path]:
 
 
 @pytest.fixture
-def settings(data_dir: Path) -> RuntimeSettings:
+def data_dir(shared_root: Path, request: pytest.FixtureRequest) -> Path:
+    require_isolation()
+    path = Path(tempfile.mkdtemp(prefix="t-", dir=shared_root))
+    path.chmod(0o711)
+    return path
+
+
+@pytest.fixture
+def settings(shared_root: Path, data_dir: Path) -> RuntimeSettings:
+    # One run dir for the session: its generated /etc and init binary are built once.
+    # Every test leaves it empty (the manager fixture destroys what is left).
     return RuntimeSettings(
-        run_dir=data_dir / "run",
+        run_dir=shared_root / "run",
         workspaces_dir=data_dir / "workspaces",
         volumes_dir=data_dir / "volumes",
     )

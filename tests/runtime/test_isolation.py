@@ -1,5 +1,8 @@
 """Isolation probes (TESTING.md), each run inside a real sandbox."""
 
+# Probes read /proc and cgroup files directly: instant, and the point of the test.
+# ruff: noqa: ASYNC240
+
 from __future__ import annotations
 
 import asyncio
@@ -26,7 +29,9 @@ HERE = Path(__file__).parent
 
 
 async def test_runs_as_sandbox_user_without_privileges(sandbox: SandboxRuntime) -> None:
-    result = await run(sandbox, ["sh", "-c", "id -u; grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"])
+    result = await run(
+        sandbox, ["sh", "-c", "id -u; grep -E '^(CapEff|CapPrm|NoNewPrivs)' /proc/self/status"]
+    )
     assert result.status.exit_code == 0, result.stderr
     lines = result.stdout.split("\n")
     assert lines[0] == "1000"
@@ -136,8 +141,12 @@ def test_server_secrets_invisible_inside(settings: RuntimeSettings, data_dir: Pa
 async def test_init_environment_and_memory_unreadable(sandbox: SandboxRuntime) -> None:
     result = await run(
         sandbox,
-        ["sh", "-c", "cat /proc/1/environ; echo rc=$?; ls /proc/1/fd; echo rc=$?; "
-         "tr '\\0' ' ' </proc/1/cmdline"],
+        [
+            "sh",
+            "-c",
+            "cat /proc/1/environ; echo rc=$?; ls /proc/1/fd; echo rc=$?; "
+            "tr '\\0' ' ' </proc/1/cmdline",
+        ],
     )
     assert "rc=1\n" in result.stdout and "rc=2" in result.stdout
     assert "Permission denied" in result.stderr
@@ -329,9 +338,7 @@ async def test_fork_bomb_stopped_by_pids_limit(
     await manager.destroy("sb-forks")
 
 
-async def test_memory_hog_reported_as_oom(
-    manager: LocalRuntimeManager, template: Template
-) -> None:
+async def test_memory_hog_reported_as_oom(manager: LocalRuntimeManager, template: Template) -> None:
     small = template.model_copy(update={"resources": Resources(memory_mb=64, pids=64)})
     rt = await manager.create("sb-oom", 1, small, {})
     result = await run(rt, ["python3", "-c", "b = bytearray(200 << 20); print('survived')"])

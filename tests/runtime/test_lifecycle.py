@@ -1,5 +1,8 @@
 """Sandbox lifecycle on real sandboxes: create, exec, PTY, suspend/resume, adopt, destroy."""
 
+# Probes read /proc and cgroup files directly: instant, and the point of the test.
+# ruff: noqa: ASYNC240
+
 from __future__ import annotations
 
 import asyncio
@@ -338,7 +341,9 @@ def test_preflight_explains_what_is_missing(settings: RuntimeSettings) -> None:
             LocalRuntimeManager(root_uid).preflight()
 
 
-async def test_unisolated_mode_only_when_asked(settings: RuntimeSettings, template: Template) -> None:
+async def test_unisolated_mode_only_when_asked(
+    settings: RuntimeSettings, template: Template
+) -> None:
     direct = RuntimeSettings(
         run_dir=settings.run_dir,
         workspaces_dir=settings.workspaces_dir,

@@ -8,6 +8,8 @@ the sandbox; the init is executed through an fd, so nothing of it is mounted.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -81,8 +83,33 @@ _GENERATED_ETC = {
 }
 
 
+def _etc_fingerprint(source: Path) -> str:
+    digest = hashlib.sha256(repr(sorted(_GENERATED_ETC.items())).encode())
+    for name in HOST_ETC_ALLOWLIST:
+        top = source / name
+        paths = [top]
+        if top.is_dir() and not top.is_symlink():
+            paths += sorted(top.rglob("*"))
+        for path in paths:
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            digest.update(f"{path}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
 def build_host_etc(target: Path, source: Path = Path("/etc")) -> None:
-    """Write the minimal ``/etc`` of the ``host`` image into ``target`` (replaced whole)."""
+    """Write the minimal ``/etc`` of the ``host`` image into ``target``.
+
+    Rebuilt (and swapped in whole) only when the host's entries changed: copying
+    hundreds of symlinks costs about a second on slow filesystems.
+    """
+    fingerprint = _etc_fingerprint(source)
+    stamp = target.with_name(target.name + ".fingerprint")
+    with contextlib.suppress(OSError):
+        if target.is_dir() and stamp.read_text() == fingerprint:
+            return
     staging = target.with_name(target.name + f".{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -108,6 +135,7 @@ def build_host_etc(target: Path, source: Path = Path("/etc")) -> None:
         target.rename(old)
     staging.rename(target)
     shutil.rmtree(old, ignore_errors=True)
+    stamp.write_text(fingerprint)
 
 
 @dataclass(frozen=True)
