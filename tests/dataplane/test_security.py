@@ -419,3 +419,51 @@ def test_socket_closed_when_token_expires(server: Server) -> None:
             return info.value.rcvd.code
 
     assert asyncio.run(run()) == 4401
+
+
+def test_read_only_mount_refuses_every_write(tmp_path: Path) -> None:
+    from sandlot.runtime.base import Mount
+    from tests.dataplane.conftest import RootedRuntime
+
+    image = tmp_path / "image"
+    (image / "etc").mkdir(parents=True)
+    (image / "etc" / "conf").write_text("orig")
+
+    class ImageRuntime(RootedRuntime):
+        def mounts(self) -> list[Mount]:
+            return [*super().mounts(), Mount("/", image, False)]
+
+    gen = start_server(tmp_path)
+    srv = next(gen)
+    try:
+        rt = ImageRuntime("sb_ro", 1, srv.runtime.template, srv.workspace)
+        srv.call(
+            srv.host.register, "sb_ro", 1, __import__("sandlot").protocol.SandboxState.ACTIVE, rt
+        )
+        h = {"Authorization": f"Bearer {srv.keys.token('sb_ro')}"}
+        u = lambda p: srv.url(p, "sb_ro")  # noqa: E731
+        with httpx.Client(headers=h) as c:
+            assert c.get(u("/fs/read"), params={"path": "/etc/conf"}).json()["content"] == "orig"
+            for r in (
+                c.put(u("/fs/write"), json={"path": "/etc/conf", "content": "x"}),
+                c.put(u("/fs/write"), json={"path": "/etc/new/x", "content": "x"}),
+                c.post(
+                    u("/fs/edit"),
+                    json={"path": "/etc/conf", "old_string": "orig", "new_string": "x"},
+                ),
+                c.delete(u("/fs"), params={"path": "/etc/conf"}),
+                c.post(u("/fs/mkdir"), json={"path": "/etc/d"}),
+                c.post(u("/fs/move"), json={"src": "/etc/conf", "dst": "/workspace/c"}),
+                c.post(u("/files/upload"), params={"path": "/etc/up"}, content=b"x"),
+            ):
+                assert r.status_code == 403, r.text
+                assert r.json()["error"]["code"] == "PERMISSION_DENIED"
+            # The workspace mount (longest prefix) stays writable.
+            assert (
+                c.put(u("/fs/write"), json={"path": "/workspace/ok", "content": "x"}).status_code
+                == 201
+            )
+        assert (image / "etc" / "conf").read_text() == "orig"
+        assert sorted(os.listdir(image / "etc")) == ["conf"]
+    finally:
+        gen.close()

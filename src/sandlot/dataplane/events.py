@@ -98,7 +98,9 @@ class WorkspaceWatcher:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        """Start watching (idempotent; needs the running event loop)."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
 
     def api_changed(self, sandbox_path: str) -> None:
         now = time.monotonic()

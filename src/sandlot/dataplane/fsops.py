@@ -183,7 +183,7 @@ class FileOps:
         if len(data) > self.max_write_bytes:
             raise PayloadTooLarge(f"content larger than {self.max_write_bytes} bytes")
         try:
-            with self.resolver.resolve(path, create_parents=True) as res:
+            with self.resolver.resolve(path, create_parents=True, for_write=True) as res:
                 if res.name is None:
                     raise InvalidRequest("is a directory")
                 existing = self._existing_mode(res)
@@ -232,7 +232,7 @@ class FileOps:
         if_match: str | None,
     ) -> tuple[dict[str, Any], Change]:
         try:
-            with self.resolver.resolve(path) as res:
+            with self.resolver.resolve(path, for_write=True) as res:
                 fd, st = open_regular(res)
                 try:
                     if st.st_size > self.max_write_bytes:
@@ -360,7 +360,7 @@ class FileOps:
         import shutil
 
         try:
-            with self.resolver.resolve(path, follow_final=False) as res:
+            with self.resolver.resolve(path, follow_final=False, for_write=True) as res:
                 if res.name is None:
                     raise InvalidRequest("cannot delete a mount point")
                 st = res.lstat()
@@ -377,7 +377,7 @@ class FileOps:
 
     def mkdir(self, path: str, *, parents: bool, exist_ok: bool) -> tuple[str, Change | None]:
         try:
-            with self.resolver.resolve(path, create_parents=parents) as res:
+            with self.resolver.resolve(path, create_parents=parents, for_write=True) as res:
                 if res.name is None:
                     if exist_ok:
                         return res.sandbox_path, None
@@ -396,8 +396,10 @@ class FileOps:
     def move(self, src: str, dst: str, *, overwrite: bool) -> Change:
         try:
             with (
-                self.resolver.resolve(src, follow_final=False) as s,
-                self.resolver.resolve(dst, follow_final=False, create_parents=True) as d,
+                self.resolver.resolve(src, follow_final=False, for_write=True) as s,
+                self.resolver.resolve(
+                    dst, follow_final=False, create_parents=True, for_write=True
+                ) as d,
             ):
                 if s.name is None or d.name is None:
                     raise InvalidRequest("cannot move a mount point")

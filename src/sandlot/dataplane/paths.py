@@ -212,8 +212,16 @@ class PathResolver:
         return None
 
     def resolve(
-        self, path: str, *, follow_final: bool = True, create_parents: bool = False
+        self,
+        path: str,
+        *,
+        follow_final: bool = True,
+        create_parents: bool = False,
+        for_write: bool = False,
     ) -> Resolved:
+        """Confine ``path``; ``for_write`` refuses read-only mounts (403) whatever the
+        host permissions say (the server may be root on a directory the sandbox sees
+        read-only)."""
         pending = split_sandbox_path(path)
         pending.reverse()  # a stack: pop() takes the next component
         names: list[str] = []
@@ -240,14 +248,16 @@ class PathResolver:
                 assert parent.fd is not None
                 final = not pending
                 if final and not follow_final:
-                    return self._result(stack, names, part)
+                    return self._result(stack, names, part, for_write)
                 try:
                     fd = os.open(part, _O_STEP, dir_fd=parent.fd)
                 except FileNotFoundError:
                     if final:
-                        return self._result(stack, names, part)
+                        return self._result(stack, names, part, for_write)
                     if not create_parents:
                         raise
+                    if parent.mount is None or not parent.mount.writable:
+                        raise PermissionDenied("read-only file system") from None
                     with contextlib.suppress(FileExistsError):
                         os.mkdir(part, 0o755, dir_fd=parent.fd)
                     pending.append(part)
@@ -276,7 +286,7 @@ class PathResolver:
                     continue
                 if final:
                     os.close(fd)
-                    return self._result(stack, names, part)
+                    return self._result(stack, names, part, for_write)
                 if not stat.S_ISDIR(st.st_mode):
                     os.close(fd)
                     raise OSError(errno.ENOTDIR, "not a directory")
@@ -286,6 +296,8 @@ class PathResolver:
             top = stack[-1]
             if top.fd is None or top.mount is None:
                 raise FileNotFound("path is outside the sandbox's file system")
+            if for_write and not top.mount.writable:
+                raise PermissionDenied("read-only file system")
             fd = os.dup(top.fd) if not top.owned else top.fd
             top.owned = False
             return Resolved(
@@ -298,10 +310,14 @@ class PathResolver:
                 if level.owned and level.fd is not None:
                     os.close(level.fd)
 
-    def _result(self, stack: list[_Level], names: list[str], part: str) -> Resolved:
+    def _result(
+        self, stack: list[_Level], names: list[str], part: str, for_write: bool
+    ) -> Resolved:
         top = stack[-1]
         if top.fd is None or top.mount is None:
             raise FileNotFound("path is outside the sandbox's file system")
+        if for_write and not top.mount.writable:
+            raise PermissionDenied("read-only file system")
         fd = top.fd if top.owned else os.dup(top.fd)
         top.owned = False
         full = [*names, part]

@@ -101,6 +101,12 @@ class SandboxEntry:
                     self.events,
                     s.watch_debounce_ms,
                 )
+        self._start_watcher()
+
+    def _start_watcher(self) -> None:
+        # A provider may hand the runtime over before the loop runs: start on first use.
+        if self.watcher is not None:
+            with contextlib.suppress(RuntimeError):
                 self.watcher.start()
 
     def ready(self) -> tuple[SandboxRuntime, PathResolver, FsExecutor, FileOps]:
@@ -121,6 +127,7 @@ class SandboxEntry:
             raise SandboxStarting(
                 "sandbox is suspended", retry_after=self.settings.starting_retry_after
             )
+        self._start_watcher()
         return self.runtime, self.resolver, self.executor, self.files
 
     def changed(self, change: Change, actor: Actor | None) -> None:

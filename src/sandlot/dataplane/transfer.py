@@ -36,7 +36,7 @@ async def upload(api: Api, request: Request, *, multipart_only: bool = False) ->
     path = query_path(request)
     limit = api.host.settings.max_upload_bytes
     ctype = request.headers.get("content-type", "")
-    res = await executor.light(lambda: resolver.resolve(path, create_parents=True))
+    res = await executor.light(lambda: resolver.resolve(path, create_parents=True, for_write=True))
     with res:
         if res.name is None:
             raise InvalidRequest("is a directory")
@@ -200,7 +200,7 @@ def _extract(
     files = dirs = total = 0
     seen: set[str] = set()
     base = normalize(base)
-    with resolver.resolve(base, create_parents=True) as root:
+    with resolver.resolve(base, create_parents=True, for_write=True) as root:
         if root.name is not None:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(root.name, 0o755, dir_fd=root.dir_fd)
@@ -228,7 +228,7 @@ def _extract(
                 for i in range(1, len(parts) + 1):
                     seen.add(base.rstrip("/") + "/" + "/".join(parts[:i]))
                 if member.isdir():
-                    with resolver.resolve(target, create_parents=True) as res:
+                    with resolver.resolve(target, create_parents=True, for_write=True) as res:
                         if res.name is not None:
                             with contextlib.suppress(FileExistsError):
                                 os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
@@ -239,7 +239,9 @@ def _extract(
                         raise PayloadTooLarge("archive too large")
                     src = tar.extractfile(member)
                     assert src is not None
-                    with resolver.resolve(target, follow_final=False, create_parents=True) as res:
+                    with resolver.resolve(
+                        target, follow_final=False, create_parents=True, for_write=True
+                    ) as res:
                         if res.name is None:
                             raise InvalidRequest(f"archive member replaces a mount: {name!r}")
                         fd, tmp = create_temp(res)
@@ -265,7 +267,9 @@ def _extract(
                                 raise InvalidRequest(f"archive link points out: {name!r}")
                         elif p and p != ".":
                             level += 1
-                    with resolver.resolve(target, follow_final=False, create_parents=True) as res:
+                    with resolver.resolve(
+                        target, follow_final=False, create_parents=True, for_write=True
+                    ) as res:
                         if res.name is None:
                             raise InvalidRequest("archive member replaces a mount")
                         with contextlib.suppress(FileNotFoundError):

@@ -1,0 +1,92 @@
+"""Output streams: UTF-8 boundaries, invalid bytes, offsets, trimming and gaps."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import websockets
+
+from sandlot.dataplane.streams import Cursor, OutputStream, complete_utf8, decode
+from tests.dataplane.conftest import Server
+
+
+def test_complete_utf8_holds_back_partial_sequences() -> None:
+    euro = "€".encode()  # 3 bytes
+    assert complete_utf8(b"abc") == 3
+    assert complete_utf8(b"ab" + euro[:1]) == 2
+    assert complete_utf8(b"ab" + euro[:2]) == 2
+    assert complete_utf8(b"ab" + euro) == 5
+    assert complete_utf8(b"\xff\xfe") == 2  # invalid: nothing to wait for
+    assert complete_utf8(b"\x80\x80\x80\x80\x80") == 5
+
+
+def test_invalid_bytes_keep_offsets_exact() -> None:
+    text, replaced = decode(b"a\xffb\xc3")
+    assert text == "a?b?" and replaced == 2
+    assert len(text.encode()) == 4
+
+
+async def _collect(stream: OutputStream, offsets: int = 0) -> list[dict[str, Any]]:
+    frames: list[dict[str, Any]] = []
+
+    async def send(frame: dict[str, Any]) -> None:
+        frames.append(frame)
+
+    cursor = Cursor([stream], [offsets])
+    await cursor.flush(send, 4)
+    cursor.close()
+    return frames
+
+
+def test_split_characters_and_frame_limits() -> None:
+    async def run() -> None:
+        s = OutputStream("stdout", 1 << 20)
+        data = "h€llo wörld ✓".encode()
+        for i in range(len(data)):
+            s.feed(data[i : i + 1])
+        s.close()
+        frames = await _collect(s)
+        joined = b""
+        for f in frames:
+            assert f["offset"] == len(joined)
+            joined += f["data"].encode()
+        assert joined == data
+
+    asyncio.run(run())
+
+
+def test_trimming_reports_gap_on_a_character_boundary() -> None:
+    async def run() -> None:
+        s = OutputStream("stdout", 16)
+        s.feed(("€" * 40).encode())  # 120 bytes, trimmed to about 16
+        s.close()
+        frames = await _collect(s)
+        assert frames[0]["type"] == "gap" and frames[0]["from"] == 0
+        assert frames[0]["to"] % 3 == 0 and frames[0]["to"] == s.start
+        assert "".join(f["data"] for f in frames[1:]) == "€" * ((120 - s.start) // 3)
+
+    asyncio.run(run())
+
+
+def test_binary_output_over_the_wire(server: Server) -> None:
+    async def run() -> None:
+        async with websockets.connect(
+            server.ws_url("/exec/ws"), additional_headers=server.headers()
+        ) as ws:
+            cmd = "printf 'ok \\377\\376 \\342\\202'; sleep 0.1; printf '\\254 end'"
+            await ws.send(json.dumps({"type": "start", "command": cmd}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+            got, frames = 0, []
+            while (f := json.loads(await ws.recv()))["type"] != "exit":
+                assert f["offset"] == got
+                got += len(f["data"].encode())
+                frames.append(f)
+            text = "".join(f["data"] for f in frames)
+            # The euro sign split across two writes arrives whole; 0xff 0xfe become "??".
+            assert text == "ok ?? € end"
+            assert got == len(b"ok \xff\xfe \xe2\x82\xac end")
+            assert sum(f.get("replaced", 0) for f in frames) == 2
+
+    asyncio.run(run())
