@@ -32,3 +32,47 @@ def test_fs_write_read(server: Server, client: httpx.Client) -> None:
     assert r.status_code == 200, r.text
     assert r.json()["content"] == "one\ntwo\n"
     assert (server.workspace / "a" / "b.txt").read_text() == "one\ntwo\n"
+
+
+def test_unknown_routes_and_methods_use_the_envelope(server: Server) -> None:
+    r = httpx.get(server.url("/nope"), headers=server.headers())
+    assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
+    r = httpx.delete(server.url("/exec"), headers=server.headers())
+    assert r.status_code == 405 and r.json()["error"]["code"] == "INVALID_REQUEST"
+    r = httpx.get(server.url("/fs/list", "sb_unknown"), headers=server.headers())
+    assert r.status_code == 404 and r.json()["error"]["code"] == "SANDBOX_NOT_FOUND"
+    r = httpx.get(server.url("/fs/read"), headers={**server.headers(), "X-Request-Id": "abc-1"})
+    assert r.status_code == 400 and r.headers["x-request-id"] == "abc-1"
+    assert r.json()["error"]["request_id"] == "abc-1"
+
+
+def test_activity_and_unregister_close_sockets(server: Server) -> None:
+    import asyncio
+    import json
+
+    import pytest
+    import websockets
+
+    from sandlot.protocol.states import SandboxState
+
+    server.call(server.host.register, "sb_two", 1, SandboxState.ACTIVE, server.runtime)
+    token = server.keys.token("sb_two")
+
+    async def run() -> None:
+        async with websockets.connect(
+            server.ws_url("/shell/ws?session=s", "sb_two"),
+            additional_headers={"Authorization": f"Bearer {token}"},
+        ) as ws:
+            assert json.loads(await ws.recv())["type"] == "session"
+            activity = await asyncio.to_thread(server.call, server.host.activity, "sb_two")
+            assert activity.attached_clients == 1 and activity.busy
+            assert activity.last_active_at is not None
+            await asyncio.to_thread(server.call, server.host.unregister, "sb_two")
+            with pytest.raises(websockets.ConnectionClosed) as info:
+                while True:
+                    await asyncio.wait_for(ws.recv(), 5)
+            assert info.value.rcvd is not None and info.value.rcvd.code == 1001
+
+    asyncio.run(run())
+    r = httpx.get(server.url("/fs/list", "sb_two"), headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code == 404

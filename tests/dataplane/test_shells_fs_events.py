@@ -327,6 +327,12 @@ def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> No
             assert e["sequence"] == seqs[-1] + 1 and e["details"]["fs"]["op"] == "created"
 
     asyncio.run(ws_run())
+    # Resuming with Last-Event-ID (what EventSource sends) skips what was seen.
+    with client.stream("GET", u("/events"), headers={"Last-Event-ID": str(seqs[-1])}) as r:
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                assert int(line[4:]) == seqs[-1] + 1
+                break
 
 
 def test_sequence_expired(tmp_path: Any) -> None:

@@ -150,10 +150,10 @@ class DataplaneHost:
 
     def activity(self, sandbox_id: str) -> SandboxActivity:
         entry = self._entry(sandbox_id)
-        clients = entry.execs.clients + entry.shells.clients + len(entry.connections)
+        # Every WebSocket and SSE stream of the sandbox (exec, shell and event clients).
         return SandboxActivity(
             running_execs=entry.execs.running,
-            attached_clients=clients,
+            attached_clients=len(entry.connections),
             last_active_at=entry.last_active_at,
         )
 
