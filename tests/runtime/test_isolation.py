@@ -109,7 +109,7 @@ def test_server_secrets_invisible_inside(settings: RuntimeSettings, data_dir: Pa
                 print(json.dumps({"scan": res.stdout, "files": files.stdout,
                                   "err": res.stderr}))
             finally:
-                await mgr.destroy("sb-secret")
+                await mgr.cleanup_leftovers(set())
 
         asyncio.run(main())
         """

@@ -113,6 +113,12 @@ class CgroupLayout:
                     f"cannot enable controllers in {level}/cgroup.subtree_control: {exc.strerror}"
                 ) from exc
 
+    def remove_parents_if_empty(self) -> None:
+        """Remove this server's parent cgroups once no sandbox is left under them."""
+        for parent in self.parents.values():
+            with contextlib.suppress(OSError):  # busy (sandboxes left) or already gone
+                parent.rmdir()
+
     def sandbox(self, sandbox_id: str) -> SandboxCgroup:
         return SandboxCgroup(self.version, {k: p / sandbox_id for k, p in self.parents.items()})
 

@@ -342,6 +342,8 @@ class LocalRuntimeManager:
             probe.create(Limits(memory_bytes=64 << 20, pids=16, cpu=0.5))
             probe.thaw()
             asyncio_free_remove(probe)
+            # Parents exist only while sandboxes do; the first create makes them again.
+            layout.remove_parents_if_empty()
         except (CgroupError, OSError) as exc:
             hint = (
                 "run the server as root"
@@ -466,6 +468,8 @@ class LocalRuntimeManager:
         """Destroy every sandbox of this data dir not in ``keep`` (after a crash)."""
         for sandbox_id in sorted(self.list_existing() - keep):
             await self.destroy(sandbox_id)
+        if self.settings.mode == "isolated" and not self.list_existing():
+            self._require().remove_parents_if_empty()
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -560,7 +564,13 @@ class LocalRuntimeManager:
         run = self.settings.run_dir / sandbox_id
         cgroup = layout.sandbox(sandbox_id)
         res = template.resources
-        cgroup.create(Limits(memory_bytes=res.memory_mb << 20, pids=res.pids, cpu=res.cpu))
+        limits = Limits(memory_bytes=res.memory_mb << 20, pids=res.pids, cpu=res.cpu)
+        try:
+            cgroup.create(limits)
+        except FileNotFoundError:
+            # The parents went with the last sandbox (cleanup_leftovers).
+            layout.ensure_parents()
+            cgroup.create(limits)
 
         opened: list[int] = []
 
