@@ -17,6 +17,7 @@ import functools
 import hashlib
 import os
 import secrets
+import shutil
 import stat
 import time
 from collections.abc import Callable
@@ -357,8 +358,6 @@ class FileOps:
     # --- changing the tree ------------------------------------------------------------
 
     def delete(self, path: str, recursive: bool) -> Change:
-        import shutil
-
         try:
             with self.resolver.resolve(path, follow_final=False, for_write=True) as res:
                 if res.name is None:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -132,8 +133,6 @@ def _open_target(dir_fd: int, name: str | None) -> int:
     if name is None:
         return os.open(".", flags | os.O_DIRECTORY, dir_fd=dir_fd)
     fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
-    import stat
-
     st = os.fstat(fd)
     if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         os.close(fd)
@@ -142,6 +141,4 @@ def _open_target(dir_fd: int, name: str | None) -> int:
 
 
 def _is_dir(res: Any) -> bool:
-    import stat
-
     return stat.S_ISDIR(res.lstat().st_mode)

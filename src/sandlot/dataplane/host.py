@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -252,4 +251,4 @@ def create_standalone_app(
     return _StandaloneApp(host, runtime, app)
 
 
-__all__ = ["DataplaneHost", "create_standalone_app", "time"]
+__all__ = ["DataplaneHost", "create_standalone_app"]

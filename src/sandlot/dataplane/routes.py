@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,7 +35,7 @@ from sandlot.protocol.dataplane import (
     SignalRequest,
     WriteRequest,
 )
-from sandlot.protocol.errors import InvalidRequest
+from sandlot.protocol.errors import InvalidRequest, SequenceExpired
 
 VERSION = {"api_version": API_VERSION, "server": f"sandlot/{_version}"}
 
@@ -283,7 +282,8 @@ def build_routes(api: Api) -> list[Route]:
                     wake.clear()
                     try:
                         batch = entry.events.since(cursor)
-                    except Exception:
+                    except SequenceExpired:
+                        # The reader fell further behind than the log keeps.
                         yield b'event: error\ndata: {"code":"SEQUENCE_EXPIRED"}\n\n'
                         return
                     if batch:
@@ -314,9 +314,6 @@ def build_routes(api: Api) -> list[Route]:
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-
-    with contextlib.suppress(Exception):
-        pass
 
     return [
         Route("/healthz", version, methods=["GET"]),

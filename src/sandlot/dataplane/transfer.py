@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import queue
 import stat
 import tarfile
 from collections.abc import AsyncIterator
@@ -318,14 +319,19 @@ class _QueueReader(io.RawIOBase):
     """A blocking file object fed from the event loop (the tar reader runs in a thread)."""
 
     def __init__(self) -> None:
-        import queue
-
         self.q: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
         self.buf = b""
         self.eof = False
 
     def readable(self) -> bool:
         return True
+
+    def abort(self) -> None:
+        """Make the extractor stop at its next read (the request failed)."""
+        self.eof = True
+        self.buf = b""
+        with contextlib.suppress(queue.Full):
+            self.q.put_nowait(None)
 
     def readinto(self, b: Any) -> int:
         while not self.buf and not self.eof:
@@ -371,23 +377,26 @@ def build_transfer_routes(api: Api) -> list[Route]:
                 received += len(chunk)
                 if received > settings.max_archive_bytes:
                     raise PayloadTooLarge("archive too large")
-                while True:
-                    if job.done():
-                        break
+                # The queue is small (bounded memory): wait while the extractor catches up.
+                while not job.done():
                     try:
                         reader.q.put_nowait(chunk)
                         break
-                    except Exception:
+                    except queue.Full:
                         await asyncio.sleep(0.002)
                 if job.done():
                     break
-        finally:
-            while not job.done():
-                try:
-                    reader.q.put_nowait(None)
-                    break
-                except Exception:
-                    await asyncio.sleep(0.002)
+        except BaseException:
+            reader.abort()
+            with contextlib.suppress(BaseException):
+                await job
+            raise
+        while not job.done():
+            try:
+                reader.q.put_nowait(None)
+                break
+            except queue.Full:
+                await asyncio.sleep(0.002)
         result = await job
         entry.changed((result["path"], "modified", {"archive": True, **result}), ctx.actor)
         return json_response(result)
@@ -447,8 +456,6 @@ class _QueueWriter(io.RawIOBase):
     """A file object for the tar writer thread; bounded hand-off to the response."""
 
     def __init__(self) -> None:
-        import queue
-
         self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=8)
         self.buf = bytearray()
         self.cancelled = False
@@ -457,8 +464,6 @@ class _QueueWriter(io.RawIOBase):
         return True
 
     def put(self, item: bytes | BaseException | None) -> None:
-        import queue
-
         # Give up when the response is gone, or after a minute without progress
         # (a client that stopped reading): the writer thread never hangs forever.
         for _ in range(120):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -30,6 +29,7 @@ from sandlot.protocol.common import Capability, new_id
 from sandlot.protocol.errors import (
     CapabilityDenied,
     Forbidden,
+    InvalidRequest,
     NotFound,
     SandlotError,
     Unauthenticated,
@@ -314,7 +314,7 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
     except (WebSocketDisconnect, RuntimeError):
         pass
     except (ValidationError, ValueError, _Protocol) as exc:
-        await sock.fail(SandlotError_invalid(str(exc)), langsmith=langsmith)
+        await sock.fail(invalid_frame(str(exc)), langsmith=langsmith)
     except SandlotError as exc:
         await sock.fail(exc, langsmith=langsmith)
     finally:
@@ -330,8 +330,7 @@ class _Protocol(Exception):
     pass
 
 
-def SandlotError_invalid(message: str) -> SandlotError:
-    from sandlot.protocol.errors import InvalidRequest
+def invalid_frame(message: str) -> SandlotError:
 
     first_line = message.splitlines()[0] if message else "invalid frame"
     return InvalidRequest(f"invalid frame: {first_line}"[:200])
@@ -400,7 +399,7 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
     try:
         name = q.get("session") or q.get("name") or "default"
         if len(name) > 200 or "\x00" in name:
-            raise SandlotError_invalid("bad session name")
+            raise invalid_frame("bad session name")
         profile = q.get("profile", "default")
         cols = _int(q.get("cols"), 80)
         rows = _int(q.get("rows"), 24)
@@ -550,7 +549,7 @@ async def events_socket(api: Api, ws: WebSocket) -> None:
     except (WebSocketDisconnect, RuntimeError):
         pass
     except ValueError:
-        await sock.fail(SandlotError_invalid("after must be an integer"))
+        await sock.fail(invalid_frame("after must be an integer"))
     except SandlotError as exc:
         await sock.fail(exc)
     finally:
@@ -576,6 +575,3 @@ def build_ws_routes(api: Api) -> list[WebSocketRoute]:
         WebSocketRoute("/shell/ws", shell_ws),
         WebSocketRoute("/events/ws", events_ws),
     ]
-
-
-_ = json
