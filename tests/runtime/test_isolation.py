@@ -356,3 +356,17 @@ def test_skips_only_outside_ci_as_non_root() -> None:
     else:
         with pytest.raises(pytest.skip.Exception):
             require_isolation()
+
+
+async def test_cpu_limit_throttles(manager: LocalRuntimeManager, template: Template) -> None:
+    slow = template.model_copy(update={"resources": Resources(cpu=0.2, memory_mb=256)})
+    rt = await manager.create("sb-cpu", 1, slow, {})
+    spin = (
+        "import time\n"
+        "end = time.monotonic() + 1.0\n"
+        "while time.monotonic() < end: pass\n"
+        "print(time.process_time())\n"
+    )
+    result = await run(rt, ["python3", "-c", spin])
+    # 20% of one CPU over one second, plus the interpreter's start.
+    assert float(result.stdout) < 0.45, result

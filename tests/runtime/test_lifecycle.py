@@ -358,3 +358,47 @@ async def test_unisolated_mode_only_when_asked(
     assert result.stdout == "hello\n"
     await mgr.destroy("sb-direct")
     assert mgr.list_existing() == set()
+
+
+HELLO_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+int main(void) {
+    char cwd[256];
+    printf("hello from %s uid=%d etc=%d usr=%d\n", getcwd(cwd, sizeof cwd), getuid(),
+           access("/etc/marker", F_OK) == 0, access("/usr", F_OK) == 0);
+    return 0;
+}
+"""
+
+
+async def test_rootfs_image(
+    manager: LocalRuntimeManager, template: Template, data_dir: Path
+) -> None:
+    """A rootfs without libc: the static init runs, and only the image is visible."""
+    rootfs = data_dir / "rootfs"
+    (rootfs / "bin").mkdir(parents=True)
+    (rootfs / "etc").mkdir()
+    (rootfs / "etc" / "marker").write_text("from the image")
+    (rootfs / "workspace").mkdir()
+    source = data_dir / "hello.c"
+    source.write_text(HELLO_C)
+    proc = await asyncio.create_subprocess_exec(
+        "cc", "-static", "-O1", "-o", str(rootfs / "bin" / "hello"), str(source)
+    )
+    assert await proc.wait() == 0
+    for path in [rootfs, *rootfs.rglob("*")]:
+        path.chmod(0o755)
+    image = template.model_copy(update={"image": str(rootfs)})
+    rt = await manager.create("sb-rootfs", 1, image, {})
+    result = await run(rt, ["/bin/hello"])
+    assert result.stdout == "hello from /workspace uid=1000 etc=1 usr=0\n", result
+    assert _host_root_for(rt, "/bin/hello") == rootfs
+
+
+def _host_root_for(rt: SandboxRuntime, sandbox_path: str) -> Path:
+    best = max(
+        (m for m in rt.mounts() if sandbox_path.startswith(m.sandbox_path)),
+        key=lambda m: len(m.sandbox_path),
+    )
+    return best.host_path

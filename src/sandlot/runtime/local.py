@@ -705,6 +705,8 @@ class LocalRuntimeManager:
         record = _Record.load(run / "state.json")
         if record is None or record.generation != generation or record.mode != self.settings.mode:
             return None
+        if record.mode == "isolated" and not (run / "ctl").exists():
+            return None
         if self.settings.mode == "unisolated":
             return DirectRuntime(
                 sandbox_id, generation, template, Path(record.workspace), tmp=run / "tmp"
