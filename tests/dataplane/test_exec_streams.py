@@ -366,3 +366,26 @@ def test_slow_client_gets_gap_and_never_stalls_fast_one(tmp_path: Any) -> None:
         asyncio.run(run())
     finally:
         gen.close()
+
+
+def test_attach_beyond_the_end_is_refused(server: Server, client: httpx.Client) -> None:
+    done = client.post(server.url("/exec"), json={"command": "echo hi", "command_id": "short"})
+    exec_id = done.json()["exec_id"]
+
+    async def run() -> None:
+        async with websockets.connect(
+            server.ws_url("/exec/ws"), additional_headers=server.headers()
+        ) as ws:
+            await ws.send(json.dumps({"type": "attach", "exec_id": exec_id, "stdout_offset": 99}))
+            err = await _recv(ws)
+            assert err["type"] == "error" and err["code"] == "INVALID_REQUEST"
+        async with websockets.connect(
+            server.ws_url("/exec/ws"), additional_headers=server.headers()
+        ) as ws:
+            # Attaching to a finished command replays it, then exits.
+            await ws.send(json.dumps({"type": "attach", "exec_id": exec_id, "stdout_offset": 1}))
+            assert (await _recv(ws))["type"] == "ready"
+            assert await _recv(ws) == {"type": "stdout", "data": "i\n", "offset": 1}
+            assert (await _recv(ws))["type"] == "exit"
+
+    asyncio.run(run())

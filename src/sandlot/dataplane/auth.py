@@ -97,7 +97,7 @@ class TokenVerifier:
         self.leeway = leeway
         self.refetch_interval = refetch_interval
         self._keys: dict[str, Any] = {}
-        self._fetched_at = -1e9
+        self._fetched_at = -1.0
         self._fetch_lock = asyncio.Lock()
         self._cache: dict[str, TokenClaims] = {}
         self._cache_size = cache_size
@@ -145,8 +145,9 @@ class TokenVerifier:
     async def _key_for(self, kid: str) -> Any:
         key = self._keys.get(kid)
         if key is None:
-            # Unknown kid: the broker may have rotated. Rate-limited by _refresh_keys.
-            await self._refresh_keys(force=not self._keys)
+            # Unknown kid: the broker may have rotated. Rate-limited by _refresh_keys
+            # (only the very first fetch is forced, so forged kids cannot hammer the broker).
+            await self._refresh_keys(force=self._fetched_at < 0)
             key = self._keys.get(kid)
         if key is None:
             raise Unauthenticated("unknown signing key")

@@ -97,6 +97,18 @@ class Exec:
         self._watchers.discard(event)
 
     @property
+    def retained_bytes(self) -> int:
+        total = 0
+        for s in (self.stdout, self.stderr):
+            total += s.end - s.start + (len(s.collected) if s.collected is not None else 0)
+        return total
+
+    def release_collected(self) -> None:
+        """Forget the one-shot copy of the output (the replay buffers stay)."""
+        self.stdout.collected = None
+        self.stderr.collected = None
+
+    @property
     def exit_code(self) -> int | None:
         if self.status is None:
             return None
@@ -280,10 +292,21 @@ class ExecManager:
         horizon = time.time() - self.settings.reattach_window_seconds
         finished = [e for e in self._execs.values() if e.ended_at is not None and e.clients == 0]
         drop = [e for e in finished if e.ended_at is not None and e.ended_at < horizon]
+        dropped = {e.exec_id for e in drop}
+        rest = sorted(
+            (e for e in finished if e.exec_id not in dropped), key=lambda e: e.ended_at or 0
+        )
         excess = len(self._execs) - len(drop) - self.settings.max_execs
         if excess > 0:
-            rest = sorted((e for e in finished if e not in drop), key=lambda e: e.ended_at or 0)
             drop += rest[:excess]
+            rest = rest[excess:]
+        # Bound the memory of finished commands as a whole, oldest first.
+        retained = sum(e.retained_bytes for e in rest)
+        for e in rest:
+            if retained <= self.settings.max_retained_output_bytes:
+                break
+            retained -= e.retained_bytes
+            drop.append(e)
         for e in drop:
             self._execs.pop(e.exec_id, None)
             if e.command_id is not None and self._by_command.get(e.command_id) is e:

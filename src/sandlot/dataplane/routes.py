@@ -69,7 +69,11 @@ async def run_exec(api: Api, request: Request) -> dict[str, Any]:
         stdin=body.stdin.encode() if body.stdin is not None else b"",
     )
     await ex.done.wait()
-    return exec_result(ex, (time.perf_counter() - t0) * 1000)
+    result = exec_result(ex, (time.perf_counter() - t0) * 1000)
+    if body.command_id is None:
+        # Nobody can ask for this result again: keep only the replay buffers.
+        ex.release_collected()
+    return result
 
 
 def exec_result(ex: Any, duration_ms: float) -> dict[str, Any]:

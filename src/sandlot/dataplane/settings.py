@@ -7,6 +7,9 @@
 - ``max_frame_bytes``: largest output chunk put in one frame.
 - ``reattach_window_seconds``: how long an exited command stays attachable.
 - ``max_execs``: execs kept per sandbox (the oldest finished ones go first).
+- ``max_retained_output_bytes``: output kept by finished execs of a sandbox, all together
+  (beyond it the oldest finished execs are forgotten early).
+- ``max_shells``: shells per sandbox.
 - ``event_retention``: events kept per sandbox (older cursors get 410 SEQUENCE_EXPIRED).
 - ``keepalive_seconds``: SSE comment / idle interval.
 - ``max_read_bytes`` / ``max_write_bytes``: JSON file reads/writes (``/fs/read``, ``/fs/write``).
@@ -38,6 +41,8 @@ class DataplaneSettings:
     max_frame_bytes: int = 64 * 1024
     reattach_window_seconds: float = 600.0
     max_execs: int = 1000
+    max_retained_output_bytes: int = 256 * MiB
+    max_shells: int = 64
     event_retention: int = 10_000
     keepalive_seconds: float = 15.0
     max_read_bytes: int = 16 * MiB

@@ -130,6 +130,8 @@ class ShellManager:
             return await asyncio.shield(pending)
         if not create:
             raise ResourceNotFound(f"no shell named {name}")
+        if len(self._shells) + len(self._starting) >= self.settings.max_shells:
+            raise ResourceConflict("too many shells in this sandbox")
         argv = runtime.template.shells.get(profile)
         if argv is None:
             raise InvalidRequest(f"unknown shell profile {profile!r}")

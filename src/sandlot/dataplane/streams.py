@@ -18,6 +18,7 @@ import codecs
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from sandlot.protocol.errors import InvalidRequest
 from sandlot.protocol.frames import gap_frame, output_frame
 
 
@@ -153,6 +154,16 @@ class OutputStream:
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
+def check_offsets(streams: Sequence[OutputStream], offsets: Sequence[int]) -> None:
+    """An offset past what was written is a client bug: say so rather than skip bytes."""
+    for s, off in zip(streams, offsets, strict=False):
+        if off > s.end:
+            raise InvalidRequest(
+                f"{s.name} offset {off} is beyond the {s.end} bytes written",
+                metadata={"stream": s.name, "end": s.end},
+            )
+
+
 class Cursor:
     """One client's position in a set of streams."""
 
@@ -169,6 +180,7 @@ class Cursor:
             s.unlisten(self.event)
 
     def seek(self, offsets: Sequence[int]) -> None:
+        check_offsets(self.streams, offsets)
         self.offsets = list(offsets)
         self.event.set()
 

@@ -22,7 +22,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from sandlot.dataplane.auth import AuthContext, bearer_from_header
 from sandlot.dataplane.execs import Exec, parse_signal
 from sandlot.dataplane.sandbox import SandboxEntry
-from sandlot.dataplane.streams import Cursor
+from sandlot.dataplane.streams import Cursor, check_offsets
 from sandlot.dataplane.web import Api, as_sandlot_error, dumps
 from sandlot.protocol import frames as F
 from sandlot.protocol.common import Capability, new_id
@@ -286,6 +286,7 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
             else:
                 raise _Protocol("start or attach first")
         ex, offsets = await _start_or_attach(sock, first, langsmith=langsmith)
+        check_offsets(ex.streams, offsets)
         ex.clients += 1
         if langsmith:
             await sock.send(
