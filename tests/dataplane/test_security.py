@@ -469,3 +469,12 @@ def test_read_only_mount_refuses_every_write(tmp_path: Path) -> None:
         assert sorted(os.listdir(image / "etc")) == ["conf"]
     finally:
         gen.close()
+
+
+def test_grep_and_glob_work_as_the_sandbox_user(confined: Server) -> None:
+    with httpx.Client(headers=confined.headers(), timeout=10) as c:
+        gr = c.post(confined.url("/fs/grep"), json={"pattern": "inside", "path": "/workspace"})
+        assert gr.status_code == 200, gr.text
+        assert [m["path"] for m in gr.json()["matches"]] == ["/workspace/inside.txt"]
+        g = c.post(confined.url("/fs/glob"), json={"pattern": "*.txt"})
+        assert [m["path"] for m in g.json()["matches"]] == ["/workspace/inside.txt"]
