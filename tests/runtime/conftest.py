@@ -83,9 +83,8 @@ async def collect(proc: SandboxProcess, *, stdin: bytes = b"", timeout: float = 
 
 @pytest.fixture(scope="session")
 def shared_root() -> Iterator[Path]:
-    # Sandbox uids walk into this tree as bubblewrap: keep it out of 0700 pytest dirs.
-    path = Path(tempfile.mkdtemp(prefix="sandlot-rt-", dir="/tmp"))
-    path.chmod(0o711)
+    # 0700, like a home directory: the sandbox uids cannot walk in by themselves.
+    path = Path(tempfile.mkdtemp(prefix="sandlot-rt-"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -93,9 +92,7 @@ def shared_root() -> Iterator[Path]:
 @pytest.fixture
 def data_dir(shared_root: Path, request: pytest.FixtureRequest) -> Path:
     require_isolation()
-    path = Path(tempfile.mkdtemp(prefix="t-", dir=shared_root))
-    path.chmod(0o711)
-    return path
+    return Path(tempfile.mkdtemp(prefix="t-", dir=shared_root))
 
 
 @pytest.fixture

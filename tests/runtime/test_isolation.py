@@ -115,8 +115,7 @@ def test_server_secrets_invisible_inside(settings: RuntimeSettings, data_dir: Pa
         """
     )
     child_data = data_dir / "secret-server"
-    child_data.mkdir()
-    child_data.chmod(0o711)
+    child_data.mkdir(mode=0o700)
     env = {**os.environ, "SANDLOT_TEST_SECRET": secret}
     proc = subprocess.run(
         [sys.executable, "-c", script, str(child_data), secret],

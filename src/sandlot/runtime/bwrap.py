@@ -1,9 +1,12 @@
 """What a sandbox sees: bubblewrap's options for the image, mounts and namespaces.
 
-bubblewrap runs as the sandbox's unprivileged host uid, so every host path it
-binds must be traversable by that uid (bubblewrap resolves even ``--bind-fd``
-sources by path). The options travel through ``--args FD`` and never reach
-the sandbox; the init is executed through an fd, so nothing of it is mounted.
+bubblewrap runs as the sandbox's unprivileged host uid and resolves every
+source by path (even ``--bind-fd``). When the server is root, its data
+directory may not be traversable by that uid, so the launcher first binds the
+sandbox's own directories at ``STAGE_DIR/<name>`` in a private mount namespace
+(``init.c``), and bubblewrap binds them from there. The options travel through
+``--args FD`` and never reach the sandbox; the init is executed through an fd,
+so nothing of it is mounted.
 """
 
 from __future__ import annotations
@@ -20,6 +23,9 @@ SANDBOX_UID = 1000
 SANDBOX_GID = 1000
 SANDBOX_USER = "sandbox"
 HOSTNAME = "sandbox"
+
+#: Where the launcher stages bind sources (a tmpfs over it, in its own mount namespace).
+STAGE_DIR = Path("/tmp")
 
 #: Top-level directories of the host bound read-only for the ``host`` image.
 HOST_IMAGE_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
@@ -160,6 +166,7 @@ def image_entries(image: str) -> list[tuple[str, Path]]:
 def bwrap_args(
     *,
     image: str,
+    image_root: Path | None = None,
     etc: Path | None,
     mounts: list[BindMount],
     share_net: bool,
@@ -168,7 +175,10 @@ def bwrap_args(
     listen_fd: int,
     ready_fd: int,
 ) -> tuple[list[str], list[str]]:
-    """bubblewrap's options (passed through ``--args FD``) and the command it runs."""
+    """bubblewrap's options (passed through ``--args FD``) and the command it runs.
+
+    ``image_root``: where bubblewrap finds a rootfs image (staged), if not at ``image``.
+    """
     args = [
         "--unshare-user",
         "--unshare-ipc",
@@ -187,6 +197,8 @@ def bwrap_args(
     for sandbox_path, host_path in image_entries(image):
         if host_path.is_symlink():
             args += ["--symlink", os.readlink(host_path), sandbox_path]
+        elif image != "host" and image_root is not None:
+            args += ["--ro-bind", str(image_root / host_path.name), sandbox_path]
         else:
             args += ["--ro-bind", str(host_path), sandbox_path]
     if etc is not None:

@@ -6,10 +6,15 @@
  *       connections from the server on LISTEN_FD, forks the requested commands
  *       (they inherit namespaces, cgroup, seccomp filter and the dropped
  *       capabilities), reports their pid and exit status, reaps every zombie.
- *   sandlot-init launch UID GID BWRAP ARGS_FD NKEEP FD... NPROCS PROCS_PATH... COMMAND...
+ *   sandlot-init launch UID GID BWRAP ARGS_FD NKEEP FD... NPROCS PROCS_PATH...
+ *                       NSTAGE (SRC NAME)... COMMAND...
  *       run on the host by the server: joins the sandbox cgroups, forks, and
  *       the child drops to UID/GID and execs bwrap with an empty environment,
- *       its options on ARGS_FD and COMMAND (bwrap does not read it from ARGS_FD). The parent exits once bwrap is exec'd, so
+ *       its options on ARGS_FD and COMMAND (bwrap does not read it from ARGS_FD).
+ *       When run as root, each SRC is first bound at STAGE_DIR/NAME in a private
+ *       mount namespace of the launcher: bwrap, running as UID, resolves its
+ *       sources by path, and the server's data directory may not be
+ *       traversable by UID (a 0700 home, say). The parent exits once bwrap is exec'd, so
  *       bwrap is nobody's child in the server and survives a server crash.
  *   sandlot-init seccomp
  *       writes the sandbox's seccomp filter (classic BPF) to stdout.
@@ -37,6 +42,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
+#include <sys/mount.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -56,6 +62,7 @@
 #define RESP_EXIT 3u
 #define CHUNK 32768
 #define MAX_PAYLOAD (8u << 20)
+#define STAGE_DIR "/tmp"
 
 struct request {
     uint32_t magic, type, flags;
@@ -159,6 +166,41 @@ static int keep_only(const int *keep, int nkeep) {
     return (int)syscall(SYS_close_range, lo, ~0u, 0);
 }
 
+/* Bind each source under a fresh tmpfs at STAGE_DIR, in a mount namespace of our own
+ * (private: nothing propagates to the host; it vanishes with bwrap's setup). */
+static int stage(char **pairs, int n) {
+    int fds[64];
+    if (n > 64) return E2BIG;
+    if (unshare(CLONE_NEWNS) != 0) return errno;
+    if (mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0) return errno;
+    /* Opened in the new namespace (a bind needs its source there) and before the
+     * tmpfs goes over STAGE_DIR (sources may live under it). */
+    for (int i = 0; i < n; i++) {
+        fds[i] = open(pairs[2 * i], O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (fds[i] < 0) {
+            int err = errno;
+            fprintf(stderr, "sandlot-init launch: staging %s: %s\n", pairs[2 * i], strerror(err));
+            return err;
+        }
+    }
+    if (mount("sandlot-stage", STAGE_DIR, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0711") != 0)
+        return errno;
+    char dest[PATH_MAX], src[64];
+    for (int i = 0; i < n; i++) {
+        const char *name = pairs[2 * i + 1];
+        if (strchr(name, '/') || snprintf(dest, sizeof dest, STAGE_DIR "/%s", name) >= PATH_MAX)
+            return EINVAL;
+        snprintf(src, sizeof src, "/proc/self/fd/%d", fds[i]);
+        if (mkdir(dest, 0711) != 0 || mount(src, dest, NULL, MS_BIND | MS_REC, NULL) != 0) {
+            int err = errno;
+            fprintf(stderr, "sandlot-init launch: staging %s: %s\n", pairs[2 * i], strerror(err));
+            return err;
+        }
+        close(fds[i]);
+    }
+    return 0;
+}
+
 static int cmd_launch(int argc, char **argv) {
     if (argc < 8) {
         fprintf(stderr, "usage: sandlot-init launch UID GID BWRAP ARGS_FD NKEEP FD... NPROCS "
@@ -175,9 +217,15 @@ static int cmd_launch(int argc, char **argv) {
         return 2;
     }
     int nprocs = atoi(argv[7 + nkeep]);
-    int first_procs = 8 + nkeep, command = first_procs + nprocs;
-    if (nprocs < 0 || command >= argc) {
-        fprintf(stderr, "sandlot-init launch: bad cgroup count or no command\n");
+    int first_procs = 8 + nkeep, nstage_at = first_procs + nprocs;
+    if (nprocs < 0 || nstage_at >= argc) {
+        fprintf(stderr, "sandlot-init launch: bad cgroup count\n");
+        return 2;
+    }
+    int nstage = atoi(argv[nstage_at]);
+    int first_stage = nstage_at + 1, command = first_stage + 2 * nstage;
+    if (nstage < 0 || command >= argc) {
+        fprintf(stderr, "sandlot-init launch: bad stage count or no command\n");
         return 2;
     }
     int keep[64];
@@ -186,7 +234,7 @@ static int cmd_launch(int argc, char **argv) {
 
     char pid[32];
     int len = snprintf(pid, sizeof pid, "%d\n", (int)getpid());
-    for (int i = first_procs; i < command; i++) {
+    for (int i = first_procs; i < nstage_at; i++) {
         int fd = open(argv[i], O_WRONLY | O_CLOEXEC);
         if (fd < 0 || write(fd, pid, (size_t)len) != len) {
             fprintf(stderr, "sandlot-init launch: joining cgroup %s: %s\n", argv[i], strerror(errno));
@@ -205,7 +253,10 @@ static int cmd_launch(int argc, char **argv) {
     }
     if (child == 0) {
         int err = 0;
-        if (geteuid() == 0) {
+        if (geteuid() == 0 && nstage > 0) err = stage(argv + first_stage, nstage);
+        if (err) {
+            /* reported below */
+        } else if (geteuid() == 0) {
             if (uid == 0) err = EPERM; /* never start bwrap as host root */
             else if (setgroups(0, NULL) != 0 || setresgid(gid, gid, gid) != 0 ||
                      setresuid(uid, uid, uid) != 0)

@@ -47,6 +47,7 @@ from sandlot.runtime.base import (
 )
 from sandlot.runtime.bwrap import (
     SANDBOX_USER,
+    STAGE_DIR,
     BindMount,
     build_host_etc,
     bwrap_args,
@@ -59,7 +60,6 @@ from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
 from sandlot.runtime.preflight import (
     RuntimeUnavailable,
     check_platform,
-    check_traversable,
     check_uid_range,
     check_user_namespaces,
     find_bwrap,
@@ -324,12 +324,8 @@ class LocalRuntimeManager:
             self._prepared = True
             return
         check_platform()
-        for d in (self.settings.run_dir, self.settings.workspaces_dir, self.settings.volumes_dir):
-            d.chmod(d.stat().st_mode | 0o011)
-        if self._is_root:
-            check_traversable(
-                [self.settings.run_dir, self.settings.workspaces_dir, self.settings.volumes_dir]
-            )
+        if self._is_root and not STAGE_DIR.is_dir():
+            raise RuntimeUnavailable(f"{STAGE_DIR} is missing: sandbox mounts are staged there")
         bwrap = find_bwrap(self.settings.bwrap)
         check_user_namespaces()
         check_uid_range(self._is_root, self.settings.uid_base, self.settings.uid_count)
@@ -398,8 +394,9 @@ class LocalRuntimeManager:
                     str(gid),
                     bwrap,
                     str(args_fd),
-                    "0",
-                    "0",
+                    "0",  # fds kept
+                    "0",  # cgroups joined
+                    "0",  # sources staged
                     "/usr/bin/true",
                 ],
                 pass_fds=(args_fd,),
@@ -517,9 +514,8 @@ class LocalRuntimeManager:
         gid: int,
     ) -> _Record:
         run = self.settings.run_dir / sandbox_id
-        run.mkdir()
-        # Traversable (not listable) by the sandbox uid, which bubblewrap runs as.
-        run.chmod(0o711)
+        # Traversable (not listable): a non-root server's bubblewrap binds from here by path.
+        run.mkdir(mode=0o711)
         tmp = run / "tmp"
         tmp.mkdir()
         os.chown(tmp, uid, gid)
@@ -588,22 +584,34 @@ class LocalRuntimeManager:
             keep(ready_r)
             keep(ready_w)
 
+            staged: list[str] = []
+
+            def source(path: str | Path, name: str) -> Path:
+                if not self._is_root:
+                    return Path(path)  # the server's own uid can walk its own tree
+                staged.extend([str(path), name])
+                return STAGE_DIR / name
+
             mounts = [
-                BindMount(run / "tmp", "/tmp", True),
-                BindMount(Path(record.workspace), WORKSPACE, True),
+                BindMount(source(run / "tmp", "tmp"), "/tmp", True),
+                BindMount(source(record.workspace, "workspace"), WORKSPACE, True),
             ]
             mounts += [
-                BindMount(Path(host), path, writable)
-                for path, host, writable in record.volumes
+                BindMount(source(host, f"volume{i}"), path, writable)
+                for i, (path, host, writable) in enumerate(record.volumes)
                 if path != WORKSPACE
             ]
+            host_image = record.image == "host"
+            etc = source(self._etc, "etc") if host_image else None
+            image_root = None if host_image else source(record.image, "image")
             init_fd = keep(os.open(self._init_binary, os.O_RDONLY | os.O_CLOEXEC))
             seccomp_fd = keep(os.memfd_create("seccomp", os.MFD_CLOEXEC))
             os.write(seccomp_fd, self._seccomp)
             os.lseek(seccomp_fd, 0, os.SEEK_SET)
             args, command = bwrap_args(
                 image=record.image,
-                etc=self._etc if record.image == "host" else None,
+                image_root=image_root,
+                etc=etc,
                 mounts=mounts,
                 share_net=template.network is NetworkMode.HOST,
                 seccomp_fd=seccomp_fd,
@@ -635,6 +643,8 @@ class LocalRuntimeManager:
                 *map(str, passed),
                 str(len(cgroup.procs_files)),
                 *map(str, cgroup.procs_files),
+                str(len(staged) // 2),
+                *staged,
                 *command,
             ]
             actions = [

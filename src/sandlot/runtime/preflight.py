@@ -82,17 +82,3 @@ def check_uid_range(is_root: bool, uid_base: int, uid_count: int) -> None:
             f"sandbox uid range {uid_base}+{uid_count} is invalid: sandboxes must run as "
             "unprivileged host uids (never 0); set uid_base to an unused range such as 2000000"
         )
-
-
-def check_traversable(paths: list[Path]) -> None:
-    """bubblewrap runs as the sandbox uid and binds by path: every ancestor needs o+x."""
-    for path in paths:
-        for ancestor in [path, *path.resolve().parents]:
-            if not ancestor.exists():
-                continue
-            if not ancestor.stat().st_mode & 0o001:
-                raise RuntimeUnavailable(
-                    f"{ancestor} is not traversable by the sandbox uids, which bubblewrap "
-                    f"needs to bind {path}: run chmod o+x {ancestor}, or put the data "
-                    "directory somewhere traversable (such as /var/lib/sandlot)"
-                )
