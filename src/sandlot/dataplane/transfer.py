@@ -29,6 +29,9 @@ from sandlot.protocol.common import Capability
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge
 
 CHUNK = 256 * 1024
+#: Downloads up to this size go out as one body (fewer loop turns); larger ones stream.
+SINGLE_BODY = 256 * 1024
+DOWNLOAD_CHUNK = 256 * 1024
 
 
 async def upload(api: Api, request: Request, *, multipart_only: bool = False) -> Response:
@@ -162,7 +165,7 @@ async def download(api: Api, request: Request) -> Response:
     if request.method == "HEAD":
         os.close(fd)
         return Response(status_code=status, headers=headers, media_type="application/octet-stream")
-    if length <= CHUNK:
+    if length <= SINGLE_BODY:
         try:
             data = os.pread(fd, length, start)
         finally:
@@ -173,7 +176,7 @@ async def download(api: Api, request: Request) -> Response:
         try:
             pos, remaining = start, length
             while remaining > 0:
-                chunk = await executor.light(os.pread, fd, min(CHUNK, remaining), pos)
+                chunk = await executor.light(os.pread, fd, min(DOWNLOAD_CHUNK, remaining), pos)
                 if not chunk:
                     break
                 pos += len(chunk)
