@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
 from pathlib import Path
 
@@ -402,3 +404,21 @@ def _host_root_for(rt: SandboxRuntime, sandbox_path: str) -> Path:
         key=lambda m: len(m.sandbox_path),
     )
     return best.host_path
+
+
+async def test_traversable_data_dir_needs_no_staging(template: Template) -> None:
+    """The usual server layout (/var/lib/sandlot): bubblewrap binds the paths directly."""
+    root = Path(tempfile.mkdtemp(prefix="sandlot-open-", dir="/tmp"))
+    try:
+        root.chmod(0o711)
+        settings = RuntimeSettings(
+            run_dir=root / "run", workspaces_dir=root / "ws", volumes_dir=root / "vol"
+        )
+        mgr = LocalRuntimeManager(settings)
+        mgr.preflight()
+        rt = await mgr.create("sb-open", 1, template, {})
+        result = await run(rt, ["sh", "-c", "echo hi > /workspace/f && cat /workspace/f"])
+        assert result.stdout == "hi\n"
+        await mgr.cleanup_leftovers(set())
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -267,6 +267,12 @@ async def _wait_readable(fd: int, timeout: float) -> None:
         loop.remove_reader(fd)
 
 
+def _world_traversable(path: Path) -> bool:
+    """Whether any uid can reach ``path`` (else the launcher stages it: a mount
+    namespace of its own costs several milliseconds per create)."""
+    return all(p.stat().st_mode & 0o001 for p in path.parents)
+
+
 def _chown_tree(path: Path, uid: int, gid: int) -> None:
     os.lchown(path, uid, gid)
     for root, dirs, files in os.walk(path):
@@ -587,8 +593,9 @@ class LocalRuntimeManager:
             staged: list[str] = []
 
             def source(path: str | Path, name: str) -> Path:
-                if not self._is_root:
-                    return Path(path)  # the server's own uid can walk its own tree
+                # A non-root server's sandboxes share its uid, which can walk its own tree.
+                if not self._is_root or _world_traversable(Path(path)):
+                    return Path(path)
                 staged.extend([str(path), name])
                 return STAGE_DIR / name
 
