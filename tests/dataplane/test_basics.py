@@ -76,3 +76,10 @@ def test_activity_and_unregister_close_sockets(server: Server) -> None:
     asyncio.run(run())
     r = httpx.get(server.url("/fs/list", "sb_two"), headers={"Authorization": f"Bearer {token}"})
     assert r.status_code == 404
+
+
+def test_list_root_shows_mount_points(server: Server, client: httpx.Client) -> None:
+    r = client.get(server.url("/fs/list"), params={"path": "/"})
+    assert r.status_code == 200
+    assert [e["path"] for e in r.json()["entries"]] == ["/tmp", "/workspace"]
+    assert client.get(server.url("/fs/read"), params={"path": "/etc/hostname"}).status_code == 404

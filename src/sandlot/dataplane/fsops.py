@@ -307,6 +307,17 @@ class FileOps:
         if not 1 <= depth <= 64:
             raise InvalidRequest("depth must be between 1 and 64")
         entries: list[dict[str, Any]] = []
+        virtual = self.resolver.virtual_children(normalize(path))
+        if virtual is not None:
+            # A directory of the sandbox's view that no mount backs: show the mounts in it.
+            base = normalize(path).rstrip("/")
+            return {
+                "entries": [
+                    {"path": f"{base}/{name}", "is_dir": True, "size": 0, "modified_at": None}
+                    for name in virtual
+                ],
+                "truncated": False,
+            }
         try:
             with self.resolver.resolve(path) as res:
                 fd = res.open(_O_DIR)

@@ -190,6 +190,19 @@ class PathResolver:
             self._fds[m.sandbox_path] = fd
         return fd
 
+    def virtual_children(self, sandbox_path: str) -> list[str] | None:
+        """Names under a directory that only exists as an ancestor of mount points
+        (``/`` when only ``/workspace`` and ``/tmp`` are mounted); ``None`` otherwise."""
+        if sandbox_path not in self._virtual or sandbox_path in self._by_path:
+            return None
+        prefix = sandbox_path.rstrip("/") + "/"
+        names = {
+            m.sandbox_path[len(prefix) :].split("/", 1)[0]
+            for m in self.mounts
+            if m.sandbox_path.startswith(prefix)
+        }
+        return sorted(n for n in names if n)
+
     def host_to_sandbox(self, host_path: str) -> str | None:
         """Map a host path under a mount back to its sandbox path (for tool output)."""
         for m in self.mounts:
