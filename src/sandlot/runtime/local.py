@@ -24,14 +24,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import re
 import shutil
 import socket
 import subprocess
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -39,14 +38,9 @@ from sandlot.protocol.sessions import NetworkMode, Template
 from sandlot.protocol.states import SandboxState
 from sandlot.runtime.base import (
     WORKSPACE,
-    ExitStatus,
-    Mount,
-    ProcessSpec,
-    SandboxProcess,
     SandboxRuntime,
 )
 from sandlot.runtime.bwrap import (
-    SANDBOX_USER,
     STAGE_DIR,
     BindMount,
     build_host_etc,
@@ -54,9 +48,9 @@ from sandlot.runtime.bwrap import (
     image_entries,
 )
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
-from sandlot.runtime.control import ControlSocketError, spawn_via_init
 from sandlot.runtime.direct import DirectRuntime
 from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
+from sandlot.runtime.isolated import IsolatedRuntime, SandboxRecord, find_init
 from sandlot.runtime.preflight import (
     RuntimeUnavailable,
     check_platform,
@@ -75,7 +69,6 @@ __all__ = [
 
 _SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 READY_TIMEOUT = 10.0
-BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 @dataclass(frozen=True)
@@ -100,156 +93,6 @@ class RuntimeSettings:
 
 class SandboxStartError(RuntimeError):
     """bubblewrap or the sandbox init failed; the message carries their error output."""
-
-
-@dataclass
-class _Record:
-    """What survives a server restart about one sandbox (``state.json``)."""
-
-    generation: int
-    mode: str
-    uid: int
-    gid: int
-    workspace: str
-    image: str
-    #: ``[sandbox path, host path, writable]``
-    volumes: list[tuple[str, str, bool]] = field(default_factory=list)
-
-    @classmethod
-    def load(cls, path: Path) -> _Record | None:
-        try:
-            data = json.loads(path.read_text())
-            data["volumes"] = [tuple(v) for v in data.get("volumes", [])]
-            return cls(**data)
-        except (OSError, ValueError, TypeError):
-            return None
-
-    def save(self, path: Path) -> None:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        tmp.replace(path)
-
-
-def _oom_aware(cgroup: SandboxCgroup, before: int) -> Callable[[ExitStatus], ExitStatus]:
-    def on_exit(status: ExitStatus) -> ExitStatus:
-        killed = status.signal == "SIGKILL" or status.exit_code == 137
-        if killed and cgroup.oom_kills() > before:
-            return ExitStatus(exit_code=status.exit_code, signal=status.signal, oom_killed=True)
-        return status
-
-    return on_exit
-
-
-class IsolatedRuntime(SandboxRuntime):
-    """A running isolated sandbox, as the dataplane uses it."""
-
-    def __init__(
-        self,
-        sandbox_id: str,
-        generation: int,
-        template: Template,
-        *,
-        record: _Record,
-        run: Path,
-        cgroup: SandboxCgroup,
-        init_pid: int,
-    ) -> None:
-        self.sandbox_id = sandbox_id
-        self.generation = generation
-        self.template = template
-        self.init_pid = init_pid
-        self.cgroup = cgroup
-        self._record = record
-        self._run = run
-        self._state = SandboxState.ACTIVE
-        self._loop = asyncio.get_running_loop()
-        self._pidfd: int | None = os.pidfd_open(init_pid)
-        self._loop.add_reader(self._pidfd, self._init_exited)
-        # sun_path holds 108 bytes; a deep data directory is reached through a dir fd.
-        self._run_fd = os.open(run, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        path = run / "ctl"
-        self._control = path if len(str(path)) < 100 else Path(f"/proc/self/fd/{self._run_fd}/ctl")
-
-    def _init_exited(self) -> None:
-        if self._state.live:
-            self._state = SandboxState.FAILED
-        self.close()
-
-    def close(self) -> None:
-        """Stop watching the sandbox (it keeps running; a new manager may adopt it)."""
-        if self._pidfd is not None:
-            with contextlib.suppress(RuntimeError):  # the loop may be closed already
-                self._loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        if self._run_fd >= 0:
-            os.close(self._run_fd)
-            self._run_fd = -1
-
-    @property
-    def state(self) -> SandboxState:
-        return self._state
-
-    @state.setter
-    def state(self, value: SandboxState) -> None:
-        self._state = value
-
-    @property
-    def uid(self) -> int:
-        return self._record.uid
-
-    @property
-    def fs_ids(self) -> tuple[int, int] | None:
-        return (self._record.uid, self._record.gid)
-
-    def mounts(self) -> list[Mount]:
-        mounts = [
-            Mount(WORKSPACE, Path(self._record.workspace), True),
-            Mount("/tmp", self._run / "tmp", True),
-        ]
-        mounts += [Mount(p, Path(h), w) for p, h, w in self._record.volumes if p != WORKSPACE]
-        if self._record.image == "host":
-            mounts += [Mount(p, h, False) for p, h in image_entries("host")]
-        else:
-            mounts.append(Mount("/", Path(self._record.image), False))
-        return mounts
-
-    def environment(self, spec: ProcessSpec) -> dict[str, str]:
-        env = {
-            "PATH": BASE_PATH,
-            "HOME": WORKSPACE,
-            "USER": SANDBOX_USER,
-            "LOGNAME": SANDBOX_USER,
-            "LANG": "C.UTF-8",
-            **self.template.env,
-            **spec.env,
-        }
-        if spec.pty is not None:
-            env.setdefault("TERM", "xterm-256color")
-        return env
-
-    async def spawn(self, spec: ProcessSpec) -> SandboxProcess:
-        if not self._state.live:
-            raise ControlSocketError(f"sandbox {self.sandbox_id} is {self._state.value}")
-        if not spec.argv:
-            raise ValueError("empty argv")
-        on_exit = _oom_aware(self.cgroup, self.cgroup.oom_kills())
-        return await spawn_via_init(self._control, spec, self.environment(spec), on_exit)
-
-
-def _find_init(cgroup: SandboxCgroup) -> int | None:
-    """Host pid of the sandbox's init: the cgroup member that is pid 1 of a child pid ns."""
-    for pid in cgroup.pids():
-        try:
-            status = Path(f"/proc/{pid}/status").read_text()
-        except OSError:
-            continue
-        for line in status.splitlines():
-            if line.startswith("NSpid:"):
-                ids = line.split()[1:]
-                if len(ids) > 1 and ids[-1] == "1":
-                    return pid
-    return None
 
 
 async def _wait_readable(fd: int, timeout: float) -> None:
@@ -343,7 +186,7 @@ class LocalRuntimeManager:
             probe = layout.sandbox(f".preflight-{os.getpid()}")
             probe.create(Limits(memory_bytes=64 << 20, pids=16, cpu=0.5))
             probe.thaw()
-            asyncio_free_remove(probe)
+            _remove_probe(probe)
             # Parents exist only while sandboxes do; the first create makes them again.
             layout.remove_parents_if_empty()
         except (CgroupError, OSError) as exc:
@@ -373,21 +216,14 @@ class LocalRuntimeManager:
             "--unshare-uts",
             "--unshare-net",
             "--disable-userns",
-            "--ro-bind",
-            "/usr",
-            "/usr",
-            "--symlink",
-            "usr/bin",
-            "/bin",
-            "--symlink",
-            "usr/lib",
-            "/lib",
-            "--symlink",
-            "usr/lib64",
-            "/lib64",
             "--proc",
             "/proc",
         ]
+        for sandbox_path, host_path in image_entries("host"):
+            if host_path.is_symlink():
+                args += ["--symlink", os.readlink(host_path), sandbox_path]
+            else:
+                args += ["--ro-bind", str(host_path), sandbox_path]
         args_fd = os.memfd_create("bwrap-args", 0)
         try:
             os.write(args_fd, b"".join(a.encode() + b"\0" for a in args))
@@ -438,7 +274,7 @@ class LocalRuntimeManager:
             return os.getuid()
         if not self._uids_in_use:
             for sid in self._run_entries():
-                rec = _Record.load(self.settings.run_dir / sid / "state.json")
+                rec = SandboxRecord.load(self.settings.run_dir / sid / "state.json")
                 if rec is not None:
                     self._uids_in_use.add(rec.uid)
         base, count = self.settings.uid_base, self.settings.uid_count
@@ -518,7 +354,7 @@ class LocalRuntimeManager:
         volumes: Mapping[str, Path],
         uid: int,
         gid: int,
-    ) -> _Record:
+    ) -> SandboxRecord:
         run = self.settings.run_dir / sandbox_id
         # Traversable (not listable): a non-root server's bubblewrap binds from here by path.
         run.mkdir(mode=0o711)
@@ -547,7 +383,7 @@ class LocalRuntimeManager:
         image = template.image
         if image != "host" and not Path(image).is_dir():
             raise ValueError(f"image {image!r} is neither 'host' nor a rootfs directory")
-        record = _Record(
+        record = SandboxRecord(
             generation=generation,
             mode=self.settings.mode,
             uid=uid,
@@ -560,7 +396,7 @@ class LocalRuntimeManager:
         return record
 
     async def _launch(
-        self, sandbox_id: str, generation: int, template: Template, record: _Record
+        self, sandbox_id: str, generation: int, template: Template, record: SandboxRecord
     ) -> IsolatedRuntime:
         layout = self._require()
         run = self.settings.run_dir / sandbox_id
@@ -678,7 +514,7 @@ class LocalRuntimeManager:
             await self._reap(launcher)
         finally:
             os.close(ready_r)
-        init_pid = _find_init(cgroup) if ok else None
+        init_pid = find_init(cgroup) if ok else None
         if init_pid is None:
             log = ""
             with contextlib.suppress(OSError):
@@ -719,7 +555,7 @@ class LocalRuntimeManager:
         if not _SANDBOX_ID.match(sandbox_id):
             return None
         run = self.settings.run_dir / sandbox_id
-        record = _Record.load(run / "state.json")
+        record = SandboxRecord.load(run / "state.json")
         if record is None or record.generation != generation or record.mode != self.settings.mode:
             return None
         if record.mode == "isolated" and not (run / "ctl").exists():
@@ -729,7 +565,7 @@ class LocalRuntimeManager:
                 sandbox_id, generation, template, Path(record.workspace), tmp=run / "tmp"
             )
         cgroup = self._require().sandbox(sandbox_id)
-        init_pid = _find_init(cgroup)
+        init_pid = find_init(cgroup)
         if init_pid is None:
             return None
         self._uids_in_use.add(record.uid)
@@ -775,7 +611,7 @@ class LocalRuntimeManager:
             runtime.state = SandboxState.TERMINATED
             runtime.close()
         run = self.settings.run_dir / sandbox_id
-        record = _Record.load(run / "state.json")
+        record = SandboxRecord.load(run / "state.json")
         if self.settings.mode == "isolated":
             cgroup = self._require().sandbox(sandbox_id)
             await cgroup.kill_all()
@@ -787,7 +623,7 @@ class LocalRuntimeManager:
             self._uids_in_use.discard(record.uid)
 
 
-def asyncio_free_remove(cgroup: SandboxCgroup) -> None:
+def _remove_probe(cgroup: SandboxCgroup) -> None:
     """Remove an empty cgroup from synchronous code (the preflight probe)."""
     for d in cgroup.dirs.values():
         with contextlib.suppress(FileNotFoundError):
