@@ -82,11 +82,22 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-async def shell_rtt(ws_url: str, token: str, n: int) -> tuple[list[float], list[float]]:
+async def shell_rtt(
+    ws_url: str, token: str, n: int, *, crowd: int = 0
+) -> tuple[list[float], list[float]]:
+    """Open times, and echo round trips on one shell while ``crowd`` other shells are open."""
     import websockets
 
     opens: list[float] = []
     rtts: list[float] = []
+    others = []
+    for i in range(crowd):
+        ws = await websockets.connect(
+            f"{ws_url}/shell/ws?session=crowd{i}&profile=default",
+            additional_headers={"Authorization": f"Bearer {token}"},
+            compression=None,
+        )
+        others.append(ws)
     for i in range(20):
         t0 = time.perf_counter()
         async with websockets.connect(
@@ -117,6 +128,8 @@ async def shell_rtt(ws_url: str, token: str, n: int) -> tuple[list[float], list[
             while "x" not in json.loads(await ws.recv()).get("data", ""):
                 pass
             rtts.append(time.perf_counter() - t0)
+    for ws in others:
+        await ws.close()
     return opens, rtts
 
 
@@ -137,6 +150,55 @@ def local_pty_rtt(n: int) -> list[float]:
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     return out
+
+
+def grep_pair(c: Any, base: str, ws_dir: Path, n: int) -> tuple[list[float], list[float]]:
+    from sandlot.dataplane.grep import ripgrep_path
+
+    tree = ws_dir / "tree"
+    if not tree.exists():
+        for i in range(1000):
+            d = tree / f"d{i % 20}"
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"f{i}.py").write_text(("def f():\n    return 1\n" * 200) + f"# needle {i}\n")
+    rg = ripgrep_path() or "rg"
+    argv = [
+        rg,
+        "--no-heading",
+        "-n",
+        "--null",
+        "--hidden",
+        "--no-ignore",
+        "-F",
+        "needle",
+        str(tree),
+    ]
+    a, b = [], []
+    for _ in range(n):
+        a.append(
+            timed(lambda: c.post(f"{base}/fs/grep", json={"pattern": "needle", "path": "tree"}))
+        )
+        b.append(timed(lambda: subprocess.run(argv, capture_output=True, check=True)))
+    return a, b
+
+
+def transfer(c: Any, base: str, ws_dir: Path) -> tuple[float, float, int]:
+    blob = ws_dir.parent / "blob.bin"
+    size = 100 << 20
+    with open(blob, "wb") as fh:
+        fh.write(os.urandom(size))
+    ups, downs = [], []
+    for _ in range(3):
+        with open(blob, "rb") as fh:
+            ups.append(
+                timed(
+                    lambda fh=fh: c.post(
+                        f"{base}/files/upload", params={"path": "blob.bin"}, content=fh
+                    )
+                )
+            )
+        downs.append(timed(lambda: c.get(f"{base}/files/download", params={"path": "blob.bin"})))
+    return statistics.median(ups), statistics.median(downs), size
 
 
 def main() -> None:
@@ -217,6 +279,20 @@ def main() -> None:
                         b.append(timed(direct))
                     rows.append((name, a, b))
             opens, rtts = asyncio.run(shell_rtt(ws_base, token, n))
+            _, crowded = asyncio.run(shell_rtt(ws_base, token, n, crowd=50))
+            rows.append(
+                (
+                    "grep a 1,000-file tree (`/fs/grep`)",
+                    *grep_pair(
+                        c2 := httpx.Client(headers={"Authorization": f"Bearer {token}"}),
+                        base,
+                        ws_dir,
+                        n // 5,
+                    ),
+                )
+            )
+            up, down, size = transfer(c2, base, ws_dir)
+            c2.close()
             local = local_pty_rtt(n)
             local_open = []
             for _ in range(20):
@@ -230,11 +306,14 @@ def main() -> None:
                 os.waitpid(pid, 0)
                 os.close(fd)
             rows.append(("shell echo round trip (`/shell/ws`)", rtts, local))
+            rows.append(("shell echo, 50 other shells open", crowded, local))
             rows.append(("shell open to first prompt (`/shell/ws`)", opens, local_open))
         finally:
             proc.terminate()
             proc.wait(5)
     print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, n={n}\n")
+    mb = size / 1e6
+    print(f"100 MiB upload {mb / up:.0f} MB/s, download {mb / down:.0f} MB/s (median of 3)\n")
     print("| operation | dataplane median | p99 | direct median | p99 | ratio |")
     print("|---|---|---|---|---|---|")
     for name, a, b in rows:
