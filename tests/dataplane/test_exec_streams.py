@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
 import socket
+import time
 from typing import Any
 
 import httpx
@@ -389,3 +391,32 @@ def test_attach_beyond_the_end_is_refused(server: Server, client: httpx.Client) 
             assert (await _recv(ws))["type"] == "exit"
 
     asyncio.run(run())
+
+
+def test_ping_close_and_kill_on_disconnect(server: Server, client: httpx.Client) -> None:
+    async def run() -> tuple[str, str]:
+        url = server.ws_url("/exec/ws")
+        async with websockets.connect(url, additional_headers=server.headers()) as ws:
+            await ws.send(json.dumps({"type": "ping"}))
+            assert (await _recv(ws))["type"] == "pong"
+            await ws.send(
+                json.dumps({"type": "start", "command": "sleep 30", "kill_on_disconnect": True})
+            )
+            killed = (await _recv(ws))["exec_id"]
+        async with websockets.connect(url, additional_headers=server.headers()) as ws:
+            await ws.send(json.dumps({"type": "start", "command": "sleep 30"}))
+            kept = (await _recv(ws))["exec_id"]
+            await ws.send(json.dumps({"type": "close"}))  # detach: the command keeps running
+            with contextlib.suppress(websockets.ConnectionClosed):
+                while True:
+                    await _recv(ws)
+        return killed, kept
+
+    killed, kept = asyncio.run(run())
+    deadline = time.time() + 5
+    while client.get(server.url(f"/execs/{killed}")).json()["state"] == "running":
+        assert time.time() < deadline
+        time.sleep(0.05)
+    assert client.get(server.url(f"/execs/{killed}")).json()["state"] == "killed"
+    assert client.get(server.url(f"/execs/{kept}")).json()["state"] == "running"
+    client.post(server.url(f"/execs/{kept}/signal"), json={"signal": "KILL"})
