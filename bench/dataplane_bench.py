@@ -374,7 +374,7 @@ def main() -> None:
     for name, a, b in rows:
         am, ap = stats(a)
         bm, bp = stats(b)
-        raw_cell = "| – | – |"
+        raw_cell = "| - | - |"
         if name in raw_rows:
             rm, rp = stats(raw_rows[name])
             raw_cell = f"| {rm:.3f} ms | {rp:.3f} ms |"
