@@ -422,3 +422,22 @@ async def test_traversable_data_dir_needs_no_staging(template: Template) -> None
         await mgr.cleanup_leftovers(set())
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_sandboxes_of_a_vanished_data_dir_are_swept(
+    manager: LocalRuntimeManager, template: Template, data_dir: Path
+) -> None:
+    gone = data_dir / "gone"
+    other = LocalRuntimeManager(
+        RuntimeSettings(run_dir=gone / "run", workspaces_dir=gone / "ws", volumes_dir=gone / "vol")
+    )
+    other.preflight()
+    rt = await other.create("sb-orphan", 1, template, {})
+    assert isinstance(rt, IsolatedRuntime)
+    rt.close()
+    cgroup_dirs = list(rt.cgroup.dirs.values())
+    shutil.rmtree(gone)  # its server crashed and its directory was removed
+    await manager.cleanup_leftovers(set())
+    assert not any(d.exists() for d in cgroup_dirs)
+    assert not any(d.parent.exists() for d in cgroup_dirs)
+    assert not Path(f"/proc/{rt.init_pid}").exists() or _is_zombie_of_other(rt.init_pid)

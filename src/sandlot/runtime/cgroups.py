@@ -129,6 +129,19 @@ class CgroupLayout:
                 names.update(e.name for e in os.scandir(parent) if e.is_dir())
         return names
 
+    def other_tags(self) -> set[str]:
+        """Tags of the other servers with sandbox cgroups on this host."""
+        tags: set[str] = set()
+        for parent in self.parents.values():
+            with contextlib.suppress(FileNotFoundError):
+                tags.update(
+                    e.name.removeprefix("sandlot-")
+                    for e in os.scandir(parent.parent)
+                    if e.is_dir() and e.name.startswith("sandlot-")
+                )
+        tags.discard(self.tag)
+        return tags
+
 
 class SandboxCgroup:
     """The cgroup (one directory per hierarchy) of one sandbox."""

@@ -69,6 +69,8 @@ __all__ = [
 
 _SANDBOX_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 READY_TIMEOUT = 10.0
+#: ``<tag>`` → the run dir of the server that owns ``sandlot-<tag>`` cgroups (root only).
+TAG_REGISTRY = Path("/run/sandlot/tags")
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,20 @@ async def _wait_readable(fd: int, timeout: float) -> None:
         await asyncio.wait_for(waiter, timeout)
     finally:
         loop.remove_reader(fd)
+
+
+def _vanished_servers(layout: CgroupLayout) -> list[str]:
+    """Tags of other servers whose run dir is gone: nobody can adopt or delete their
+    sandboxes any more. Servers not in the registry are not ours to judge."""
+    vanished = []
+    for tag in layout.other_tags():
+        try:
+            run_dir = (TAG_REGISTRY / tag).read_text()
+        except OSError:
+            continue
+        if not os.path.exists(run_dir):
+            vanished.append(tag)
+    return vanished
 
 
 def _world_traversable(path: Path) -> bool:
@@ -256,6 +272,17 @@ class LocalRuntimeManager:
                 + (result.stderr.strip() or f"exit status {result.returncode}")
             )
 
+    def _register(self, present: bool) -> None:
+        """Lets other servers recognise this one's cgroups once its data dir is gone."""
+        if not self._is_root:
+            return
+        with contextlib.suppress(OSError):
+            if present:
+                TAG_REGISTRY.mkdir(parents=True, exist_ok=True)
+                (TAG_REGISTRY / self.tag).write_text(str(self.settings.run_dir.resolve()))
+            else:
+                (TAG_REGISTRY / self.tag).unlink()
+
     def _require(self) -> CgroupLayout:
         if not self._prepared:
             self.preflight()
@@ -304,11 +331,28 @@ class LocalRuntimeManager:
         return names
 
     async def cleanup_leftovers(self, keep: set[str]) -> None:
-        """Destroy every sandbox of this data dir not in ``keep`` (after a crash)."""
+        """Destroy every sandbox of this data dir not in ``keep`` (after a crash).
+
+        Also kills the sandboxes of servers whose data dir no longer exists
+        (nobody could ever adopt or delete them; a removed test directory, say).
+        """
         for sandbox_id in sorted(self.list_existing() - keep):
             await self.destroy(sandbox_id)
-        if self.settings.mode == "isolated" and not self.list_existing():
-            self._require().remove_parents_if_empty()
+        if self.settings.mode != "isolated":
+            return
+        layout = self._require()
+        if not self.list_existing():
+            layout.remove_parents_if_empty()
+            self._register(False)
+        for tag in _vanished_servers(layout):
+            orphans = CgroupLayout(tag)
+            for name in orphans.existing():
+                cgroup = orphans.sandbox(name)
+                await cgroup.kill_all()
+                await cgroup.remove()
+            orphans.remove_parents_if_empty()
+            with contextlib.suppress(OSError):
+                (TAG_REGISTRY / tag).unlink()
 
     # --- lifecycle ------------------------------------------------------------------
 
@@ -407,6 +451,7 @@ class LocalRuntimeManager:
             cgroup.create(limits)
         except FileNotFoundError:
             # The parents went with the last sandbox (cleanup_leftovers).
+            self._register(True)
             layout.ensure_parents()
             cgroup.create(limits)
 
