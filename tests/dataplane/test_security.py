@@ -478,3 +478,29 @@ def test_grep_and_glob_work_as_the_sandbox_user(confined: Server) -> None:
         assert [m["path"] for m in gr.json()["matches"]] == ["/workspace/inside.txt"]
         g = c.post(confined.url("/fs/glob"), json={"pattern": "*.txt"})
         assert [m["path"] for m in g.json()["matches"]] == ["/workspace/inside.txt"]
+
+
+def test_revocation_ends_event_streams(server: Server) -> None:
+    from sandlot.providers.base import RevokedToken
+
+    token = server.token(jti="tok_sse")
+    done = threading.Event()
+    elapsed: list[float] = []
+
+    def reader() -> None:
+        with httpx.stream(
+            "GET", server.url("/events"), headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ) as r:
+            assert r.status_code == 200
+            done.set()
+            for _ in r.iter_lines():
+                pass
+        elapsed.append(time.monotonic())
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert done.wait(5)
+    t0 = time.monotonic()
+    server.call(server.host.revoke, [RevokedToken("tok_sse", time.time() + 900)])
+    t.join(5)
+    assert elapsed and elapsed[0] - t0 < 1.0
