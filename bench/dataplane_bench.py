@@ -59,7 +59,7 @@ def serve(workspace: str) -> None:
     app = create_standalone_app(
         runtime,
         verifier=TokenVerifier(jwks, issuer="bench"),
-        settings=DataplaneSettings(watch_fs=False),
+        settings=DataplaneSettings(watch_fs=False, max_shells=200),
     )
     import socket
 
@@ -112,8 +112,21 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 async def shell_rtt(
-    ws_url: str, token: str, n: int, *, crowd: int = 0
+    ws_url: str,
+    token: str,
+    n: int,
+    *,
+    crowd: int = 0,
+    pid: int = 0,
+    report: list[str] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Open times, and echo round trips on one shell while ``crowd`` other shells are open."""
     import websockets
@@ -128,6 +141,16 @@ async def shell_rtt(
             compression=None,
         )
         others.append(ws)
+    if crowd and pid and report is not None:
+        # Every crowd shell prints 2 MiB while its client does not read: memory stays bounded.
+        for ws in others:
+            await ws.send(
+                json.dumps({"type": "stdin", "data": "head -c 2000000 /dev/zero | tr '\\0' y\n"})
+            )
+        await asyncio.sleep(3)
+        report.append(
+            f"server RSS with {crowd} shells flooding unread clients: {rss_mib(pid):.0f} MiB"
+        )
     for i in range(20):
         t0 = time.perf_counter()
         async with websockets.connect(
@@ -331,7 +354,10 @@ def main() -> None:
                     rows.append((name, a, b))
                     raw_rows[name] = r
             opens, rtts = asyncio.run(shell_rtt(ws_base, token, n))
-            _, crowded = asyncio.run(shell_rtt(ws_base, token, n, crowd=50))
+            report: list[str] = [f"server RSS idle: {rss_mib(proc.pid):.0f} MiB"]
+            _, crowded = asyncio.run(
+                shell_rtt(ws_base, token, n, crowd=50, pid=proc.pid, report=report)
+            )
             rows.append(
                 (
                     "grep a 1,000-file tree (`/fs/grep`)",
@@ -364,6 +390,8 @@ def main() -> None:
             proc.terminate()
             proc.wait(5)
     print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, n={n}\n")
+    for line in report:
+        print(line + "\n")
     mb = size / 1e6
     print(f"100 MiB upload {mb / up:.0f} MB/s, download {mb / down:.0f} MB/s (median of 3)\n")
     print(
