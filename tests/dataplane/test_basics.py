@@ -83,3 +83,14 @@ def test_list_root_shows_mount_points(server: Server, client: httpx.Client) -> N
     assert r.status_code == 200
     assert [e["path"] for e in r.json()["entries"]] == ["/tmp", "/workspace"]
     assert client.get(server.url("/fs/read"), params={"path": "/etc/hostname"}).status_code == 404
+
+
+def test_non_utf8_file_names_are_listed_escaped(server: Server, client: httpx.Client) -> None:
+    import os
+
+    os.close(os.open(os.fsencode(server.workspace) + b"/bad\xffname", os.O_CREAT | os.O_WRONLY))
+    r = client.get(server.url("/fs/list"))
+    assert r.status_code == 200
+    assert "/workspace/bad\udcffname" in [e["path"] for e in r.json()["entries"]]
+    g = client.post(server.url("/fs/glob"), json={"pattern": "bad*"})
+    assert g.status_code == 200 and len(g.json()["matches"]) == 1

@@ -142,7 +142,8 @@ def build_routes(api: Api) -> list[Route]:
         path = query_path(request, default="/workspace")
         depth = query_int(request, "depth", 1, 1, 64)
         run = executor.light if depth == 1 else executor.heavy
-        return json_response(await run(files.list_dir, path, depth))
+        body = await run(files.list_json, path, depth)
+        return Response(body, media_type="application/json")
 
     @endpoint
     async def fs_read(request: Request) -> Response:

@@ -47,7 +47,11 @@ def request_id_of(headers: Any) -> str:
 
 
 def dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # A file name that is not valid UTF-8 (lone surrogates): escape instead of failing.
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
