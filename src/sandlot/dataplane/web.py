@@ -54,6 +54,20 @@ def dumps(obj: Any) -> bytes:
         return json.dumps(obj, separators=(",", ":")).encode()
 
 
+_OUTPUT_FRAMES = frozenset({"stdout", "stderr", "history"})
+
+
+def dumps_text(frame: dict[str, Any]) -> str:
+    """JSON text for a WebSocket frame (the hot path of every byte a command prints).
+
+    Output frames hold text decoded by the server (always valid UTF-8) and go out
+    unescaped; other frames may echo client input, so they are ASCII-escaped.
+    """
+    return json.dumps(
+        frame, separators=(",", ":"), ensure_ascii=frame.get("type") not in _OUTPUT_FRAMES
+    )
+
+
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(dumps(obj), status, headers=headers, media_type="application/json")
 

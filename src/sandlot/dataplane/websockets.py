@@ -23,7 +23,7 @@ from sandlot.dataplane.auth import AuthContext, bearer_from_header
 from sandlot.dataplane.execs import Exec, parse_signal
 from sandlot.dataplane.sandbox import SandboxEntry
 from sandlot.dataplane.streams import Cursor, check_offsets
-from sandlot.dataplane.web import Api, as_sandlot_error, dumps
+from sandlot.dataplane.web import Api, as_sandlot_error, dumps_text
 from sandlot.protocol import frames as F
 from sandlot.protocol.common import Capability, new_id
 from sandlot.protocol.errors import (
@@ -68,7 +68,7 @@ class Socket:
 
     async def send(self, frame: dict[str, Any]) -> None:
         async with self._send_lock:
-            await self.ws.send_text(dumps(frame).decode())
+            await self.ws.send_text(dumps_text(frame))
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         self.closed.set()
@@ -155,7 +155,7 @@ async def open_socket(api: Api, ws: WebSocket, capability: Capability) -> Socket
         entry = api.host._entry(api.sandbox_id(ws.path_params))
     except SandlotError as exc:
         with contextlib.suppress(Exception):
-            await ws.send_text(dumps(F.error_frame(exc.wire_code, exc.message)).decode())
+            await ws.send_text(dumps_text(F.error_frame(exc.wire_code, exc.message)))
             await ws.close(close_code_for(exc))
         return None
     sock = Socket(api, ws, entry)
