@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -27,6 +28,7 @@ from sandlot.protocol.errors import (
     PayloadTooLarge,
     SandboxNotFound,
     SandlotError,
+    exception_for,
 )
 
 if TYPE_CHECKING:
@@ -89,6 +91,9 @@ def as_sandlot_error(exc: BaseException) -> SandlotError:
         where = ".".join(str(p) for p in errors[0]["loc"])
         msg = errors[0]["msg"]
         return InvalidRequest(f"{where}: {msg}" if where else msg)
+    if isinstance(exc, HTTPException) and exc.status_code < 500:
+        # Raised by Starlette itself (a malformed multipart body, for instance).
+        return exception_for("", exc.status_code)(str(exc.detail)[:200])
     if isinstance(exc, OSError):
         return os_error(exc)
     if isinstance(exc, (UnicodeError, ValueError)):
