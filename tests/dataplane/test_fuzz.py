@@ -96,3 +96,36 @@ def test_junk_never_5xx(server: Server, client: httpx.Client) -> None:
     for body in (b'{"path": "\\ud800", "content": "x"}', b'{"path": "a", "content": "\\ud800"}'):
         r = client.put(server.url("/fs/write"), content=body)
         assert r.status_code == 400, r.text
+
+
+def test_junk_frames_get_errors_not_crashes(server: Server) -> None:
+    import asyncio
+    import json
+
+    import websockets
+
+    async def run() -> None:
+        url = server.ws_url("/exec/ws")
+        # Junk as the first frame: refused with a close code, not a server error (1011).
+        for junk in (b"\xff\x00", "not json", '{"type": "nope"}', "[]"):
+            async with websockets.connect(url) as ws:
+                await ws.send(junk)
+                try:
+                    while True:
+                        await asyncio.wait_for(ws.recv(), 5)
+                except websockets.ConnectionClosed as exc:
+                    assert exc.rcvd is not None and exc.rcvd.code == 4401
+        async with websockets.connect(url, additional_headers=server.headers()) as ws:
+            await ws.send(json.dumps({"type": "start", "command": "cat"}))
+            assert json.loads(await ws.recv())["type"] == "ready"
+            for junk in (b"\xff", "{", '{"type": "stdin"}', '{"type": "resize", "cols": 0}'):
+                await ws.send(junk)
+                frame = json.loads(await ws.recv())
+                assert frame["type"] == "error" and frame["code"] == "INVALID_REQUEST"
+            await ws.send(b'{"type": "stdin", "data": "bin\\n"}')
+            assert json.loads(await ws.recv())["data"] == "bin\n"
+            await ws.send(json.dumps({"type": "close_stdin"}))
+            while json.loads(await ws.recv())["type"] != "exit":
+                pass
+
+    asyncio.run(run())

@@ -42,6 +42,17 @@ CLOSE_NOT_FOUND = 4404
 CLOSE_TRY_AGAIN = 1013
 
 
+async def receive_frame(ws: WebSocket) -> str | bytes:
+    """The next client message, text or binary (both parse as JSON frames)."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+    text = message.get("text")
+    if text is not None:
+        return str(text)
+    return bytes(message.get("bytes") or b"")
+
+
 def close_code_for(exc: SandlotError) -> int:
     if isinstance(exc, Unauthenticated):
         return CLOSE_UNAUTHENTICATED
@@ -97,7 +108,7 @@ class Socket:
             if bearer is None and api_key is None:
                 try:
                     raw = await asyncio.wait_for(
-                        self.ws.receive_text(), host.settings.auth_timeout_seconds
+                        receive_frame(self.ws), host.settings.auth_timeout_seconds
                     )
                 except TimeoutError:
                     raise Unauthenticated("no auth frame") from None
@@ -273,7 +284,7 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
     try:
         first: Any = None
         while first is None:
-            frame = F.parse_client_frame(await ws.receive_text())
+            frame = F.parse_client_frame(await receive_frame(ws))
             if isinstance(frame, F.AuthFrame):
                 await sock.reauth(frame.token, Capability.EXEC)
             elif isinstance(frame, F.PingFrame):
@@ -339,7 +350,7 @@ def invalid_frame(message: str) -> SandlotError:
 
 async def _exec_reader(sock: Socket, ex: Exec, cursor: Cursor) -> None:
     while True:
-        raw = await sock.ws.receive_text()
+        raw = await receive_frame(sock.ws)
         try:
             frame = F.parse_client_frame(raw)
         except ValidationError as exc:
@@ -440,7 +451,7 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
 
         async def reader() -> None:
             while True:
-                raw = await ws.receive_text()
+                raw = await receive_frame(ws)
                 try:
                     frame = F.parse_client_frame(raw)
                 except ValidationError as exc:
@@ -532,7 +543,7 @@ async def events_socket(api: Api, ws: WebSocket) -> None:
 
         async def reader() -> None:
             while True:
-                raw = await ws.receive_text()
+                raw = await receive_frame(ws)
                 with contextlib.suppress(ValidationError):
                     frame = F.parse_client_frame(raw)
                     if isinstance(frame, F.PingFrame):
