@@ -94,3 +94,6 @@ def test_non_utf8_file_names_are_listed_escaped(server: Server, client: httpx.Cl
     assert "/workspace/bad\udcffname" in [e["path"] for e in r.json()["entries"]]
     g = client.post(server.url("/fs/glob"), json={"pattern": "bad*"})
     assert g.status_code == 200 and len(g.json()["matches"]) == 1
+    # Sending the escaped name back in JSON is refused cleanly (strict JSON parsing).
+    body = b'{"path": "/workspace/bad\\udcffname", "content": "y"}'
+    assert client.put(server.url("/fs/write"), content=body).status_code == 400

@@ -53,7 +53,8 @@ def split_sandbox_path(path: str) -> list[str]:
     if "\x00" in path:
         raise InvalidRequest("path contains a NUL byte")
     try:
-        size = len(path.encode("utf-8"))
+        # surrogateescape: names that are not UTF-8 travel as \udcXX (as listings return them).
+        size = len(path.encode("utf-8", "surrogateescape"))
     except UnicodeEncodeError as exc:
         raise InvalidRequest("path is not valid UTF-8") from exc
     if size > MAX_PATH_BYTES:
@@ -62,7 +63,7 @@ def split_sandbox_path(path: str) -> list[str]:
         path = f"{WORKSPACE}/{path}"
     parts = [p for p in path.split("/") if p and p != "."]
     for part in parts:
-        if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+        if len(part.encode("utf-8", "surrogateescape")) > MAX_NAME_BYTES:
             raise InvalidRequest("file name too long")
     return parts
 
