@@ -150,6 +150,23 @@ class SandlotServer:
             self.proc.stdout.close()
         return self.proc.returncode
 
+    def cleanup(self) -> None:
+        """After stop: remove every sandbox the server left (they survive restarts by design)."""
+        import asyncio
+
+        from sandlot.runtime.local import LocalRuntimeManager, RuntimeSettings
+
+        manager = LocalRuntimeManager(
+            RuntimeSettings(
+                run_dir=self.data_dir / "run",
+                workspaces_dir=self.data_dir / "workspaces",
+                volumes_dir=self.data_dir / "volumes",
+                mode=self.mode,  # type: ignore[arg-type]
+            )
+        )
+        if (self.data_dir / "run").exists():
+            asyncio.run(manager.cleanup_leftovers(keep=set()))
+
     def kill9(self) -> None:
         """Kill the whole process group of the server (and its workers) as a crash would."""
         assert self.proc is not None
@@ -170,3 +187,4 @@ def running(data_dir: Path, **kw: Any) -> Iterator[SandlotServer]:
         yield server
     finally:
         server.stop()
+        server.cleanup()

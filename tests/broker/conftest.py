@@ -35,18 +35,23 @@ class Harness:
     app: Any = None
     server: Any = None
     server_task: Any = None
+    sock: Any = None
 
     async def serve(self) -> str:
         """Serve the app on a real loopback socket (for streaming responses)."""
+        if self.sock is not None:
+            return f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         import asyncio
         import socket
 
         import uvicorn
 
-        sock = socket.socket()
+        sock = self.sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            self.app, log_config=None, lifespan="off", access_log=False, timeout_graceful_shutdown=1
+        )
         self.server = uvicorn.Server(config)
         self.server_task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -63,8 +68,9 @@ class Harness:
 MakeHarness = Callable[..., Any]
 
 
-@pytest.fixture
-async def make_harness(tmp_path: Path) -> AsyncIterator[MakeHarness]:
+@pytest.fixture(params=["asgi", "loopback"])
+async def make_harness(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[MakeHarness]:
+    """The real broker app, in process (``asgi``) and on a loopback socket (``loopback``)."""
     made: list[Harness] = []
 
     async def make(
@@ -86,6 +92,10 @@ async def make_harness(tmp_path: Path) -> AsyncIterator[MakeHarness]:
         client = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://broker")
         h = Harness(broker, provider, client, clock, app=app)
         made.append(h)
+        if request.param == "loopback":
+            base = await h.serve()
+            await client.aclose()
+            h.client = httpx.AsyncClient(base_url=base, timeout=30)
         return h
 
     yield make
@@ -93,6 +103,7 @@ async def make_harness(tmp_path: Path) -> AsyncIterator[MakeHarness]:
         if h.server is not None:
             h.server.should_exit = True
             await h.server_task
+            h.sock.close()
         await h.client.aclose()
         await h.broker.stop()
 

@@ -100,6 +100,7 @@ def test_kill9_while_provisioning(tmp_path: Path, point: str) -> None:
         assert_no_orphans(srv)
     finally:
         srv.stop()
+        srv.cleanup()
 
 
 @pytest.mark.reliability
@@ -123,3 +124,4 @@ def test_kill9_mid_release(tmp_path: Path) -> None:
         assert live_sandboxes(srv.data_dir / "sandlot.db") == set()
     finally:
         srv.stop()
+        srv.cleanup()

@@ -384,3 +384,23 @@ async def test_concurrent_ensure_in_process(harness: Harness, n: int) -> None:
     assert all(r.status_code == 200 for r in results)
     assert len({r.json()["session_id"] for r in results}) == 1
     assert len(harness.provider.created) == 1
+
+
+async def test_sequence_expired_and_provider_unavailable(make_harness: MakeHarness) -> None:
+    h = await make_harness(FakeProvider({"never_ready": True}))
+    k = h.key("alice")
+    g = (await ensure(h, k)).json()
+    from sqlalchemy import delete
+
+    from sandlot.broker.store.schema import events
+
+    with h.broker.store.write() as conn:
+        conn.execute(delete(events).where(events.c.stream_id == g["session_id"], events.c.sequence <= 1))
+    r = await h.client.get(f"/v1/sandbox/sessions/{g['session_id']}/events?after=0", headers=k)
+    assert_error(r, 410, "SEQUENCE_EXPIRED")
+    api = {"X-Api-Key": k["Authorization"].split()[1]}
+    r = await h.client.post(
+        "/v2/sandboxes/boxes", json={"name": "slow", "wait_for_ready": True, "timeout": 0.3}, headers=api
+    )
+    err = assert_error(r, 503, "PROVIDER_UNAVAILABLE")
+    assert err["retryable"] is True and "retry-after" in r.headers
