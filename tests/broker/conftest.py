@@ -69,7 +69,9 @@ MakeHarness = Callable[..., Any]
 
 
 @pytest.fixture(params=["asgi", "loopback"])
-async def make_harness(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[MakeHarness]:
+async def make_harness(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> AsyncIterator[MakeHarness]:
     """The real broker app, in process (``asgi``) and on a loopback socket (``loopback``)."""
     made: list[Harness] = []
 

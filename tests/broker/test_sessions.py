@@ -395,12 +395,16 @@ async def test_sequence_expired_and_provider_unavailable(make_harness: MakeHarne
     from sandlot.broker.store.schema import events
 
     with h.broker.store.write() as conn:
-        conn.execute(delete(events).where(events.c.stream_id == g["session_id"], events.c.sequence <= 1))
+        conn.execute(
+            delete(events).where(events.c.stream_id == g["session_id"], events.c.sequence <= 1)
+        )
     r = await h.client.get(f"/v1/sandbox/sessions/{g['session_id']}/events?after=0", headers=k)
     assert_error(r, 410, "SEQUENCE_EXPIRED")
     api = {"X-Api-Key": k["Authorization"].split()[1]}
     r = await h.client.post(
-        "/v2/sandboxes/boxes", json={"name": "slow", "wait_for_ready": True, "timeout": 0.3}, headers=api
+        "/v2/sandboxes/boxes",
+        json={"name": "slow", "wait_for_ready": True, "timeout": 0.3},
+        headers=api,
     )
     err = assert_error(r, 503, "PROVIDER_UNAVAILABLE")
     assert err["retryable"] is True and "retry-after" in r.headers
