@@ -105,10 +105,12 @@ def _wait_for_uds(path: str, timeout: float = 30.0) -> None:
 
 
 def serve_workers(settings: BrokerSettings) -> None:
-    sock = bind_socket(settings.host, settings.port)
+    requested = settings.port
+    sock = bind_socket(settings.host, requested)
     settings = replace(settings, port=sock.getsockname()[1])
+    # A fixed port puts the dataplane next to it; an ephemeral one gets an ephemeral dataplane.
     dp_port = int(os.environ.get("SANDLOT_DATAPLANE_PORT", "0") or 0) or (
-        settings.port + 1 if settings.port else 0
+        requested + 1 if requested else 0
     )
     dp_sock = bind_socket(settings.host, dp_port)
     dp_base = replace(settings, port=dp_sock.getsockname()[1], public_url=None).base_url
