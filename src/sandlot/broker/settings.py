@@ -10,7 +10,7 @@ Environment variables: ``SANDLOT_HOST``, ``SANDLOT_PORT``,
 ``SANDLOT_PUBLIC_URL`` (how clients reach this server, when it is not
 ``http://HOST:PORT``), ``SANDLOT_PROVIDER_MODE`` (``isolated``|``unisolated``),
 ``SANDLOT_LOG_FORMAT`` (``text``|``json``), ``SANDLOT_CONFIG`` (a config file),
-``SANDLOT_FAILPOINTS`` (crash points for recovery tests).
+``SANDLOT_FAILPOINTS`` (crash points for recovery tests), ``SANDLOT_DATAPLANE_PORT``.
 
 Config file keys (see ``default_config.toml`` for every one with its default):
 ``[policy]`` TTLs and capability policy per actor type, ``[quotas]``,
@@ -53,6 +53,8 @@ class BrokerSettings:
     store_url: str | None = None
     public_url: str | None = None
     workers: int = 1
+    #: With several workers, where the sandbox host serves the dataplane (None: port + 1).
+    dataplane_port: int | None = None
     log_format: str = "text"
     token_ttl_seconds: int = 900
     lease_ttl_seconds: int = 300
@@ -182,7 +184,16 @@ def load_settings(
         }
     except ValidationError as exc:
         raise ConfigError(f"invalid template or pool in the configuration: {exc}") from exc
-    for key in ("host", "port", "data_dir", "store_url", "public_url", "log_format", "workers"):
+    for key in (
+        "host",
+        "port",
+        "data_dir",
+        "store_url",
+        "public_url",
+        "log_format",
+        "workers",
+        "dataplane_port",
+    ):
         if key in raw.get("server", {}):
             values[key] = raw["server"][key]
 
@@ -194,6 +205,7 @@ def load_settings(
         "SANDLOT_PUBLIC_URL": "public_url",
         "SANDLOT_PROVIDER_MODE": "provider_mode",
         "SANDLOT_LOG_FORMAT": "log_format",
+        "SANDLOT_DATAPLANE_PORT": "dataplane_port",
     }
     for var, key in env_map.items():
         if env.get(var):
@@ -205,6 +217,8 @@ def load_settings(
     try:
         values["port"] = int(values.get("port", 8765))
         values["workers"] = int(values.get("workers", 1))
+        if values.get("dataplane_port") is not None:
+            values["dataplane_port"] = int(values["dataplane_port"])
     except ValueError as exc:
         raise ConfigError(f"port and workers must be integers: {exc}") from exc
     values["data_dir"] = Path(values.get("data_dir", ".sandlot")).expanduser()

@@ -28,6 +28,9 @@ def serve_command(
         None, help="Store URL, e.g. postgresql://user@host/db [default: SQLite in the data dir]."
     ),
     workers: int = typer.Option(None, help="Broker worker processes [default: 1]."),
+    dataplane_port: int = typer.Option(
+        None, help="With --workers > 1: the sandbox dataplane's port [default: port + 1]."
+    ),
     public_url: str = typer.Option(
         None, help="The URL clients reach this server at, if not http://HOST:PORT."
     ),
@@ -49,6 +52,7 @@ def serve_command(
             data_dir=data_dir,
             store_url=store,
             workers=workers,
+            dataplane_port=dataplane_port,
             public_url=public_url,
             provider_mode="unisolated" if unisolated else None,
             log_format=log_format,

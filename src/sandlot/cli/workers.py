@@ -7,7 +7,7 @@ Layout (all forked from this supervisor, which only watches them):
   sandboxes through :class:`sandlot.providers.remote.RemoteProvider`.
 - One sandbox host runs the local provider, its dataplane and the reaper. It
   serves the dataplane on its own port (``--port`` + 1 unless
-  ``SANDLOT_DATAPLANE_PORT`` says otherwise; grants carry that URL) and its
+  ``--dataplane-port`` says otherwise; grants carry that URL) and its
   provider API on a Unix socket in the data directory.
 
 A worker or the host that dies is restarted; SIGTERM or SIGINT stops them all.
@@ -109,9 +109,7 @@ def serve_workers(settings: BrokerSettings) -> None:
     sock = bind_socket(settings.host, requested)
     settings = replace(settings, port=sock.getsockname()[1])
     # A fixed port puts the dataplane next to it; an ephemeral one gets an ephemeral dataplane.
-    dp_port = int(os.environ.get("SANDLOT_DATAPLANE_PORT", "0") or 0) or (
-        requested + 1 if requested else 0
-    )
+    dp_port = settings.dataplane_port or (requested + 1 if requested else 0)
     dp_sock = bind_socket(settings.host, dp_port)
     dp_base = replace(settings, port=dp_sock.getsockname()[1], public_url=None).base_url
     prepare_store(settings).dispose()
