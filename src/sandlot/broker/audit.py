@@ -12,6 +12,8 @@ from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import audit
 
+_INSERT = audit.insert()
+
 
 @dataclass(frozen=True)
 class AuditContext:
@@ -36,20 +38,21 @@ def record(
     """Write one audit row inside the caller's transaction."""
     p = ctx.principal if ctx else None
     conn.execute(
-        audit.insert().values(
-            ts=now if now is not None else time.time(),
-            request_id=ctx.request_id if ctx else None,
-            action=action,
-            outcome=outcome,
-            principal_id=p.id if p else "system",
-            user_id=p.effective_user if p else None,
-            actor_type=p.actor_type.value if p else None,
-            actor_id=p.id if p else None,
-            scope_key=scope_key,
-            session_id=session_id,
-            sandbox_id=sandbox_id,
-            details=details or {},
-        )
+        _INSERT,
+        {
+            "ts": now if now is not None else time.time(),
+            "request_id": ctx.request_id if ctx else None,
+            "action": action,
+            "outcome": outcome,
+            "principal_id": p.id if p else "system",
+            "user_id": p.effective_user if p else None,
+            "actor_type": p.actor_type.value if p else None,
+            "actor_id": p.id if p else None,
+            "scope_key": scope_key,
+            "session_id": session_id,
+            "sandbox_id": sandbox_id,
+            "details": details or {},
+        },
     )
 
 

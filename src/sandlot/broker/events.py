@@ -13,13 +13,23 @@ import asyncio
 import time
 from typing import Any
 
-from sqlalchemy import Connection, Table, delete, select, update
+from sqlalchemy import Connection, Table, bindparam, delete, select, update
 
 from sandlot.broker.store.schema import bindings, events, sandboxes
 from sandlot.protocol.common import Actor, rfc3339
 
 #: Events kept per stream; older cursors get 410 SEQUENCE_EXPIRED.
 RETAINED_EVENTS = 10_000
+
+
+_NEXT_SEQ = {
+    t.name: update(t)
+    .where(t.c.id == bindparam("stream"))
+    .values(event_seq=t.c.event_seq + 1)
+    .returning(t.c.event_seq)
+    for t in (bindings, sandboxes)
+}
+_INSERT_EVENT = events.insert()
 
 
 def append_event(
@@ -35,12 +45,7 @@ def append_event(
 ) -> int:
     """Append to the log of a binding (``stream=bindings``) or a sandbox; return its sequence."""
     now = time.time() if now is None else now
-    seq = conn.execute(
-        update(stream)
-        .where(stream.c.id == stream_id)
-        .values(event_seq=stream.c.event_seq + 1)
-        .returning(stream.c.event_seq)
-    ).scalar_one()
+    seq = conn.execute(_NEXT_SEQ[stream.name], {"stream": stream_id}).scalar_one()
     envelope: dict[str, Any] = {
         "event_id": f"{stream_id}-{seq}",
         "sequence": seq,
@@ -56,7 +61,8 @@ def append_event(
         envelope["sandbox_id"] = stream_id
         envelope["sandbox_state"] = state
     conn.execute(
-        events.insert().values(stream_id=stream_id, sequence=seq, event=envelope, created_at=now)
+        _INSERT_EVENT,
+        {"stream_id": stream_id, "sequence": seq, "event": envelope, "created_at": now},
     )
     if seq > RETAINED_EVENTS and seq % 256 == 0:
         conn.execute(

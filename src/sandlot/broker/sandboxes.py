@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, bindparam, func, select, update
 
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
@@ -84,8 +84,11 @@ class SandboxRow:
         )
 
 
+_GET_SANDBOX = select(sandboxes).where(sandboxes.c.id == bindparam("id"))
+
+
 def get_sandbox(conn: Connection, sandbox_id: str) -> SandboxRow | None:
-    row = conn.execute(select(sandboxes).where(sandboxes.c.id == sandbox_id)).first()
+    row = conn.execute(_GET_SANDBOX, {"id": sandbox_id}).first()
     return SandboxRow.from_row(row) if row is not None else None
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.exc import IntegrityError
 
 from sandlot.broker import failpoints
@@ -103,6 +103,32 @@ class _Negotiated:
     provision: SandboxRow | None
     template: Template | None
     resume: bool
+
+
+# Statements of the negotiation hot path, built once (building one costs more than running it).
+_LIVE_BINDING = select(bindings).where(bindings.c.live_scope == bindparam("key"))
+_SCOPE_OWNER = select(scopes.c.owner_user_id).where(scopes.c.scope_key == bindparam("key"))
+_TOUCH_SANDBOX = (
+    update(sandboxes)
+    .where(sandboxes.c.id == bindparam("sb"))
+    .values(last_active_at=bindparam("now"))
+)
+_RENEW_LEASE = (
+    update(leases)
+    .where(
+        leases.c.binding_id == bindparam("b_binding"),
+        leases.c.principal_id == bindparam("b_principal"),
+    )
+    .values(
+        user_id=bindparam("b_user"),
+        actor_type=bindparam("b_actor_type"),
+        actor_id=bindparam("b_actor_id"),
+        caps=bindparam("b_caps"),
+        expires_at=bindparam("b_expires"),
+        released_at=None,
+    )
+)
+_INSERT_TOKEN = tokens.insert()
 
 
 class _LostRace(Exception):
@@ -222,12 +248,15 @@ class SessionService:
         now = self.clock()
         key = scope.key()
         user = principal.effective_user
-        owner = conn.execute(
-            select(scopes.c.owner_user_id).where(scopes.c.scope_key == key)
-        ).first()
-        if owner is not None:
-            self._check_scope_access(conn, principal, key, owner.owner_user_id)
-        live = conn.execute(select(bindings).where(bindings.c.live_scope == key)).first()
+        live = conn.execute(_LIVE_BINDING, {"key": key}).first()
+        owner = None
+        if live is not None:
+            # A binding's owner is its scope's owner: no need to read the scope.
+            self._check_scope_access(conn, principal, key, live.owner_user_id)
+        else:
+            owner = conn.execute(_SCOPE_OWNER, {"key": key}).first()
+            if owner is not None:
+                self._check_scope_access(conn, principal, key, owner.owner_user_id)
         created = False
         provision: SandboxRow | None = None
         resume = False
@@ -239,6 +268,10 @@ class SessionService:
             binding = BindingRow.from_row(live)
             sandbox = get_sandbox(conn, binding.sandbox_id)
             assert sandbox is not None
+            # The lease now counts as presence; the row's activity stamp needs no rewrite
+            # more than once a second.
+            if now - sandbox.last_active_at > 1.0:
+                conn.execute(_TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
             resume = sandbox.state is SandboxState.SUSPENDED
             if sandbox.state is SandboxState.IDLE:
                 self.sandboxes.apply_state_in(
@@ -285,7 +318,7 @@ class SessionService:
             binding = BindingRow.from_row(row)
             created = True
         lease_expires = self._attach(conn, principal, binding, caps, now)
-        append_event(
+        seq = append_event(
             conn,
             bindings,
             binding.id,
@@ -307,9 +340,6 @@ class SessionService:
             details={"mode": req.mode.value, "caps": [c.value for c in caps]},
             now=now,
         )
-        seq = conn.execute(
-            select(bindings.c.event_seq).where(bindings.c.id == binding.id)
-        ).scalar_one()
         grant = self._grant(
             binding,
             sandbox,
@@ -440,22 +470,23 @@ class SessionService:
             "expires_at": expires,
             "released_at": None,
         }
-        updated = conn.execute(
-            update(leases)
-            .where(
-                leases.c.binding_id == binding.id, leases.c.principal_id == principal.lease_holder
-            )
-            .values(**values)
+        renewed = conn.execute(
+            _RENEW_LEASE,
+            {
+                "b_binding": binding.id,
+                "b_principal": principal.lease_holder,
+                "b_user": values["user_id"],
+                "b_actor_type": values["actor_type"],
+                "b_actor_id": values["actor_id"],
+                "b_caps": values["caps"],
+                "b_expires": expires,
+            },
         ).rowcount
-        if not updated:
+        if not renewed:
             conn.execute(
-                leases.insert().values(
-                    binding_id=binding.id, principal_id=principal.lease_holder, **values
-                )
+                leases.insert(),
+                {**values, "binding_id": binding.id, "principal_id": principal.lease_holder},
             )
-        conn.execute(
-            update(sandboxes).where(sandboxes.c.id == binding.sandbox_id).values(last_active_at=now)
-        )
         return expires
 
     def _mint(
@@ -479,14 +510,15 @@ class SessionService:
             now=now,
         )
         conn.execute(
-            tokens.insert().values(
-                jti=minted.jti,
-                binding_id=binding.id,
-                sandbox_id=sandbox.id,
-                principal_id=principal.lease_holder,
-                issued_at=minted.issued_at,
-                expires_at=minted.expires_at,
-            )
+            _INSERT_TOKEN,
+            {
+                "jti": minted.jti,
+                "binding_id": binding.id,
+                "sandbox_id": sandbox.id,
+                "principal_id": principal.lease_holder,
+                "issued_at": minted.issued_at,
+                "expires_at": minted.expires_at,
+            },
         )
         return minted
 
