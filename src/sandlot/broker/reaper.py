@@ -44,6 +44,9 @@ class ReaperReport:
 
 
 class Reaper:
+    #: How often a sandbox that is busy on the dataplane gets its activity stamp rewritten.
+    TOUCH_SECONDS = 30.0
+
     def __init__(
         self,
         *,
@@ -170,9 +173,12 @@ class Reaper:
         last_active = row.last_active_at
         if activity is not None and activity.last_active_at:
             last_active = max(last_active, activity.last_active_at)
-        busy = row.id in held or (activity is not None and activity.busy)
-        if busy:
-            await anyio.to_thread.run_sync(self._touch, row.id, now)
+        working = activity is not None and activity.busy
+        if row.id in held or working:
+            # A held lease is presence enough; running work is stamped now and then so
+            # that the idle clock starts from the end of the work, not from its start.
+            if working and now - row.last_active_at > self.TOUCH_SECONDS:
+                await anyio.to_thread.run_sync(self._touch, row.id, now)
             if row.state is SandboxState.IDLE:
                 await self.sandboxes.apply_state(row.id, SandboxState.ACTIVE, reason="activity")
                 report.activated.append(row.id)

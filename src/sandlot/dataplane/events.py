@@ -10,16 +10,19 @@ SEQUENCE_EXPIRED. Changes made by commands are picked up with ``watchfiles``
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sandlot.dataplane.watch import Tree, shared
 from sandlot.protocol.common import Actor, rfc3339
 from sandlot.protocol.errors import SequenceExpired
+
+log = logging.getLogger("sandlot.dataplane.events")
 
 
 class EventLog:
@@ -94,13 +97,18 @@ class WorkspaceWatcher:
         self.log = log
         self.debounce_ms = debounce_ms
         self._recent: dict[str, float] = {}
-        self._stop = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._tree: Tree | None = None
 
     def start(self) -> None:
         """Start watching (idempotent; needs the running event loop)."""
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._tree is None:
+            try:
+                self._tree = shared().watch(
+                    str(self.host_dir), self._report, max(self.debounce_ms, 1) / 1000
+                )
+            except OSError as exc:
+                # Without a watcher the API's own changes are still reported.
+                log.warning("cannot watch %s for changes: %s", self.host_dir, exc)
 
     def api_changed(self, sandbox_path: str) -> None:
         now = time.monotonic()
@@ -108,38 +116,18 @@ class WorkspaceWatcher:
         if len(self._recent) > 4096:
             self._recent = {p: t for p, t in self._recent.items() if t > now}
 
-    async def _run(self) -> None:
-        from watchfiles import Change, awatch
-
-        ops = {Change.added: "created", Change.modified: "modified", Change.deleted: "deleted"}
-        with contextlib.suppress(Exception):
-            async for changes in awatch(
-                self.host_dir,
-                stop_event=self._stop,
-                debounce=max(self.debounce_ms, 1),
-                step=max(self.debounce_ms // 2, 1),
-                recursive=True,
-                ignore_permission_denied=True,
-            ):
-                now = time.monotonic()
-                for change, host_path in sorted(changes, key=lambda c: c[1]):
-                    name = host_path.rsplit("/", 1)[-1]
-                    if name.startswith(".sandlot-") and name.endswith(".tmp"):
-                        continue
-                    spath = self.to_sandbox(host_path)
-                    if spath is None:
-                        continue
-                    if self._recent.get(spath, 0.0) > now:
-                        continue
-                    self.log.append(
-                        f"fs.{ops.get(change, 'modified')}",
-                        "fs",
-                        {"path": spath, "op": ops.get(change, "modified"), "source": "watch"},
-                    )
+    def _report(self, changes: list[tuple[str, str]]) -> None:
+        now = time.monotonic()
+        for host_path, op in changes:
+            name = host_path.rsplit("/", 1)[-1]
+            if name.startswith(".sandlot-") and name.endswith(".tmp"):
+                continue
+            spath = self.to_sandbox(host_path)
+            if spath is None or self._recent.get(spath, 0.0) > now:
+                continue
+            self.log.append(f"fs.{op}", "fs", {"path": spath, "op": op, "source": "watch"})
 
     async def close(self) -> None:
-        self._stop.set()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        if self._tree is not None:
+            shared().unwatch(self._tree)
+            self._tree = None

@@ -1,0 +1,219 @@
+"""Watching workspaces for changes made by commands: one inotify instance, no threads.
+
+A watcher per sandbox that parks a thread (as ``watchfiles.awatch`` does) caps
+the number of sandboxes at the size of the thread pool and starves every other
+blocking call; one inotify instance per sandbox runs into the per-user limit
+on instances (128 by default). So every workspace of this dataplane shares
+one inotify file descriptor, read by the event loop when it is readable, and
+each directory gets a watch (the per-user limit on watches is large).
+Changes are coalesced per path over a short debounce window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import logging
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+log = logging.getLogger("sandlot.dataplane.watch")
+
+IN_MODIFY = 0x00000002
+IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_DELETE_SELF = 0x00000400
+IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
+IN_ONLYDIR = 0x01000000
+IN_DONT_FOLLOW = 0x02000000
+IN_EXCL_UNLINK = 0x04000000
+IN_ISDIR = 0x40000000
+IN_NONBLOCK = os.O_NONBLOCK
+IN_CLOEXEC = os.O_CLOEXEC
+
+_MASK = (
+    IN_MODIFY
+    | IN_CLOSE_WRITE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_CREATE
+    | IN_DELETE
+    | IN_DELETE_SELF
+    | IN_ONLYDIR
+    | IN_DONT_FOLLOW
+    | IN_EXCL_UNLINK
+)
+_HEADER = struct.Struct("iIII")
+
+#: A sandbox may have at most this many watched directories (the rest is not reported).
+MAX_DIRS_PER_TREE = 20_000
+
+#: ``(host path, op)`` with op ``created`` | ``modified`` | ``deleted``.
+ChangeSink = Callable[[list[tuple[str, str]]], None]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+_libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+
+
+@dataclass(eq=False)
+class Tree:
+    """One watched directory tree (a workspace) and where its changes go."""
+
+    root: str
+    sink: ChangeSink
+    debounce: float
+    wds: set[int] = field(default_factory=set)
+    pending: dict[str, str] = field(default_factory=dict)
+    flush: asyncio.TimerHandle | None = None
+
+
+def _coalesce(previous: str | None, op: str) -> str | None:
+    """What a path's pending change becomes when another one arrives."""
+    if previous is None:
+        return op
+    if previous == "created" and op == "modified":
+        return "created"
+    if previous == "created" and op == "deleted":
+        return None  # came and went within the window: nothing to report
+    if previous == "deleted" and op == "created":
+        return "modified"
+    return op
+
+
+class Inotify:
+    """The shared watcher of this event loop's workspaces."""
+
+    def __init__(self) -> None:
+        self._fd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wds: dict[int, tuple[Tree, str]] = {}
+
+    def _ensure(self) -> None:
+        if self._fd >= 0:
+            return
+        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self._fd = fd
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(fd, self._read)
+
+    def watch(self, root: str, sink: ChangeSink, debounce: float) -> Tree:
+        """Watch ``root`` recursively; changes go to ``sink`` (on the event loop)."""
+        self._ensure()
+        tree = Tree(root.rstrip("/") or "/", sink, debounce)
+        self._add_tree(tree, tree.root)
+        return tree
+
+    def unwatch(self, tree: Tree) -> None:
+        if tree.flush is not None:
+            tree.flush.cancel()
+        for wd in list(tree.wds):
+            self._wds.pop(wd, None)
+            _libc.inotify_rm_watch(self._fd, wd)
+        tree.wds.clear()
+        if not self._wds and self._fd >= 0 and self._loop is not None:
+            self._loop.remove_reader(self._fd)
+            os.close(self._fd)
+            self._fd = -1
+
+    def _add_dir(self, tree: Tree, path: str) -> bool:
+        if len(tree.wds) >= MAX_DIRS_PER_TREE:
+            return False
+        wd = _libc.inotify_add_watch(self._fd, os.fsencode(path), _MASK)
+        if wd < 0:
+            return False
+        tree.wds.add(wd)
+        self._wds[wd] = (tree, path)
+        return True
+
+    def _add_tree(self, tree: Tree, top: str, *, report: bool = False) -> None:
+        """Watch ``top`` and every directory below it (never following symlinks)."""
+        stack = [top]
+        while stack:
+            path = stack.pop()
+            if not self._add_dir(tree, path):
+                continue
+            try:
+                with os.scandir(path) as it:
+                    for entry in it:
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                        if report:
+                            self._queue(tree, entry.path, "created")
+            except OSError:
+                continue
+
+    def _queue(self, tree: Tree, path: str, op: str) -> None:
+        merged = _coalesce(tree.pending.pop(path, None), op)
+        if merged is not None:
+            tree.pending[path] = merged
+        if tree.flush is None and self._loop is not None:
+            tree.flush = self._loop.call_later(tree.debounce, self._flush, tree)
+
+    def _flush(self, tree: Tree) -> None:
+        tree.flush = None
+        changes = sorted(tree.pending.items())
+        tree.pending.clear()
+        if changes:
+            try:
+                tree.sink(changes)
+            except Exception:
+                log.exception("workspace change sink failed")
+
+    def _read(self) -> None:
+        try:
+            data = os.read(self._fd, 1 << 16)
+        except (BlockingIOError, InterruptedError):
+            return
+        offset = 0
+        while offset + _HEADER.size <= len(data):
+            wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+            name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
+            offset += _HEADER.size + length
+            if mask & IN_Q_OVERFLOW:
+                log.warning("inotify queue overflowed; some workspace changes were not reported")
+                continue
+            entry = self._wds.get(wd)
+            if entry is None:
+                continue
+            tree, directory = entry
+            if mask & IN_IGNORED:
+                self._wds.pop(wd, None)
+                tree.wds.discard(wd)
+                continue
+            if mask & IN_DELETE_SELF or not name:
+                continue
+            path = os.path.join(directory, os.fsdecode(name))
+            if mask & (IN_CREATE | IN_MOVED_TO):
+                self._queue(tree, path, "created")
+                if mask & IN_ISDIR:
+                    # Watch the new directory and report what was made in it before the watch.
+                    self._add_tree(tree, path, report=True)
+            elif mask & (IN_DELETE | IN_MOVED_FROM):
+                self._queue(tree, path, "deleted")
+            elif mask & (IN_MODIFY | IN_CLOSE_WRITE) and not mask & IN_ISDIR:
+                self._queue(tree, path, "modified")
+
+
+_instances: dict[asyncio.AbstractEventLoop, Inotify] = {}
+
+
+def shared() -> Inotify:
+    """The watcher of the running event loop."""
+    loop = asyncio.get_running_loop()
+    inst = _instances.get(loop)
+    if inst is None:
+        for dead in [lp for lp in _instances if lp.is_closed()]:
+            del _instances[dead]
+        inst = _instances[loop] = Inotify()
+    return inst
