@@ -15,7 +15,7 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 
 from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
@@ -39,14 +39,22 @@ class KeyInfo:
     revoked_at: float | None
 
 
+_BY_PREFIX = select(api_keys).where(api_keys.c.prefix == bindparam("prefix"))
+
+
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
 class KeyService:
+    #: How long a looked-up key is trusted without reading the store again; a key
+    #: revoked from another process stops working within this time.
+    CACHE_SECONDS = 1.0
+
     def __init__(self, store: Store, admins: frozenset[str] = frozenset()) -> None:
         self.store = store
         self.admins = admins
+        self._cache: dict[str, tuple[float, str, Principal | None]] = {}
 
     def create(
         self,
@@ -96,15 +104,25 @@ class KeyService:
         if m is None:
             raise Unauthenticated("invalid API key")
         prefix, secret = m.groups()
-        with self.store.read() as conn:
-            row = conn.execute(select(api_keys).where(api_keys.c.prefix == prefix)).first()
-        if (
-            row is None
-            or row.revoked_at is not None
-            or not hmac.compare_digest(row.secret_hash, _hash(secret))
-        ):
+        digest = _hash(secret)
+        now = time.monotonic()
+        cached = self._cache.get(prefix)
+        if cached is None or now - cached[0] > self.CACHE_SECONDS:
+            cached = (now, *self._lookup(prefix))
+            if len(self._cache) > 10_000:
+                self._cache.clear()
+            self._cache[prefix] = cached
+        _, secret_hash, principal = cached
+        if principal is None or not hmac.compare_digest(secret_hash, digest):
             raise Unauthenticated("invalid API key")
-        return Principal(
+        return principal
+
+    def _lookup(self, prefix: str) -> tuple[str, Principal | None]:
+        with self.store.read() as conn:
+            row = conn.execute(_BY_PREFIX, {"prefix": prefix}).first()
+        if row is None or row.revoked_at is not None:
+            return "", None
+        return row.secret_hash, Principal(
             type=PrincipalType(row.principal_type),
             id=row.principal_id,
             user_id=row.user_id,
@@ -139,3 +157,4 @@ class KeyService:
         with self.store.write() as conn:
             if conn.execute(query.values(revoked_at=time.time())).rowcount == 0:
                 raise ResourceNotFound(f"no active key {key_id}")
+        self._cache.clear()

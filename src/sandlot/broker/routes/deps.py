@@ -22,9 +22,14 @@ MAX_BODY_BYTES = 1 << 20
 _USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}$")
 
 
-def get_broker(request: Request) -> Broker:
+def broker_of(request: Request) -> Broker:
     broker: Broker = request.app.state.broker
     return broker
+
+
+async def get_broker(request: Request) -> Broker:
+    # A coroutine, so FastAPI calls it inline instead of hopping to a worker thread.
+    return broker_of(request)
 
 
 def api_key_of(request: Request) -> str | None:
@@ -38,7 +43,7 @@ def api_key_of(request: Request) -> str | None:
 
 
 async def get_principal(request: Request) -> Principal:
-    broker = get_broker(request)
+    broker = broker_of(request)
     cached = getattr(request.state, "principal", None)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
