@@ -607,6 +607,18 @@ class SessionService:
         assert sandbox is not None
         return binding, sandbox
 
+    def _held(
+        self, conn: Connection, principal: Principal, session_id: str
+    ) -> tuple[BindingRow, SandboxRow, Any]:
+        """The live binding, its sandbox and the caller's unreleased lease, or 410."""
+        binding, sandbox = self._load(conn, principal, session_id)
+        if not binding.live or not sandbox.state.live:
+            raise SessionExpired(f"session {session_id} has ended")
+        lease = self._lease(conn, principal, binding.id)
+        if lease is None or lease.released_at is not None:
+            raise SessionExpired(f"session {session_id} was released by this actor")
+        return binding, sandbox, lease
+
     def _lease(self, conn: Connection, principal: Principal, binding_id: str) -> Any:
         return conn.execute(
             select(leases).where(
@@ -643,12 +655,7 @@ class SessionService:
     def refresh(self, ctx: AuditContext, principal: Principal, session_id: str) -> RefreshResponse:
         self._warm_caches()
         with self.store.write() as conn:
-            binding, sandbox = self._load(conn, principal, session_id)
-            lease = self._lease(conn, principal, binding.id)
-            if not binding.live or not sandbox.state.live:
-                raise SessionExpired(f"session {session_id} has ended")
-            if lease is None or lease.released_at is not None:
-                raise SessionExpired(f"session {session_id} was released by this actor")
+            binding, sandbox, lease = self._held(conn, principal, session_id)
             now = self.clock()
             entitled = set(self.settings.policy_for(principal.actor_type).allowed)
             caps = sorted(
@@ -694,12 +701,7 @@ class SessionService:
     ) -> HeartbeatResponse:
         def tx() -> tuple[HeartbeatResponse, bool, str]:
             with self.store.write() as conn:
-                binding, sandbox = self._load(conn, principal, session_id)
-                lease = self._lease(conn, principal, binding.id)
-                if not binding.live or not sandbox.state.live:
-                    raise SessionExpired(f"session {session_id} has ended")
-                if lease is None or lease.released_at is not None:
-                    raise SessionExpired(f"session {session_id} was released by this actor")
+                binding, sandbox, _lease = self._held(conn, principal, session_id)
                 now = self.clock()
                 expires = now + self.settings.lease_ttl_seconds
                 conn.execute(

@@ -7,6 +7,7 @@ import re
 from dataclasses import replace
 from typing import Annotated, Any, TypeVar
 
+import anyio
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
@@ -105,3 +106,10 @@ def parse_model(model: type[M], body: bytes, *, empty_ok: bool = False) -> M:
 
 BrokerDep = Annotated[Broker, Depends(get_broker)]
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
+
+
+async def audited(request: Request, principal: Principal, action: str, **kw: Any) -> None:
+    """Record an admin or resource action in the audit log (off the event loop)."""
+    ctx = audit_context(request, principal)
+    broker = broker_of(request)
+    await anyio.to_thread.run_sync(lambda: broker.audit.write(ctx, action, **kw))

@@ -15,6 +15,7 @@ from sandlot.broker.routes.deps import (
     BrokerDep,
     PrincipalDep,
     audit_context,
+    audited,
     parse_model,
     read_body,
     require_admin,
@@ -55,11 +56,7 @@ async def create_template(request: Request, broker: BrokerDep, principal: Princi
     require_admin(principal)
     tpl = parse_model(Template, await read_body(request))
     created = await anyio.to_thread.run_sync(broker.templates.create, tpl)
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "template.create", details={"name": tpl.name}
-        )
-    )
+    await audited(request, principal, "template.create", details={"name": tpl.name})
     return created
 
 
@@ -69,11 +66,7 @@ async def delete_template(
 ) -> Response:
     require_admin(principal)
     await anyio.to_thread.run_sync(broker.templates.delete, name)
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "template.delete", details={"name": name}
-        )
-    )
+    await audited(request, principal, "template.delete", details={"name": name})
     return Response(status_code=204)
 
 
@@ -99,11 +92,7 @@ async def get_volume(name: str, broker: BrokerDep, principal: PrincipalDep) -> A
 async def create_volume(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(VolumeCreate, await read_body(request))
     vol = await anyio.to_thread.run_sync(broker.volumes.create, req.name, principal.effective_user)
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "volume.create", details={"name": req.name}
-        )
-    )
+    await audited(request, principal, "volume.create", details={"name": req.name})
     return vol
 
 
@@ -112,11 +101,7 @@ async def delete_volume(
     request: Request, name: str, broker: BrokerDep, principal: PrincipalDep
 ) -> Response:
     await anyio.to_thread.run_sync(broker.volumes.delete, name, _owner_filter(principal))
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "volume.delete", details={"name": name}
-        )
-    )
+    await audited(request, principal, "volume.delete", details={"name": name})
     return Response(status_code=204)
 
 
@@ -139,11 +124,7 @@ async def create_pool(request: Request, broker: BrokerDep, principal: PrincipalD
     require_admin(principal)
     pool = parse_model(Pool, await read_body(request))
     snap = await anyio.to_thread.run_sync(broker.pools.create, pool)
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "pool.create", details=pool.model_dump()
-        )
-    )
+    await audited(request, principal, "pool.create", details=pool.model_dump())
     await broker.reaper.run_once()
     return snap
 
@@ -240,11 +221,7 @@ async def suspend_sandbox(
     if not broker.provider.supports_suspend:
         raise InvalidRequest(f"provider {broker.provider.name} cannot suspend sandboxes")
     await broker.sandboxes.suspend(sandbox_id, reason="suspended by request")
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "sandbox.suspend", sandbox_id=sandbox_id
-        )
-    )
+    await audited(request, principal, "sandbox.suspend", sandbox_id=sandbox_id)
     return broker.sandboxes.snapshot(broker.sandboxes.get(sandbox_id))
 
 
@@ -257,11 +234,7 @@ async def resume_sandbox(
         await broker.sandboxes.resume(sandbox_id, reason="resumed by request")
     elif not row.state.live:
         raise InvalidRequest(f"a {row.state} sandbox cannot be resumed")
-    await anyio.to_thread.run_sync(
-        lambda: broker.audit.write(
-            audit_context(request, principal), "sandbox.resume", sandbox_id=sandbox_id
-        )
-    )
+    await audited(request, principal, "sandbox.resume", sandbox_id=sandbox_id)
     return broker.sandboxes.snapshot(broker.sandboxes.get(sandbox_id))
 
 
