@@ -1,1 +1,74 @@
-"""sandlot.sdk."""
+"""The sandlot SDK: an async client and its generated sync twin.
+
+Broker (control plane): :class:`AsyncSandlot` / :class:`Sandlot`.
+Dataplane of one sandbox: :class:`AsyncSandbox` / :class:`Sandbox`, built
+by ``ensure`` or from a grant in hand (the bootstrap object of PROTOCOL.md 2.10).
+Errors come from the one table of :mod:`sandlot.protocol.errors` and are
+re-exported here. See ``docs/SDK.md``.
+"""
+
+from sandlot.protocol.errors import (
+    CapabilityDenied,
+    CommandExitError,
+    FileNotFound,
+    Forbidden,
+    NotFound,
+    PreconditionFailed,
+    SandboxStarting,
+    SandlotError,
+    SessionExpired,
+    SessionNotFound,
+    TokenExpired,
+    Unauthenticated,
+)
+from sandlot.sdk._async.client import AsyncSandlot
+from sandlot.sdk._async.commands import AsyncCommand
+from sandlot.sdk._async.events import AsyncEventStream
+from sandlot.sdk._async.sandbox import AsyncSandbox
+from sandlot.sdk._async.shells import AsyncShell
+from sandlot.sdk._sync.client import Sandlot
+from sandlot.sdk._sync.commands import Command
+from sandlot.sdk._sync.events import EventStream
+from sandlot.sdk._sync.sandbox import Sandbox
+from sandlot.sdk._sync.shells import Shell
+from sandlot.sdk.types import (
+    CommandResult,
+    Event,
+    FileEntry,
+    Grant,
+    GrepMatch,
+    OutputChunk,
+    ReadResult,
+)
+
+__all__ = [
+    "AsyncCommand",
+    "AsyncEventStream",
+    "AsyncSandbox",
+    "AsyncSandlot",
+    "AsyncShell",
+    "CapabilityDenied",
+    "Command",
+    "CommandExitError",
+    "CommandResult",
+    "Event",
+    "EventStream",
+    "FileEntry",
+    "FileNotFound",
+    "Forbidden",
+    "Grant",
+    "GrepMatch",
+    "NotFound",
+    "OutputChunk",
+    "PreconditionFailed",
+    "ReadResult",
+    "SandboxStarting",
+    "Sandbox",
+    "Sandlot",
+    "SandlotError",
+    "SessionExpired",
+    "SessionNotFound",
+    "Shell",
+    "TokenExpired",
+    "Unauthenticated",
+]

@@ -1,0 +1,93 @@
+"""The async side of the concurrency shim: what differs between the clients.
+
+``scripts/unasync.py`` turns every ``sandlot.sdk._aio`` import of the async
+sources into ``sandlot.sdk._syncio``, which offers the same names for threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import connect as _connect
+
+
+async def sleep(seconds: float) -> None:
+    """Sleep without blocking the event loop."""
+    await asyncio.sleep(seconds)
+
+
+class Lock(asyncio.Lock):
+    """A lock for the async client."""
+
+
+class Stopper:
+    """A stop flag a background loop can wait on with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        """Ask the loop to stop."""
+        self._event.set()
+
+    def is_set(self) -> bool:
+        """Whether stop was asked."""
+        return self._event.is_set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Wait until stopped or ``timeout``; True when stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._event.wait(), timeout)
+        return self._event.is_set()
+
+
+class Background:
+    """A background loop (an asyncio task here, a daemon thread in the sync client)."""
+
+    def __init__(self, target: Callable[[], Coroutine[Any, Any, None]], name: str) -> None:
+        self._task: asyncio.Task[None] = asyncio.get_running_loop().create_task(target(), name=name)
+
+    async def join(self, timeout: float) -> None:
+        """Wait for the loop to end (it was asked to stop)."""
+        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        if not self._task.done():
+            self._task.cancel()
+
+
+async def ws_connect(url: str, headers: dict[str, str], timeout: float | None) -> ClientConnection:
+    """Open a WebSocket."""
+    return await _connect(
+        url,
+        additional_headers=headers,
+        open_timeout=timeout,
+        max_size=None,
+        compression=None,
+        ping_interval=None,
+    )
+
+
+async def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
+    """Receive one frame, giving up after ``timeout`` seconds (``TimeoutError``)."""
+    return await asyncio.wait_for(ws.recv(), timeout)
+
+
+async def ws_send(ws: ClientConnection, data: str) -> None:
+    """Send one text frame."""
+    await ws.send(data)
+
+
+async def ws_close(ws: ClientConnection) -> None:
+    """Close a WebSocket, ignoring a connection that is already gone."""
+    with contextlib.suppress(Exception):
+        await ws.close()
+
+
+def ws_close_code(ws: Any) -> int | None:
+    """The close code the server sent, if any."""
+    rcvd = getattr(ws, "close_rcvd", None)
+    return getattr(rcvd, "code", None)

@@ -1,0 +1,1 @@
+"""SDK client sources: async originals here, sync twins generated into ``_sync``."""

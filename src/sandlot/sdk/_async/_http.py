@@ -1,0 +1,172 @@
+"""HTTP calls with typed errors and client-side deadlines, and the SSE reader."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+
+from sandlot.protocol.errors import SandlotError, error_from_wire
+from sandlot.sdk.types import Deadline
+
+#: Seconds a connection may take to open, whatever the call's deadline.
+CONNECT_TIMEOUT = 10.0
+
+#: Connection pools carry no timeout of their own: each call sets its deadline.
+NO_TIMEOUT = httpx.Timeout(None)
+
+
+def raise_for_error(resp: httpx.Response) -> None:
+    """Turn an error answer into the typed exception of the one error table."""
+    if resp.status_code < 400:
+        return
+    try:
+        body: Any = resp.json()
+    except ValueError:
+        body = None
+    retry_after: float | None = None
+    raw = resp.headers.get("retry-after")
+    if raw:
+        try:
+            retry_after = float(raw)
+        except ValueError:
+            retry_after = None
+    raise error_from_wire(body, resp.status_code, retry_after=retry_after)
+
+
+def http_timeout(deadline: Deadline) -> httpx.Timeout:
+    """An httpx timeout that ends with the call's deadline."""
+    left = deadline.remaining()
+    return httpx.Timeout(left, connect=min(CONNECT_TIMEOUT, left) if left else CONNECT_TIMEOUT)
+
+
+class AsyncHTTP:
+    """One base URL, one credential source, one error table.
+
+    ``auth`` returns the headers of the current credential; ``on_unauthenticated``
+    (if given) is awaited once after a 401 to obtain a fresh credential, then
+    the request is sent again.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        auth: Callable[[], dict[str, str]],
+        *,
+        timeout: float | None,
+        client: httpx.AsyncClient | None = None,
+        on_unauthenticated: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.auth = auth
+        self.timeout = timeout
+        self.client = client or httpx.AsyncClient(timeout=NO_TIMEOUT)
+        self._owns_client = client is None
+        self.on_unauthenticated = on_unauthenticated
+
+    def url(self, path: str) -> str:
+        """The absolute URL of ``path`` (base URLs are opaque: only appended to)."""
+        return self.base_url + path
+
+    def deadline(self, timeout: float | None) -> Deadline:
+        """The deadline of one call: its own ``timeout``, else the client's default."""
+        return Deadline(timeout if timeout is not None else self.timeout)
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        deadline: Deadline,
+        json_body: Any = None,
+        params: dict[str, Any] | None = None,
+        content: Any = None,
+        headers: dict[str, str] | None = None,
+    ) -> httpx.Response:
+        """Send a request; return the answer or raise its typed error."""
+        retried = False
+        while True:
+            hdrs = {**self.auth(), **(headers or {})}
+            try:
+                resp = await self.client.request(
+                    method,
+                    self.url(path),
+                    json=json_body,
+                    params=_clean(params),
+                    content=content,
+                    headers=hdrs,
+                    timeout=http_timeout(deadline),
+                )
+            except httpx.TimeoutException as exc:
+                raise TimeoutError(f"{method} {path}: deadline exceeded") from exc
+            if resp.status_code == 401 and not retried and self.on_unauthenticated is not None:
+                retried = True
+                if await self.on_unauthenticated():
+                    continue
+            raise_for_error(resp)
+            return resp
+
+    async def json(self, method: str, path: str, *, deadline: Deadline, **kw: Any) -> Any:
+        """Send a request and return its JSON body (``None`` for 204)."""
+        resp = await self.request(method, path, deadline=deadline, **kw)
+        if resp.status_code == 204 or not resp.content:
+            return None
+        return resp.json()
+
+    async def sse(
+        self, path: str, *, deadline: Deadline, params: dict[str, Any] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Yield the JSON ``data`` of each Server-Sent Event of ``path``."""
+        retried = False
+        while True:
+            timeout = http_timeout(deadline)
+            async with self.client.stream(
+                "GET", self.url(path), params=_clean(params), headers=self.auth(), timeout=timeout
+            ) as resp:
+                if resp.status_code == 401 and not retried and self.on_unauthenticated:
+                    retried = True
+                    await resp.aread()
+                    if await self.on_unauthenticated():
+                        continue
+                if resp.status_code >= 400:
+                    await resp.aread()
+                    raise_for_error(resp)
+                data: list[str] = []
+                event = ""
+                async for line in resp.aiter_lines():
+                    if line:
+                        field, _, value = line.partition(":")
+                        value = value.removeprefix(" ")
+                        if field == "data":
+                            data.append(value)
+                        elif field == "event":
+                            event = value
+                        continue
+                    if data:
+                        body = json.loads("\n".join(data))
+                        if event == "error" and "sequence" not in body:
+                            raise error_from_wire({"error": body}, 410)
+                        yield body
+                    data, event = [], ""
+                return
+
+    async def aclose(self) -> None:
+        """Close the connection pool if this object made it."""
+        if self._owns_client:
+            await self.client.aclose()
+
+
+def _clean(params: dict[str, Any] | None) -> dict[str, Any] | None:
+    if params is None:
+        return None
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None:
+            continue
+        out[key] = ("true" if value else "false") if isinstance(value, bool) else value
+    return out
+
+
+__all__ = ["AsyncHTTP", "SandlotError", "http_timeout", "raise_for_error"]

@@ -1,0 +1,464 @@
+"""The broker client: sessions (bindings), leases, tokens, and the other resources.
+
+::
+
+    async with AsyncSandlot() as sandlot:          # SANDLOT_URL, SANDLOT_API_KEY
+        sandbox = await sandlot.ensure("thr_123")  # waits until the sandbox is active
+        print((await sandbox.run("echo hi")).stdout)
+
+Every grant handed out is cached per scope and kept fresh in the background:
+the token is refreshed at about 2/3 of its lifetime and this actor's lease is
+renewed (heartbeat) at about 1/3 of ``lease_ttl_seconds``. A 401 from the
+dataplane refreshes the token, or re-negotiates if the binding is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+
+from sandlot.protocol.errors import Gone, SandlotError, Unauthenticated
+from sandlot.sdk import _aio
+from sandlot.sdk._async._http import NO_TIMEOUT, AsyncHTTP
+from sandlot.sdk._async.events import AsyncEventStream, wait_for_state
+from sandlot.sdk._async.sandbox import AsyncSandbox
+from sandlot.sdk.types import Event, Grant
+
+_ACTIVE = ("active", "idle")
+_ENDED = ("failed", "terminated")
+
+
+def _is_active(event: Event) -> bool:
+    phase = event.details.get("phase") or {}
+    return phase.get("to") in _ACTIVE or event.state in _ACTIVE
+
+
+def _has_ended(event: Event) -> bool:
+    phase = event.details.get("phase") or {}
+    return phase.get("to") in _ENDED or event.state in _ENDED
+
+
+class _Lease:
+    """One negotiated grant kept fresh: token refresh and lease heartbeats."""
+
+    def __init__(self, client: AsyncSandlot, request: dict[str, Any], grant: Grant) -> None:
+        self.client = client
+        self.request = request
+        self.grant = grant
+        self.stopper = _aio.Stopper()
+        self.lock = _aio.Lock()
+        self.task: _aio.Background | None = None
+        self.refreshes = 0
+        self.heartbeats = 0
+
+    def start(self) -> None:
+        self.task = _aio.Background(self._loop, name=f"sandlot-lease-{self.grant.session_id}")
+
+    async def _loop(self) -> None:
+        lease_ttl = self.grant.lease_ttl_seconds
+        beat = max(1.0, lease_ttl / 3) if lease_ttl else None
+        refresh_at = time.monotonic() + self.grant.refresh_delay()
+        beat_at = time.monotonic() + beat if beat is not None else float("inf")
+        while True:
+            wait = max(0.0, min(refresh_at, beat_at) - time.monotonic())
+            if await self.stopper.wait(wait):
+                return
+            now = time.monotonic()
+            try:
+                if now >= refresh_at:
+                    await self.renew()
+                if beat is not None and now >= beat_at and self.grant.session_id:
+                    await self.client.heartbeat(self.grant.session_id)
+                    self.heartbeats += 1
+            except Exception:  # the next round (or the next 401) tries again
+                refresh_at = min(refresh_at, now + 5.0)
+                beat_at = min(beat_at, now + 5.0)
+                continue
+            if now >= refresh_at:
+                refresh_at = time.monotonic() + self.grant.refresh_delay()
+            if beat is not None and now >= beat_at:
+                beat_at = time.monotonic() + beat
+
+    async def renew(self) -> bool:
+        """Refresh the token; re-negotiate when the binding is gone."""
+        async with self.lock:
+            try:
+                assert self.grant.session_id is not None
+                body = await self.client.refresh(self.grant.session_id)
+                self.grant.update_token(body)
+            except (Gone, Unauthenticated, AssertionError):
+                body = await self.client._negotiate(self.request, None)
+                fresh = Grant.from_response(body)
+                self.grant.__dict__.update(fresh.__dict__)
+            self.refreshes += 1
+            return True
+
+    async def stop(self) -> None:
+        self.stopper.set()
+        if self.task is not None:
+            await self.task.join(5.0)
+
+
+class AsyncSandlot:
+    """Client of the broker (control plane).
+
+    ``url`` and ``api_key`` default to ``SANDLOT_URL`` and ``SANDLOT_API_KEY``.
+    ``timeout`` is the default client-side deadline of every call; each method
+    takes its own ``timeout`` too. ``on_behalf_of`` lets a service key act for
+    a user. ``auto_refresh=False`` turns the background refresh and heartbeats off.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float | None = 30.0,
+        on_behalf_of: str | None = None,
+        auto_refresh: bool = True,
+        http_client: httpx.AsyncClient | None = None,
+    ) -> None:
+        url = url or os.environ.get("SANDLOT_URL")
+        api_key = api_key or os.environ.get("SANDLOT_API_KEY")
+        if not url:
+            raise ValueError("no broker URL: pass url= or set SANDLOT_URL")
+        if not api_key:
+            raise ValueError("no API key: pass api_key= or set SANDLOT_API_KEY")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.auto_refresh = auto_refresh
+        self._api_key = api_key
+        self._on_behalf_of = on_behalf_of
+        self._client = http_client or httpx.AsyncClient(timeout=NO_TIMEOUT)
+        self._http = AsyncHTTP(self.url, self._auth, timeout=timeout, client=self._client)
+        self._leases: dict[tuple[str, str, str], _Lease] = {}
+
+    def _auth(self) -> dict[str, str]:
+        headers = {"Authorization": f"Bearer {self._api_key}"}
+        if self._on_behalf_of:
+            headers["X-Sandlot-On-Behalf-Of"] = self._on_behalf_of
+        return headers
+
+    async def _json(self, method: str, path: str, timeout: float | None, **kw: Any) -> Any:
+        return await self._http.json(method, path, deadline=self._http.deadline(timeout), **kw)
+
+    # --- sessions ------------------------------------------------------------------
+
+    async def _negotiate(self, request: dict[str, Any], timeout: float | None) -> dict[str, Any]:
+        headers = {"Idempotency-Key": str(uuid.uuid4())}
+        body = await self._json(
+            "POST", "/v1/sandbox/sessions", timeout, json_body=request, headers=headers
+        )
+        return dict(body)
+
+    async def ensure(
+        self,
+        thread_id: str | None = None,
+        *,
+        scope_type: str = "thread",
+        scope_id: str | None = None,
+        mode: str = "ensure",
+        capabilities: list[str] | None = None,
+        template: str | None = None,
+        sandbox_hint: str | None = None,
+        assistant_id: str | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> AsyncSandbox:
+        """Attach to the scope's sandbox, creating it if needed; return its :class:`AsyncSandbox`.
+
+        ``thread_id`` is the scope id of a thread scope (``scope_type`` and
+        ``scope_id`` name any other scope). With ``wait=True`` (the default)
+        this returns once the binding is active, waiting on its event stream.
+        The grant is cached per scope and kept fresh until :meth:`release`.
+        """
+        sid = scope_id or thread_id
+        if not sid:
+            raise ValueError("name a scope: thread_id or scope_id")
+        request: dict[str, Any] = {"scope": {"type": scope_type, "id": sid}, "mode": mode}
+        for name, value in (
+            ("requested_capabilities", capabilities),
+            ("template", template),
+            ("sandbox_hint", sandbox_hint),
+            ("assistant_id", assistant_id),
+        ):
+            if value is not None:
+                request[name] = value
+        key = (scope_type, sid, ",".join(sorted(capabilities or [])))
+        lease = self._leases.get(key)
+        if lease is None or lease.grant.seconds_left() < 30 or mode == "create_only":
+            deadline = self._http.deadline(timeout)
+            grant = Grant.from_response(await self._negotiate(request, deadline.remaining()))
+            if lease is not None:
+                await lease.stop()
+            lease = _Lease(self, {**request, "mode": "ensure"}, grant)
+            self._leases[key] = lease
+            if self.auto_refresh:
+                lease.start()
+            if wait and grant.state not in _ACTIVE:
+                await self.wait_active(grant, timeout=deadline.remaining())
+        return AsyncSandbox(
+            lease.grant, timeout=self.timeout, http_client=self._client, renew=lease.renew
+        )
+
+    async def get(
+        self,
+        thread_id: str | None = None,
+        *,
+        scope_type: str = "thread",
+        scope_id: str | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> AsyncSandbox:
+        """Attach to the scope's existing sandbox; never creates one (404 SessionNotFound)."""
+        return await self.ensure(
+            thread_id,
+            scope_type=scope_type,
+            scope_id=scope_id,
+            mode="attach_only",
+            wait=wait,
+            timeout=timeout,
+        )
+
+    async def wait_active(self, grant: Grant, *, timeout: float | None = None) -> dict[str, Any]:
+        """Wait until a binding is active: subscribe after the snapshot, dispatch, re-read."""
+        assert grant.session_id is not None
+        snapshot = await self.session(grant.session_id, timeout=timeout)
+        binding = snapshot.get("binding") or {}
+        if binding.get("state") not in _ACTIVE:
+            events = self.binding_events(
+                grant.session_id, after=binding.get("last_event_sequence"), timeout=timeout
+            )
+            await wait_for_state(events, _is_active, _has_ended)
+            snapshot = await self.session(grant.session_id, timeout=timeout)
+            binding = snapshot.get("binding") or {}
+        if binding.get("state") in _ENDED:
+            raise SandlotError(f"binding {grant.session_id} is {binding.get('state')}")
+        grant.state = binding.get("state")
+        return snapshot
+
+    async def session(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``)."""
+        return dict(await self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout))
+
+    async def refresh(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """A fresh token for the binding: ``{token, expires_at, credentials}``."""
+        path = f"/v1/sandbox/sessions/{session_id}/refresh"
+        return dict(await self._json("POST", path, timeout, json_body={}))
+
+    async def heartbeat(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """Extend this actor's lease: ``{state, lease_expires_at}``."""
+        path = f"/v1/sandbox/sessions/{session_id}/heartbeat"
+        return dict(await self._json("POST", path, timeout, json_body={}))
+
+    async def release(
+        self, session_id: str, *, terminate: bool = False, timeout: float | None = None
+    ) -> None:
+        """Detach this actor (its tokens are revoked); ``terminate=True`` tears the sandbox down."""
+        for key, lease in list(self._leases.items()):
+            if lease.grant.session_id == session_id:
+                await lease.stop()
+                del self._leases[key]
+        params = {"terminate": "true"} if terminate else None
+        await self._json("DELETE", f"/v1/sandbox/sessions/{session_id}", timeout, params=params)
+
+    def binding_events(
+        self, session_id: str, *, after: int | None = None, timeout: float | None = None
+    ) -> AsyncEventStream:
+        """The binding's ordered event log after ``after`` (SSE, resumes after drops)."""
+        return AsyncEventStream(
+            self._http, f"/v1/sandbox/sessions/{session_id}/events", after=after, timeout=timeout
+        )
+
+    def sandbox(self, grant: Grant | Mapping[str, Any]) -> AsyncSandbox:
+        """An :class:`AsyncSandbox` for a grant in hand (e.g. a bootstrap object)."""
+        return AsyncSandbox(grant, timeout=self.timeout, http_client=self._client)
+
+    # --- sandboxes -----------------------------------------------------------------
+
+    async def list_sandboxes(
+        self, *, include_ended: bool = False, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """The caller's sandboxes."""
+        params = {"include_ended": include_ended}
+        return _items(await self._json("GET", "/v1/sandboxes", timeout, params=params))
+
+    async def create_sandbox(
+        self,
+        *,
+        template: str | None = None,
+        name: str | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Create a sandbox bound to no scope; with ``wait`` return once it is active."""
+        deadline = self._http.deadline(timeout)
+        body: dict[str, Any] = {}
+        if template is not None:
+            body["template"] = template
+        if name is not None:
+            body["name"] = name
+        snap = dict(await self._json("POST", "/v1/sandboxes", deadline.remaining(), json_body=body))
+        if wait:
+            snap = await self._wait_sandbox(snap, _ACTIVE, deadline.remaining())
+        return snap
+
+    async def get_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """One sandbox's snapshot."""
+        return dict(await self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout))
+
+    async def delete_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> None:
+        """Terminate and remove a sandbox."""
+        await self._json("DELETE", f"/v1/sandboxes/{sandbox_id}", timeout)
+
+    async def suspend_sandbox(
+        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Suspend a sandbox (processes frozen, files kept)."""
+        return await self._transition(sandbox_id, "suspend", ("suspended",), wait, timeout)
+
+    async def resume_sandbox(
+        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Resume a suspended sandbox."""
+        return await self._transition(sandbox_id, "resume", _ACTIVE, wait, timeout)
+
+    async def _transition(
+        self, sandbox_id: str, verb: str, target: tuple[str, ...], wait: bool, timeout: float | None
+    ) -> dict[str, Any]:
+        deadline = self._http.deadline(timeout)
+        path = f"/v1/sandboxes/{sandbox_id}/{verb}"
+        body = await self._json("POST", path, deadline.remaining(), json_body={})
+        snap = dict(body) if body else await self.get_sandbox(sandbox_id)
+        if wait:
+            snap = await self._wait_sandbox(snap, target, deadline.remaining())
+        return snap
+
+    async def _wait_sandbox(
+        self, snap: dict[str, Any], target: tuple[str, ...], timeout: float | None
+    ) -> dict[str, Any]:
+        if snap.get("state") in target:
+            return snap
+        sandbox_id = snap["id"]
+        events = AsyncEventStream(
+            self._http,
+            f"/v1/sandboxes/{sandbox_id}/events",
+            after=snap.get("last_event_sequence"),
+            timeout=timeout,
+        )
+
+        def done(event: Event) -> bool:
+            phase = event.details.get("phase") or {}
+            return phase.get("to") in target or event.state in target
+
+        def failed(event: Event) -> bool:
+            return not done(event) and _has_ended(event)
+
+        await wait_for_state(events, done, failed)
+        return await self.get_sandbox(sandbox_id, timeout=timeout)
+
+    def sandbox_events(
+        self, sandbox_id: str, *, after: int | None = None, timeout: float | None = None
+    ) -> AsyncEventStream:
+        """A sandbox's phase events on the broker (SSE)."""
+        return AsyncEventStream(
+            self._http, f"/v1/sandboxes/{sandbox_id}/events", after=after, timeout=timeout
+        )
+
+    # --- templates, pools, volumes --------------------------------------------------
+
+    async def list_templates(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Templates the caller may use."""
+        return _items(await self._json("GET", "/v1/templates", timeout))
+
+    async def get_template(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """One template."""
+        return dict(await self._json("GET", f"/v1/templates/{name}", timeout))
+
+    async def create_template(
+        self, template: dict[str, Any], *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Create a template (admins): ``{name, image, resources, network, env, shells, …}``."""
+        return dict(await self._json("POST", "/v1/templates", timeout, json_body=template))
+
+    async def delete_template(self, name: str, *, timeout: float | None = None) -> None:
+        """Delete a template (admins)."""
+        await self._json("DELETE", f"/v1/templates/{name}", timeout)
+
+    async def list_pools(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Warm pools."""
+        return _items(await self._json("GET", "/v1/pools", timeout))
+
+    async def create_pool(
+        self,
+        name: str,
+        template: str,
+        *,
+        min_ready: int = 1,
+        max_ready: int | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Create a warm pool of ``template`` (admins)."""
+        body: dict[str, Any] = {"name": name, "template": template, "min_ready": min_ready}
+        if max_ready is not None:
+            body["max_ready"] = max_ready
+        return dict(await self._json("POST", "/v1/pools", timeout, json_body=body))
+
+    async def delete_pool(self, name: str, *, timeout: float | None = None) -> None:
+        """Delete a warm pool (admins)."""
+        await self._json("DELETE", f"/v1/pools/{name}", timeout)
+
+    async def list_volumes(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The caller's volumes."""
+        return _items(await self._json("GET", "/v1/volumes", timeout))
+
+    async def create_volume(
+        self, name: str, *, timeout: float | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        """Create a persistent volume."""
+        body = {"name": name, **fields}
+        return dict(await self._json("POST", "/v1/volumes", timeout, json_body=body))
+
+    async def delete_volume(self, name: str, *, timeout: float | None = None) -> None:
+        """Delete a volume."""
+        await self._json("DELETE", f"/v1/volumes/{name}", timeout)
+
+    # --- lifecycle -----------------------------------------------------------------
+
+    def lease_stats(self) -> dict[str, dict[str, int]]:
+        """Per session: how many background refreshes and heartbeats were done."""
+        return {
+            str(lease.grant.session_id): {
+                "refreshes": lease.refreshes,
+                "heartbeats": lease.heartbeats,
+            }
+            for lease in self._leases.values()
+        }
+
+    async def aclose(self) -> None:
+        """Stop background refreshes and close connections (leases are left to expire)."""
+        for lease in list(self._leases.values()):
+            await lease.stop()
+        self._leases.clear()
+        await self._client.aclose()
+
+    async def __aenter__(self) -> AsyncSandlot:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _items(body: Any) -> list[dict[str, Any]]:
+    if isinstance(body, list):
+        return body
+    if isinstance(body, dict):
+        for key in ("items", "sandboxes", "templates", "pools", "volumes", "data"):
+            if isinstance(body.get(key), list):
+                return list(body[key])
+    return []

@@ -1,0 +1,578 @@
+"""One sandbox's dataplane: commands, shells, files, filesystem operations, events.
+
+An :class:`AsyncSandbox` is built from a grant: the one :meth:`AsyncSandlot.ensure
+<sandlot.sdk.AsyncSandlot.ensure>` returns (kept fresh by the client), or a
+grant in hand, including the bootstrap object of PROTOCOL.md 2.10::
+
+    sandbox = AsyncSandbox(config["configurable"]["sandbox"])
+    result = await sandbox.run("pytest -q")
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import uuid
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+from urllib.parse import urlencode
+
+import httpx
+
+from sandlot.protocol.errors import CommandExitError, SandboxStarting, SandlotError
+from sandlot.sdk import _aio
+from sandlot.sdk._async._http import AsyncHTTP, http_timeout, raise_for_error
+from sandlot.sdk._async.commands import AsyncCommand
+from sandlot.sdk._async.events import AsyncEventStream, wait_for_state
+from sandlot.sdk._async.shells import AsyncShell
+from sandlot.sdk.types import (
+    CommandResult,
+    Deadline,
+    Event,
+    FileEntry,
+    Grant,
+    GrepMatch,
+    ReadResult,
+)
+
+#: Block size of streamed uploads from local files.
+CHUNK = 1 << 20
+
+_ENDED = ("failed", "terminated")
+
+
+def _became_active(event: Event) -> bool:
+    phase = event.details.get("phase") or {}
+    return phase.get("to") == "active" or event.state in ("active", "idle")
+
+
+def _ended(event: Event) -> bool:
+    phase = event.details.get("phase") or {}
+    return phase.get("to") in _ENDED or event.state in _ENDED
+
+
+class AsyncSandbox:
+    """The dataplane of one sandbox, reached with a grant's token.
+
+    ``grant`` is a :class:`~sandlot.sdk.types.Grant` or any mapping
+    :meth:`Grant.from_response <sandlot.sdk.types.Grant.from_response>` accepts.
+    ``timeout`` is the default deadline of every call (each method also takes
+    its own). ``renew`` (given by the broker client) obtains a fresh token after
+    a 401; a bootstrap grant has none.
+    """
+
+    def __init__(
+        self,
+        grant: Grant | Mapping[str, Any],
+        *,
+        timeout: float | None = 60.0,
+        http_client: httpx.AsyncClient | None = None,
+        renew: Callable[[], Awaitable[bool]] | None = None,
+    ) -> None:
+        self.grant = Grant.from_response(grant)
+        self.timeout = timeout
+        self._renew = renew
+        self._http = AsyncHTTP(
+            self.grant.http_base_url,
+            self._auth,
+            timeout=timeout,
+            client=http_client,
+            on_unauthenticated=self._renew_token if renew else None,
+        )
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], **kwargs: Any) -> AsyncSandbox:
+        """The sandbox of a LangGraph ``config``: ``config["configurable"]["sandbox"]``."""
+        return cls(config["configurable"]["sandbox"], **kwargs)
+
+    @property
+    def id(self) -> str:
+        """The sandbox id (``sb_…``)."""
+        return self.grant.sandbox_id
+
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.grant.token}"}
+
+    async def _renew_token(self) -> bool:
+        return await self._renew() if self._renew is not None else False
+
+    def _ws_url(self, path: str, **params: Any) -> str:
+        query = urlencode({k: v for k, v in params.items() if v is not None})
+        return self.grant.ws_base_url + path + (f"?{query}" if query else "")
+
+    async def _call(self, method: str, path: str, timeout: float | None, **kw: Any) -> Any:
+        """A JSON call that waits out 423 SANDBOX_STARTING on the event log."""
+        deadline = self._http.deadline(timeout)
+        while True:
+            try:
+                return await self._http.json(method, path, deadline=deadline, **kw)
+            except SandboxStarting as exc:
+                await self._wait_started(deadline, exc)
+
+    async def _wait_started(self, deadline: Deadline, exc: SandboxStarting) -> None:
+        try:
+            stream = AsyncEventStream(self._http, "/events", after=0, timeout=deadline.remaining())
+            await wait_for_state(stream, _became_active, _ended)
+        except SandboxStarting:
+            # The log itself is not served yet: the one place left to wait is Retry-After.
+            await _aio.sleep(min(exc.retry_after or 0.5, deadline.remaining() or 0.5))
+
+    async def wait_ready(self, *, timeout: float | None = None) -> None:
+        """Return once the sandbox is active (waiting on its event log, never polling)."""
+        await self._call("GET", "/fs/stat", timeout, params={"path": "/workspace"})
+
+    # --- commands ------------------------------------------------------------------
+
+    async def exec(
+        self,
+        command: str | list[str],
+        *,
+        shell: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: str | None = None,
+        timeout_seconds: float | None = None,
+        command_id: str | None = None,
+        check: bool = False,
+        timeout: float | None = None,
+    ) -> CommandResult:
+        """Run a command to completion and return its result (``POST /exec``).
+
+        A string runs under ``shell`` (``/bin/bash`` by default), a list directly.
+        ``timeout_seconds`` bounds the command inside the sandbox (exit code 124);
+        ``timeout`` is this call's client-side deadline. ``check=True`` raises
+        :class:`~sandlot.protocol.errors.CommandExitError` (carrying the result)
+        on a non-zero exit. A ``command_id`` makes a retry return the first
+        run's result instead of running the command again.
+        """
+        body: dict[str, Any] = {"command": command, "command_id": command_id or _command_id()}
+        for key, value in (
+            ("shell", shell),
+            ("env", env),
+            ("cwd", cwd),
+            ("stdin", stdin),
+            ("timeout_seconds", timeout_seconds),
+        ):
+            if value is not None:
+                body[key] = value
+        if timeout is None and self.timeout is not None and timeout_seconds is not None:
+            timeout = max(self.timeout, timeout_seconds + 10)
+        result = CommandResult.from_wire(await self._call("POST", "/exec", timeout, json_body=body))
+        if check and result.exit_code != 0:
+            raise CommandExitError(result)
+        return result
+
+    async def run(
+        self,
+        command: str | list[str],
+        *,
+        shell: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: str | None = None,
+        timeout_seconds: float | None = None,
+        command_id: str | None = None,
+        check: bool = True,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> CommandResult | AsyncCommand:
+        """Run a command; by default wait for it and raise on a non-zero exit.
+
+        With ``wait=False`` the command is started over the streaming socket and
+        its :class:`AsyncCommand` is returned at once (``await cmd.wait()`` later).
+        """
+        if not wait:
+            return await self.stream(
+                command,
+                shell=shell,
+                env=env,
+                cwd=cwd,
+                timeout_seconds=timeout_seconds,
+                command_id=command_id,
+                timeout=timeout,
+            )
+        return await self.exec(
+            command,
+            shell=shell,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_seconds=timeout_seconds,
+            command_id=command_id,
+            check=check,
+            timeout=timeout,
+        )
+
+    async def stream(
+        self,
+        command: str | list[str],
+        *,
+        shell: str | None = None,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        pty: bool = False,
+        cols: int | None = None,
+        rows: int | None = None,
+        timeout_seconds: float | None = None,
+        command_id: str | None = None,
+        timeout: float | None = None,
+    ) -> AsyncCommand:
+        """Start a command and return it as an async iterator of output chunks.
+
+        A broken connection is resumed with ``attach`` from the last offsets
+        seen; the command is never started twice.
+        """
+        start: dict[str, Any] = {"command": command, "command_id": command_id or _command_id()}
+        for key, value in (
+            ("shell", shell),
+            ("env", env),
+            ("cwd", cwd),
+            ("timeout_seconds", timeout_seconds),
+            ("cols", cols),
+            ("rows", rows),
+        ):
+            if value is not None:
+                start[key] = value
+        if pty:
+            start["pty"] = True
+        await self.wait_ready(timeout=timeout)
+        cmd = AsyncCommand(
+            self._ws_url("/exec/ws"),
+            self._auth,
+            start=start,
+            renew=self._renew_token if self._renew else None,
+            timeout=timeout,
+        )
+        await cmd._connect()
+        return cmd
+
+    async def attach(
+        self,
+        exec_id: str,
+        *,
+        stdout_offset: int = 0,
+        stderr_offset: int = 0,
+        timeout: float | None = None,
+    ) -> AsyncCommand:
+        """Attach to a running or recently finished command from the given offsets."""
+        cmd = AsyncCommand(
+            self._ws_url("/exec/ws"),
+            self._auth,
+            exec_id=exec_id,
+            stdout_offset=stdout_offset,
+            stderr_offset=stderr_offset,
+            renew=self._renew_token if self._renew else None,
+            timeout=timeout,
+        )
+        await cmd._connect()
+        return cmd
+
+    async def list_execs(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Snapshots of the sandbox's commands (``GET /execs``)."""
+        body = await self._call("GET", "/execs", timeout)
+        return list(body.get("execs", body) if isinstance(body, dict) else body)
+
+    async def get_exec(self, exec_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """One command's snapshot, with ``last_event_sequence`` (``GET /execs/{id}``)."""
+        return dict(await self._call("GET", f"/execs/{exec_id}", timeout))
+
+    async def signal_exec(
+        self, exec_id: str, signal: str = "SIGINT", *, timeout: float | None = None
+    ) -> None:
+        """Send a signal to a command."""
+        await self._call("POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal})
+
+    # --- shells --------------------------------------------------------------------
+
+    async def shell(
+        self,
+        name: str = "main",
+        *,
+        role: str = "driver",
+        profile: str | None = None,
+        cols: int | None = None,
+        rows: int | None = None,
+        create: bool = True,
+        timeout: float | None = None,
+    ) -> AsyncShell:
+        """Attach to the named shared shell as ``driver`` or ``observer`` (created if missing)."""
+        await self.wait_ready(timeout=timeout)
+        url = self._ws_url(
+            "/shell/ws",
+            session=name,
+            role=role,
+            profile=profile,
+            cols=cols,
+            rows=rows,
+            create=None if create else "false",
+        )
+        return await AsyncShell.connect(
+            url, self._auth, name=name, role=role, timeout=timeout or self.timeout
+        )
+
+    async def list_shells(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+        """The sandbox's shells: ``{name, clients, created_at, offset}``."""
+        body = await self._call("GET", "/shells", timeout)
+        return list(body.get("shells", []) if isinstance(body, dict) else body)
+
+    async def delete_shell(self, name: str, *, timeout: float | None = None) -> None:
+        """End a shell for every client."""
+        await self._call("DELETE", f"/shells/{name}", timeout)
+
+    # --- files ---------------------------------------------------------------------
+
+    async def upload(
+        self,
+        path: str,
+        data: bytes | str | os.PathLike[str] | AsyncIterable[bytes],
+        *,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Write a file, streamed: ``data`` is bytes, a local file path, or chunks of bytes.
+
+        A ``str`` is a local path (``os.PathLike`` too); pass ``text.encode()`` for content.
+        """
+        content: Any = data
+        if isinstance(data, str | os.PathLike):
+            content = _local_chunks(os.fspath(data))
+        return dict(
+            await self._call(
+                "POST", "/files/upload", timeout, params={"path": path}, content=content
+            )
+        )
+
+    async def download(self, path: str, *, timeout: float | None = None) -> bytes:
+        """A file's bytes."""
+        parts = [chunk async for chunk in self.download_stream(path, timeout=timeout)]
+        return b"".join(parts)
+
+    async def download_stream(
+        self, path: str, *, timeout: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """A file's bytes, chunk by chunk as they arrive."""
+        deadline = self._http.deadline(timeout)
+        async with self._http.client.stream(
+            "GET",
+            self._http.url("/files/download"),
+            params={"path": path},
+            headers=self._auth(),
+            timeout=http_timeout(deadline),
+        ) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                raise_for_error(resp)
+            async for chunk in resp.aiter_bytes():
+                yield chunk
+
+    async def download_to(self, path: str, dest: str, *, timeout: float | None = None) -> int:
+        """Save a file of the sandbox to the local path ``dest``; return its size."""
+        size = 0
+        with open(dest, "wb") as out:  # noqa: ASYNC230 - local disk, short writes
+            async for chunk in self.download_stream(path, timeout=timeout):
+                out.write(chunk)
+                size += len(chunk)
+        return size
+
+    async def upload_archive(
+        self,
+        path: str,
+        data: bytes | str | os.PathLike[str],
+        *,
+        delete_missing: bool = False,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Extract a tar (bytes, or a local directory packed on the fly) into ``path``.
+
+        ``delete_missing=True`` removes what the archive does not name (a sync).
+        """
+        if isinstance(data, str | os.PathLike):
+            data = _tar_directory(os.fspath(data))
+        return dict(
+            await self._call(
+                "POST",
+                "/files/archive",
+                timeout,
+                params={"path": path, "delete_missing": delete_missing},
+                content=data,
+            )
+        )
+
+    async def download_archive(self, path: str, *, timeout: float | None = None) -> bytes:
+        """A tar of the directory ``path``."""
+        deadline = self._http.deadline(timeout)
+        resp = await self._http.request(
+            "GET", "/files/archive", deadline=deadline, params={"path": path}
+        )
+        return resp.content
+
+    # --- filesystem operations ------------------------------------------------------
+
+    async def ls(
+        self, path: str = "/workspace", *, depth: int = 1, timeout: float | None = None
+    ) -> list[FileEntry]:
+        """Entries of a directory (``depth`` levels), with absolute paths."""
+        body = await self._call("GET", "/fs/list", timeout, params={"path": path, "depth": depth})
+        return [FileEntry.from_wire(e) for e in body["entries"]]
+
+    async def read(
+        self, path: str, *, offset: int = 0, limit: int = 2000, timeout: float | None = None
+    ) -> ReadResult:
+        """Lines ``offset`` .. ``offset + limit`` of a file (0-based), with its etag."""
+        params = {"path": path, "offset": offset, "limit": limit}
+        return ReadResult.from_wire(await self._call("GET", "/fs/read", timeout, params=params))
+
+    async def read_text(self, path: str, *, timeout: float | None = None) -> str:
+        """A whole text file."""
+        return (await self.download(path, timeout=timeout)).decode("utf-8")
+
+    async def write(
+        self,
+        path: str,
+        content: str,
+        *,
+        encoding: str = "utf-8",
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Write a file (parents created) and return its new etag.
+
+        ``if_match`` writes only over that version (else
+        :class:`~sandlot.protocol.errors.PreconditionFailed`); ``if_none_match="*"``
+        only creates.
+        """
+        body: dict[str, Any] = {"path": path, "content": content, "encoding": encoding}
+        if if_match is not None:
+            body["if_match"] = if_match
+        if if_none_match is not None:
+            body["if_none_match"] = if_none_match
+        return str((await self._call("PUT", "/fs/write", timeout, json_body=body))["etag"])
+
+    async def edit(
+        self,
+        path: str,
+        old_string: str,
+        new_string: str,
+        *,
+        replace_all: bool = False,
+        if_match: str | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        """Replace ``old_string`` by ``new_string``: ``{path, occurrences, etag}``."""
+        body: dict[str, Any] = {
+            "path": path,
+            "old_string": old_string,
+            "new_string": new_string,
+            "replace_all": replace_all,
+        }
+        if if_match is not None:
+            body["if_match"] = if_match
+        return dict(await self._call("POST", "/fs/edit", timeout, json_body=body))
+
+    async def glob(
+        self, pattern: str, path: str = "/workspace", *, timeout: float | None = None
+    ) -> list[FileEntry]:
+        """Regular files matching ``pattern`` under ``path`` (``**`` spans directories)."""
+        body = await self._call(
+            "POST", "/fs/glob", timeout, json_body={"pattern": pattern, "path": path}
+        )
+        return [FileEntry.from_wire(e) for e in body["matches"]]
+
+    async def grep(
+        self,
+        pattern: str,
+        path: str = "/workspace",
+        *,
+        glob: str | None = None,
+        max_count: int | None = None,
+        regex: bool = False,
+        timeout: float | None = None,
+    ) -> list[GrepMatch]:
+        """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers."""
+        body: dict[str, Any] = {"pattern": pattern, "path": path, "regex": regex}
+        if glob is not None:
+            body["glob"] = glob
+        if max_count is not None:
+            body["max_count"] = max_count
+        out = await self._call("POST", "/fs/grep", timeout, json_body=body)
+        return [GrepMatch(m["path"], int(m["line"]), m["text"]) for m in out["matches"]]
+
+    async def stat(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
+        """A file's metadata."""
+        return dict(await self._call("GET", "/fs/stat", timeout, params={"path": path}))
+
+    async def exists(self, path: str, *, timeout: float | None = None) -> bool:
+        """Whether ``path`` exists."""
+        from sandlot.protocol.errors import FileNotFound
+
+        try:
+            await self.stat(path, timeout=timeout)
+        except FileNotFound:
+            return False
+        return True
+
+    async def delete(
+        self, path: str, *, recursive: bool = False, timeout: float | None = None
+    ) -> None:
+        """Delete a file (or a directory tree with ``recursive=True``)."""
+        await self._call("DELETE", "/fs", timeout, params={"path": path, "recursive": recursive})
+
+    async def mkdir(self, path: str, *, timeout: float | None = None) -> None:
+        """Create a directory and its parents."""
+        await self._call("POST", "/fs/mkdir", timeout, json_body={"path": path})
+
+    async def move(self, src: str, dst: str, *, timeout: float | None = None) -> None:
+        """Rename ``src`` to ``dst``."""
+        await self._call("POST", "/fs/move", timeout, json_body={"src": src, "dst": dst})
+
+    # --- events --------------------------------------------------------------------
+
+    def events(
+        self, *, after: int | None = None, transport: str = "sse", timeout: float | None = None
+    ) -> AsyncEventStream:
+        """The sandbox's ordered event log after sequence ``after`` (SSE or ``"ws"``).
+
+        Dispatch on ``event.kind`` (``fs``, ``exec``, ``shell``, ``phase``). The
+        stream resumes by itself after a dropped connection; ``timeout`` bounds
+        the whole iteration.
+        """
+        return AsyncEventStream(
+            self._http,
+            "/events",
+            after=after,
+            timeout=timeout,
+            transport=transport,
+            ws_url=lambda seq: self._ws_url("/events/ws", after=seq),
+        )
+
+    async def aclose(self) -> None:
+        """Close the connections of this sandbox object (the sandbox keeps running)."""
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _command_id() -> str:
+    return f"cmd_{uuid.uuid4().hex}"
+
+
+async def _local_chunks(path: str) -> AsyncIterator[bytes]:
+    with open(path, "rb") as src:  # noqa: ASYNC230 - local disk, block by block
+        while block := src.read(CHUNK):
+            yield block
+
+
+def _tar_directory(path: str) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for name in sorted(os.listdir(path)):
+            tar.add(os.path.join(path, name), arcname=name)
+    return buf.getvalue()
+
+
+__all__ = ["AsyncSandbox", "SandlotError"]

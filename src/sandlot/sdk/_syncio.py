@@ -1,0 +1,95 @@
+"""The sync side of the concurrency shim (see ``_aio``): threads instead of tasks."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from websockets.sync.client import ClientConnection
+from websockets.sync.client import connect as _connect
+
+
+def sleep(seconds: float) -> None:
+    """Sleep."""
+    time.sleep(seconds)
+
+
+class Lock:
+    """A re-usable ``with`` lock for the sync client."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+class Stopper:
+    """A stop flag a background loop can wait on with a timeout."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def set(self) -> None:
+        """Ask the loop to stop."""
+        self._event.set()
+
+    def is_set(self) -> bool:
+        """Whether stop was asked."""
+        return self._event.is_set()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until stopped or ``timeout``; True when stopped."""
+        return self._event.wait(timeout)
+
+
+class Background:
+    """A background loop run by a daemon thread."""
+
+    def __init__(self, target: Callable[[], None], name: str) -> None:
+        self._thread = threading.Thread(target=target, name=name, daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        """Wait for the loop to end (it was asked to stop)."""
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+def ws_connect(url: str, headers: dict[str, str], timeout: float | None) -> ClientConnection:
+    """Open a WebSocket."""
+    return _connect(
+        url,
+        additional_headers=headers,
+        open_timeout=timeout,
+        max_size=None,
+        compression=None,
+    )
+
+
+def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
+    """Receive one frame, giving up after ``timeout`` seconds (``TimeoutError``)."""
+    return ws.recv(timeout)
+
+
+def ws_send(ws: ClientConnection, data: str) -> None:
+    """Send one text frame."""
+    ws.send(data)
+
+
+def ws_close(ws: ClientConnection) -> None:
+    """Close a WebSocket, ignoring a connection that is already gone."""
+    with contextlib.suppress(Exception):
+        ws.close()
+
+
+def ws_close_code(ws: Any) -> int | None:
+    """The close code the server sent, if any."""
+    rcvd = getattr(ws, "close_rcvd", None)
+    return getattr(rcvd, "code", None)
