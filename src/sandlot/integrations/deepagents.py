@@ -1,0 +1,448 @@
+"""A deepagents (>= 0.7) sandbox backend on sandlot's native filesystem endpoints.
+
+``BaseSandbox`` implements every file operation as a script run through
+``execute``; :class:`SandlotBackend` answers them with the dataplane's own
+``/fs/*`` and ``/files/*`` endpoints instead (one HTTP call each, no process
+started), and runs commands with ``POST /exec``::
+
+    backend = SandlotBackend.for_thread("thr_123")          # as an agent, kept fresh
+    backend = SandlotBackend(config["configurable"]["sandbox"])  # a grant in hand
+    agent = create_deep_agent(model=..., backend=backend)
+
+Every method returns deepagents' result dataclasses and never raises for an
+expected failure (missing file, permission, ambiguous edit): the error is
+carried in the result, in the words ``BaseSandbox`` uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from deepagents.backends.protocol import (
+    DeleteResult,
+    EditResult,
+    ExecuteResponse,
+    FileData,
+    FileDownloadResponse,
+    FileInfo,
+    FileUploadResponse,
+    GlobResult,
+    GrepResult,
+    LsResult,
+    ReadResult,
+    WriteResult,
+)
+from deepagents.backends.protocol import GrepMatch as DAGrepMatch
+from deepagents.backends.sandbox import BaseSandbox
+
+from sandlot.protocol.errors import (
+    FileNotFound,
+    Forbidden,
+    InvalidRequest,
+    PermissionDenied,
+    SandlotError,
+)
+from sandlot.sdk import AsyncSandbox, Grant, Sandbox, Sandlot
+from sandlot.sdk.types import FileEntry
+
+EMPTY_FILE = "System reminder: File exists but has empty contents"
+EMPTY_OLD_STRING = "Error: old_string cannot be empty. Provide the exact text to replace."
+#: Seconds a command may run when the caller names no timeout.
+DEFAULT_EXEC_TIMEOUT = 30 * 60
+
+
+def _bounds(offset: int, limit: int) -> tuple[int, int]:
+    return max(0, int(offset)), max(0, int(limit))
+
+
+def _file_error(exc: SandlotError) -> str:
+    """The deepagents ``FileOperationError`` literal of an SDK error."""
+    if isinstance(exc, FileNotFound):
+        return "file_not_found"
+    if isinstance(exc, PermissionDenied | Forbidden):
+        return "permission_denied"
+    text = f"{exc.message} {exc.metadata}".lower()
+    if "directory" in text:
+        return "is_directory"
+    if isinstance(exc, InvalidRequest):
+        return "invalid_path"
+    return exc.message
+
+
+def _info(entry: FileEntry) -> FileInfo:
+    info: FileInfo = {"path": entry.path, "is_dir": entry.is_dir}
+    if entry.size is not None:
+        info["size"] = entry.size
+    if entry.modified_at is not None:
+        info["modified_at"] = entry.modified_at
+    return info
+
+
+def _read_result(body: Any, file_path: str, offset: int, limit: int) -> ReadResult:
+    if body.encoding == "base64":
+        return ReadResult(file_data=FileData(content=body.content, encoding="base64"))
+    if body.total_lines == 0 and not body.content:
+        return ReadResult(file_data=FileData(content=EMPTY_FILE, encoding="utf-8"))
+    if limit == 0:
+        return ReadResult(file_data=FileData(content="", encoding="utf-8"), no_lines_requested=True)
+    if body.end_line <= body.start_line:
+        return ReadResult(
+            error=f"File '{file_path}': Line offset {offset} exceeds file length "
+            f"({body.total_lines} lines)"
+        )
+    content = body.content.replace("\r\n", "\n")
+    content = content.removesuffix("\n")
+    end = body.end_line
+    return ReadResult(
+        file_data=FileData(content=content, encoding="utf-8"),
+        total_lines=body.total_lines,
+        start_line=body.start_line + 1,
+        end_line=end,
+        next_offset=end if body.next_offset is not None else None,
+    )
+
+
+def _edit_error(exc: SandlotError, file_path: str, old_string: str) -> EditResult:
+    if isinstance(exc, FileNotFound):
+        return EditResult(error=f"Error: File '{file_path}' not found")
+    if isinstance(exc, PermissionDenied | Forbidden):
+        return EditResult(error=f"Error: Permission denied editing file '{file_path}'")
+    occurrences = exc.metadata.get("occurrences")
+    if occurrences == 0:
+        return EditResult(error=f"Error: String not found in file: '{old_string}'")
+    if isinstance(occurrences, int) and occurrences > 1:
+        return EditResult(
+            error=f"Error: String '{old_string}' appears multiple times. "
+            "Use replace_all=True to replace all occurrences."
+        )
+    return EditResult(error=f"Error editing file '{file_path}': {exc.message}")
+
+
+def _exec_response(result: Any, timeout: int | None) -> ExecuteResponse:
+    output = result.stdout + result.stderr
+    if result.timed_out:
+        output += f"\n[Command timed out after {timeout} seconds]"
+    return ExecuteResponse(output=output, exit_code=result.exit_code, truncated=result.truncated)
+
+
+class SandlotBackend(BaseSandbox):
+    """A deepagents sandbox backend for one sandlot sandbox.
+
+    ``grant`` is a :class:`~sandlot.sdk.Sandbox`, a :class:`~sandlot.sdk.Grant`,
+    or a mapping :meth:`Grant.from_response <sandlot.sdk.Grant.from_response>`
+    accepts (the broker's answer, or the bootstrap object found in
+    ``config["configurable"]["sandbox"]``). ``timeout`` is the client-side
+    deadline of each file call; commands get their own ``timeout`` plus a margin.
+    """
+
+    def __init__(
+        self,
+        grant: Sandbox | Grant | Mapping[str, Any],
+        *,
+        timeout: float = 60.0,
+        client: Sandlot | None = None,
+    ) -> None:
+        if isinstance(grant, Sandbox):
+            self._sandbox = grant
+        else:
+            self._sandbox = Sandbox(grant, timeout=timeout)
+        self._timeout = timeout
+        self._client = client
+        self._async: dict[int, AsyncSandbox] = {}
+
+    @classmethod
+    def for_thread(
+        cls,
+        thread_id: str,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        on_behalf_of: str | None = None,
+        timeout: float = 60.0,
+    ) -> SandlotBackend:
+        """Ensure the thread's sandbox (with an agent's key) and keep its grant fresh.
+
+        ``url``/``api_key`` default to ``SANDLOT_URL``/``SANDLOT_API_KEY``; the
+        token is refreshed and the lease renewed by a daemon thread until
+        :meth:`close`.
+        """
+        client = Sandlot(url, api_key, on_behalf_of=on_behalf_of, timeout=timeout)
+        sandbox = client.ensure(thread_id, timeout=timeout)
+        return cls(sandbox, timeout=timeout, client=client)
+
+    @property
+    def id(self) -> str:
+        """The sandbox id."""
+        return self._sandbox.id
+
+    @property
+    def sandbox(self) -> Sandbox:
+        """The SDK's sync sandbox this backend drives."""
+        return self._sandbox
+
+    def _asandbox(self) -> AsyncSandbox:
+        # An async connection pool belongs to one event loop: one per loop.
+        loop = id(asyncio.get_running_loop())
+        sb = self._async.get(loop)
+        if sb is None:
+            renew = self._sandbox._renew
+
+            async def arenew() -> bool:
+                return await asyncio.to_thread(renew) if renew is not None else False
+
+            sb = AsyncSandbox(
+                self._sandbox.grant, timeout=self._timeout, renew=arenew if renew else None
+            )
+            self._async[loop] = sb
+        return sb
+
+    def close(self) -> None:
+        """Stop refreshing the grant (when this backend negotiated it) and close connections."""
+        self._sandbox.close()
+        if self._client is not None:
+            self._client.close()
+
+    # --- commands ------------------------------------------------------------------
+
+    def execute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
+        """Run a shell command (``POST /exec``); ``timeout`` in seconds, 0 for none."""
+        limit = DEFAULT_EXEC_TIMEOUT if timeout is None else timeout
+        try:
+            result = self._sandbox.exec(
+                command,
+                timeout_seconds=limit or None,
+                timeout=(limit + 30) if limit else None,
+            )
+        except SandlotError as exc:
+            return ExecuteResponse(output=f"Error: {exc.message}", exit_code=None)
+        return _exec_response(result, limit)
+
+    async def aexecute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
+        """Async version of :meth:`execute`."""
+        limit = DEFAULT_EXEC_TIMEOUT if timeout is None else timeout
+        try:
+            result = await self._asandbox().exec(
+                command,
+                timeout_seconds=limit or None,
+                timeout=(limit + 30) if limit else None,
+            )
+        except SandlotError as exc:
+            return ExecuteResponse(output=f"Error: {exc.message}", exit_code=None)
+        return _exec_response(result, limit)
+
+    # --- listing and reading -------------------------------------------------------
+
+    def ls(self, path: str) -> LsResult:
+        """Entries of a directory (``GET /fs/list``)."""
+        try:
+            return LsResult(entries=[_info(e) for e in self._sandbox.ls(path)])
+        except SandlotError as exc:
+            return LsResult(error=f"Path '{path}': {_file_error(exc)}")
+
+    async def als(self, path: str) -> LsResult:
+        """Async version of :meth:`ls`."""
+        try:
+            return LsResult(entries=[_info(e) for e in await self._asandbox().ls(path)])
+        except SandlotError as exc:
+            return LsResult(error=f"Path '{path}': {_file_error(exc)}")
+
+    def read(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
+        """A window of a file's lines (``GET /fs/read``)."""
+        offset, limit = _bounds(offset, limit)
+        try:
+            body = self._sandbox.read(file_path, offset=offset, limit=max(limit, 1))
+        except SandlotError as exc:
+            return ReadResult(error=f"File '{file_path}': {_file_error(exc)}")
+        return _read_result(body, file_path, offset, limit)
+
+    async def aread(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
+        """Async version of :meth:`read`."""
+        offset, limit = _bounds(offset, limit)
+        try:
+            body = await self._asandbox().read(file_path, offset=offset, limit=max(limit, 1))
+        except SandlotError as exc:
+            return ReadResult(error=f"File '{file_path}': {_file_error(exc)}")
+        return _read_result(body, file_path, offset, limit)
+
+    # --- writing -------------------------------------------------------------------
+
+    def write(self, file_path: str, content: str) -> WriteResult:
+        """Create or overwrite a file, parents included (``PUT /fs/write``)."""
+        try:
+            self._sandbox.write(file_path, content)
+        except SandlotError as exc:
+            return WriteResult(error=f"Failed to write file '{file_path}': {_file_error(exc)}")
+        return WriteResult(path=file_path)
+
+    async def awrite(self, file_path: str, content: str) -> WriteResult:
+        """Async version of :meth:`write`."""
+        try:
+            await self._asandbox().write(file_path, content)
+        except SandlotError as exc:
+            return WriteResult(error=f"Failed to write file '{file_path}': {_file_error(exc)}")
+        return WriteResult(path=file_path)
+
+    def edit(
+        self,
+        file_path: str,
+        old_string: str,
+        new_string: str,
+        replace_all: bool = False,
+    ) -> EditResult:
+        """Replace ``old_string`` by ``new_string`` (``POST /fs/edit``)."""
+        if not old_string:
+            return EditResult(error=EMPTY_OLD_STRING)
+        try:
+            body = self._sandbox.edit(file_path, old_string, new_string, replace_all=replace_all)
+        except SandlotError as exc:
+            return _edit_error(exc, file_path, old_string)
+        return EditResult(path=file_path, occurrences=int(body.get("occurrences", 1)))
+
+    async def aedit(
+        self,
+        file_path: str,
+        old_string: str,
+        new_string: str,
+        replace_all: bool = False,
+    ) -> EditResult:
+        """Async version of :meth:`edit`."""
+        if not old_string:
+            return EditResult(error=EMPTY_OLD_STRING)
+        try:
+            body = await self._asandbox().edit(
+                file_path, old_string, new_string, replace_all=replace_all
+            )
+        except SandlotError as exc:
+            return _edit_error(exc, file_path, old_string)
+        return EditResult(path=file_path, occurrences=int(body.get("occurrences", 1)))
+
+    def delete(self, file_path: str) -> DeleteResult:
+        """Delete a file or a directory tree (``DELETE /fs``)."""
+        try:
+            self._sandbox.delete(file_path, recursive=True)
+        except FileNotFound:
+            return DeleteResult(error=f"Error: '{file_path}' not found")
+        except SandlotError as exc:
+            return DeleteResult(error=f"Error deleting file '{file_path}': {exc.message}")
+        return DeleteResult(path=file_path)
+
+    async def adelete(self, file_path: str) -> DeleteResult:
+        """Async version of :meth:`delete`."""
+        try:
+            await self._asandbox().delete(file_path, recursive=True)
+        except FileNotFound:
+            return DeleteResult(error=f"Error: '{file_path}' not found")
+        except SandlotError as exc:
+            return DeleteResult(error=f"Error deleting file '{file_path}': {exc.message}")
+        return DeleteResult(path=file_path)
+
+    # --- searching -----------------------------------------------------------------
+
+    def grep(
+        self,
+        pattern: str,
+        path: str | None = None,
+        glob: str | None = None,
+        *,
+        max_count: int | None = None,
+    ) -> GrepResult:
+        """Lines containing the literal ``pattern`` (``POST /fs/grep``)."""
+        try:
+            found = self._sandbox.grep(pattern, path or "/workspace", glob=glob)
+        except SandlotError as exc:
+            return GrepResult(error=f"Error: {exc.message}")
+        return _grep_result(found, max_count)
+
+    async def agrep(
+        self,
+        pattern: str,
+        path: str | None = None,
+        glob: str | None = None,
+        *,
+        max_count: int | None = None,
+    ) -> GrepResult:
+        """Async version of :meth:`grep`."""
+        try:
+            found = await self._asandbox().grep(pattern, path or "/workspace", glob=glob)
+        except SandlotError as exc:
+            return GrepResult(error=f"Error: {exc.message}")
+        return _grep_result(found, max_count)
+
+    def glob(self, pattern: str, path: str | None = None) -> GlobResult:
+        """Regular files matching ``pattern`` under ``path`` (``POST /fs/glob``)."""
+        try:
+            found = self._sandbox.glob(pattern, path or "/workspace")
+        except FileNotFound:
+            return GlobResult(matches=[])
+        except SandlotError as exc:
+            return GlobResult(error=f"Error: {exc.message}")
+        return GlobResult(matches=[_info(e) for e in found])
+
+    async def aglob(self, pattern: str, path: str | None = None) -> GlobResult:
+        """Async version of :meth:`glob`."""
+        try:
+            found = await self._asandbox().glob(pattern, path or "/workspace")
+        except FileNotFound:
+            return GlobResult(matches=[])
+        except SandlotError as exc:
+            return GlobResult(error=f"Error: {exc.message}")
+        return GlobResult(matches=[_info(e) for e in found])
+
+    # --- transfers -----------------------------------------------------------------
+
+    def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+        """Write each file (``POST /files/upload``); errors are reported per file."""
+        out: list[FileUploadResponse] = []
+        for path, data in files:
+            try:
+                self._sandbox.upload(path, data)
+                out.append(FileUploadResponse(path=path))
+            except SandlotError as exc:
+                out.append(FileUploadResponse(path=path, error=_file_error(exc)))
+        return out
+
+    async def aupload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+        """Async version of :meth:`upload_files`."""
+        sandbox = self._asandbox()
+        out: list[FileUploadResponse] = []
+        for path, data in files:
+            try:
+                await sandbox.upload(path, data)
+                out.append(FileUploadResponse(path=path))
+            except SandlotError as exc:
+                out.append(FileUploadResponse(path=path, error=_file_error(exc)))
+        return out
+
+    def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+        """Read each file (``GET /files/download``); errors are reported per file."""
+        out: list[FileDownloadResponse] = []
+        for path in paths:
+            try:
+                out.append(FileDownloadResponse(path=path, content=self._sandbox.download(path)))
+            except SandlotError as exc:
+                out.append(FileDownloadResponse(path=path, error=_file_error(exc)))
+        return out
+
+    async def adownload_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+        """Async version of :meth:`download_files`."""
+        sandbox = self._asandbox()
+        out: list[FileDownloadResponse] = []
+        for path in paths:
+            try:
+                content = await sandbox.download(path)
+                out.append(FileDownloadResponse(path=path, content=content))
+            except SandlotError as exc:
+                out.append(FileDownloadResponse(path=path, error=_file_error(exc)))
+        return out
+
+
+def _grep_result(found: list[Any], max_count: int | None) -> GrepResult:
+    matches: list[DAGrepMatch] = [{"path": m.path, "line": m.line, "text": m.text} for m in found]
+    if max_count is not None and len(matches) > max_count:
+        return GrepResult(matches=matches[:max_count], truncated=True)
+    return GrepResult(matches=matches)
+
+
+__all__ = ["SandlotBackend"]
