@@ -49,6 +49,8 @@ from sandlot.sdk.types import FileEntry
 
 EMPTY_FILE = "System reminder: File exists but has empty contents"
 EMPTY_OLD_STRING = "Error: old_string cannot be empty. Provide the exact text to replace."
+#: Largest binary file ``read`` returns (base64), as ``BaseSandbox`` does.
+MAX_BINARY_BYTES = 500 * 1024
 #: Seconds a command may run when the caller names no timeout.
 DEFAULT_EXEC_TIMEOUT = 30 * 60
 
@@ -82,6 +84,12 @@ def _info(entry: FileEntry) -> FileInfo:
 
 def _read_result(body: Any, file_path: str, offset: int, limit: int) -> ReadResult:
     if body.encoding == "base64":
+        size = len(body.content) * 3 // 4 - body.content[-2:].count("=")
+        if size > MAX_BINARY_BYTES:
+            return ReadResult(
+                error=f"File '{file_path}': Binary file exceeds maximum preview size of "
+                f"{MAX_BINARY_BYTES} bytes"
+            )
         return ReadResult(file_data=FileData(content=body.content, encoding="base64"))
     if body.total_lines == 0 and not body.content:
         return ReadResult(file_data=FileData(content=EMPTY_FILE, encoding="utf-8"))
@@ -150,7 +158,6 @@ class SandlotBackend(BaseSandbox):
             self._sandbox = Sandbox(grant, timeout=timeout)
         self._timeout = timeout
         self._client = client
-        self._async: dict[int, AsyncSandbox] = {}
 
     @classmethod
     def for_thread(
@@ -183,20 +190,17 @@ class SandlotBackend(BaseSandbox):
         return self._sandbox
 
     def _asandbox(self) -> AsyncSandbox:
-        # An async connection pool belongs to one event loop: one per loop.
-        loop = id(asyncio.get_running_loop())
-        sb = self._async.get(loop)
-        if sb is None:
-            renew = self._sandbox._renew
+        # An async connection pool belongs to one event loop, and agents may run
+        # each step on a new loop: each async call gets its own short-lived pool
+        # (used with ``async with``), sharing the grant and its fresh token.
+        renew = self._sandbox._renew
 
-            async def arenew() -> bool:
-                return await asyncio.to_thread(renew) if renew is not None else False
+        async def arenew() -> bool:
+            return await asyncio.to_thread(renew) if renew is not None else False
 
-            sb = AsyncSandbox(
-                self._sandbox.grant, timeout=self._timeout, renew=arenew if renew else None
-            )
-            self._async[loop] = sb
-        return sb
+        return AsyncSandbox(
+            self._sandbox.grant, timeout=self._timeout, renew=arenew if renew else None
+        )
 
     def close(self) -> None:
         """Stop refreshing the grant (when this backend negotiated it) and close connections."""
@@ -223,11 +227,12 @@ class SandlotBackend(BaseSandbox):
         """Async version of :meth:`execute`."""
         limit = DEFAULT_EXEC_TIMEOUT if timeout is None else timeout
         try:
-            result = await self._asandbox().exec(
-                command,
-                timeout_seconds=limit or None,
-                timeout=(limit + 30) if limit else None,
-            )
+            async with self._asandbox() as sandbox:
+                result = await sandbox.exec(
+                    command,
+                    timeout_seconds=limit or None,
+                    timeout=(limit + 30) if limit else None,
+                )
         except SandlotError as exc:
             return ExecuteResponse(output=f"Error: {exc.message}", exit_code=None)
         return _exec_response(result, limit)
@@ -244,7 +249,8 @@ class SandlotBackend(BaseSandbox):
     async def als(self, path: str) -> LsResult:
         """Async version of :meth:`ls`."""
         try:
-            return LsResult(entries=[_info(e) for e in await self._asandbox().ls(path)])
+            async with self._asandbox() as sandbox:
+                return LsResult(entries=[_info(e) for e in await sandbox.ls(path)])
         except SandlotError as exc:
             return LsResult(error=f"Path '{path}': {_file_error(exc)}")
 
@@ -261,7 +267,8 @@ class SandlotBackend(BaseSandbox):
         """Async version of :meth:`read`."""
         offset, limit = _bounds(offset, limit)
         try:
-            body = await self._asandbox().read(file_path, offset=offset, limit=max(limit, 1))
+            async with self._asandbox() as sandbox:
+                body = await sandbox.read(file_path, offset=offset, limit=max(limit, 1))
         except SandlotError as exc:
             return ReadResult(error=f"File '{file_path}': {_file_error(exc)}")
         return _read_result(body, file_path, offset, limit)
@@ -279,7 +286,8 @@ class SandlotBackend(BaseSandbox):
     async def awrite(self, file_path: str, content: str) -> WriteResult:
         """Async version of :meth:`write`."""
         try:
-            await self._asandbox().write(file_path, content)
+            async with self._asandbox() as sandbox:
+                await sandbox.write(file_path, content)
         except SandlotError as exc:
             return WriteResult(error=f"Failed to write file '{file_path}': {_file_error(exc)}")
         return WriteResult(path=file_path)
@@ -311,9 +319,10 @@ class SandlotBackend(BaseSandbox):
         if not old_string:
             return EditResult(error=EMPTY_OLD_STRING)
         try:
-            body = await self._asandbox().edit(
-                file_path, old_string, new_string, replace_all=replace_all
-            )
+            async with self._asandbox() as sandbox:
+                body = await sandbox.edit(
+                    file_path, old_string, new_string, replace_all=replace_all
+                )
         except SandlotError as exc:
             return _edit_error(exc, file_path, old_string)
         return EditResult(path=file_path, occurrences=int(body.get("occurrences", 1)))
@@ -331,7 +340,8 @@ class SandlotBackend(BaseSandbox):
     async def adelete(self, file_path: str) -> DeleteResult:
         """Async version of :meth:`delete`."""
         try:
-            await self._asandbox().delete(file_path, recursive=True)
+            async with self._asandbox() as sandbox:
+                await sandbox.delete(file_path, recursive=True)
         except FileNotFound:
             return DeleteResult(error=f"Error: '{file_path}' not found")
         except SandlotError as exc:
@@ -365,7 +375,8 @@ class SandlotBackend(BaseSandbox):
     ) -> GrepResult:
         """Async version of :meth:`grep`."""
         try:
-            found = await self._asandbox().grep(pattern, path or "/workspace", glob=glob)
+            async with self._asandbox() as sandbox:
+                found = await sandbox.grep(pattern, path or "/workspace", glob=glob)
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)
@@ -383,7 +394,8 @@ class SandlotBackend(BaseSandbox):
     async def aglob(self, pattern: str, path: str | None = None) -> GlobResult:
         """Async version of :meth:`glob`."""
         try:
-            found = await self._asandbox().glob(pattern, path or "/workspace")
+            async with self._asandbox() as sandbox:
+                found = await sandbox.glob(pattern, path or "/workspace")
         except FileNotFound:
             return GlobResult(matches=[])
         except SandlotError as exc:
@@ -396,6 +408,9 @@ class SandlotBackend(BaseSandbox):
         """Write each file (``POST /files/upload``); errors are reported per file."""
         out: list[FileUploadResponse] = []
         for path, data in files:
+            if not path.startswith("/"):
+                out.append(FileUploadResponse(path=path, error="invalid_path"))
+                continue
             try:
                 self._sandbox.upload(path, data)
                 out.append(FileUploadResponse(path=path))
@@ -405,20 +420,26 @@ class SandlotBackend(BaseSandbox):
 
     async def aupload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
         """Async version of :meth:`upload_files`."""
-        sandbox = self._asandbox()
-        out: list[FileUploadResponse] = []
-        for path, data in files:
-            try:
-                await sandbox.upload(path, data)
-                out.append(FileUploadResponse(path=path))
-            except SandlotError as exc:
-                out.append(FileUploadResponse(path=path, error=_file_error(exc)))
-        return out
+        async with self._asandbox() as sandbox:
+            out: list[FileUploadResponse] = []
+            for path, data in files:
+                if not path.startswith("/"):
+                    out.append(FileUploadResponse(path=path, error="invalid_path"))
+                    continue
+                try:
+                    await sandbox.upload(path, data)
+                    out.append(FileUploadResponse(path=path))
+                except SandlotError as exc:
+                    out.append(FileUploadResponse(path=path, error=_file_error(exc)))
+            return out
 
     def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
         """Read each file (``GET /files/download``); errors are reported per file."""
         out: list[FileDownloadResponse] = []
         for path in paths:
+            if not path.startswith("/"):
+                out.append(FileDownloadResponse(path=path, error="invalid_path"))
+                continue
             try:
                 out.append(FileDownloadResponse(path=path, content=self._sandbox.download(path)))
             except SandlotError as exc:
@@ -427,15 +448,18 @@ class SandlotBackend(BaseSandbox):
 
     async def adownload_files(self, paths: list[str]) -> list[FileDownloadResponse]:
         """Async version of :meth:`download_files`."""
-        sandbox = self._asandbox()
-        out: list[FileDownloadResponse] = []
-        for path in paths:
-            try:
-                content = await sandbox.download(path)
-                out.append(FileDownloadResponse(path=path, content=content))
-            except SandlotError as exc:
-                out.append(FileDownloadResponse(path=path, error=_file_error(exc)))
-        return out
+        async with self._asandbox() as sandbox:
+            out: list[FileDownloadResponse] = []
+            for path in paths:
+                if not path.startswith("/"):
+                    out.append(FileDownloadResponse(path=path, error="invalid_path"))
+                    continue
+                try:
+                    content = await sandbox.download(path)
+                    out.append(FileDownloadResponse(path=path, content=content))
+                except SandlotError as exc:
+                    out.append(FileDownloadResponse(path=path, error=_file_error(exc)))
+            return out
 
 
 def _grep_result(found: list[Any], max_count: int | None) -> GrepResult:
