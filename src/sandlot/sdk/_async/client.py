@@ -56,6 +56,11 @@ class _Lease:
         self.refreshes = 0
         self.heartbeats = 0
 
+    def stale(self) -> bool:
+        """Whether the cached token is too close to expiry to hand out again."""
+        ttl = self.grant.token_ttl_seconds or 90.0
+        return self.grant.seconds_left() < min(30.0, ttl / 3)
+
     def start(self) -> None:
         self.task = _aio.Background(self._loop, name=f"sandlot-lease-{self.grant.session_id}")
 
@@ -191,7 +196,7 @@ class AsyncSandlot:
                 request[name] = value
         key = (scope_type, sid, ",".join(sorted(capabilities or [])))
         lease = self._leases.get(key)
-        if lease is None or lease.grant.seconds_left() < 30 or mode == "create_only":
+        if lease is None or lease.stale() or mode == "create_only":
             deadline = self._http.deadline(timeout)
             grant = Grant.from_response(await self._negotiate(request, deadline.remaining()))
             if lease is not None:
