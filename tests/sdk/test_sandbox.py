@@ -1,0 +1,219 @@
+"""The async dataplane client against a real server: commands, streams that survive
+dropped connections, shells, files, filesystem operations, events, bootstrap grants."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import tarfile
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandlot.protocol.errors import (
+    CommandExitError,
+    FileNotFound,
+    PreconditionFailed,
+    SandlotError,
+)
+from sandlot.sdk import AsyncSandbox, AsyncSandlot, Grant
+from tests.servers import SandlotServer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def pair(
+    server: SandlotServer, human_key: str
+) -> AsyncIterator[tuple[AsyncSandlot, AsyncSandbox]]:
+    async with AsyncSandlot(server.url, human_key) as client:
+        yield client, await client.ensure(f"thr_{uuid.uuid4().hex[:10]}")
+
+
+@pytest.fixture
+async def sandbox(pair: tuple[AsyncSandlot, AsyncSandbox]) -> AsyncSandbox:
+    return pair[1]
+
+
+async def test_exec_and_run(sandbox: AsyncSandbox) -> None:
+    result = await sandbox.exec("echo out; echo err >&2; exit 3")
+    assert (result.stdout, result.stderr, result.exit_code) == ("out\n", "err\n", 3)
+    with pytest.raises(CommandExitError) as info:
+        await sandbox.run("echo partial; exit 2")
+    assert info.value.result.exit_code == 2
+    assert info.value.result.stdout == "partial\n"
+    ok = await sandbox.run(["printf", "%s", "a b"], cwd="/tmp", env={"X": "1"})
+    assert ok.stdout == "a b"
+    timed = await sandbox.exec("sleep 5", timeout_seconds=0.3)
+    assert timed.timed_out and timed.exit_code == 124
+    # A repeated command_id returns the first run's result instead of running again.
+    cid = f"c-{uuid.uuid4().hex}"
+    first = await sandbox.exec("echo $RANDOM$RANDOM >> /tmp/runs; cat /tmp/runs", command_id=cid)
+    second = await sandbox.exec("echo $RANDOM$RANDOM >> /tmp/runs; cat /tmp/runs", command_id=cid)
+    assert first.stdout == second.stdout and len(first.stdout.splitlines()) == 1
+
+
+async def test_run_without_waiting(sandbox: AsyncSandbox) -> None:
+    cmd = await sandbox.run("sleep 0.2; echo later", wait=False)
+    assert not isinstance(cmd, type(None))
+    result = await cmd.wait()  # type: ignore[union-attr]
+    assert result.stdout == "later\n" and result.exit_code == 0
+
+
+async def test_stream_survives_dropped_connections(sandbox: AsyncSandbox) -> None:
+    # Checksummed numbered lines; the socket is torn down under the client three times.
+    script = (
+        "for i in $(seq 1 400); do echo line-$i; echo err-$i >&2; "
+        "if [ $((i % 100)) = 0 ]; then sleep 0.2; fi; done; "
+        "echo run >> /tmp/stream-runs"
+    )
+    cmd = await sandbox.stream(script)
+    out: list[str] = []
+    err: list[str] = []
+    drops = 0
+    async for chunk in cmd:
+        assert chunk.lost == 0
+        (out if chunk.stream == "stdout" else err).append(chunk.data)
+        if drops < 3 and sum(map(len, out)) > (drops + 1) * 1000:
+            drops += 1
+            cmd._ws.transport.abort()  # the network fails under the client
+    assert cmd.exit_code == 0
+    assert cmd.reconnects >= 3
+    expected_out = "".join(f"line-{i}\n" for i in range(1, 401))
+    expected_err = "".join(f"err-{i}\n" for i in range(1, 401))
+    assert (
+        hashlib.sha256("".join(out).encode()).hexdigest()
+        == hashlib.sha256(expected_out.encode()).hexdigest()
+    )
+    assert "".join(err) == expected_err
+    # Never re-run: the command appended exactly once.
+    assert (await sandbox.exec("cat /tmp/stream-runs")).stdout == "run\n"
+
+
+async def test_stream_stdin_and_attach(sandbox: AsyncSandbox) -> None:
+    cmd = await sandbox.stream("read line; echo got-$line; sleep 0.3; echo bye")
+    await cmd.send_stdin("hello\n")
+    first = await cmd.__anext__()
+    assert first.data.startswith("got-hello")
+    exec_id = cmd.exec_id
+    assert exec_id
+    await cmd.aclose()  # detach; the command keeps running
+    again = await sandbox.attach(exec_id, stdout_offset=first.end)
+    result = await again.wait()
+    assert result.stdout.strip().endswith("bye")
+    assert "got-hello" not in result.stdout
+    snap = await sandbox.get_exec(exec_id)
+    assert snap["state"] == "exited" and snap["exit_code"] == 0
+
+
+async def test_shells_driver_and_observer(pair: tuple[AsyncSandlot, AsyncSandbox]) -> None:
+    _, sandbox = pair
+    name = f"sh{uuid.uuid4().hex[:6]}"
+    async with (
+        await sandbox.shell(name) as driver,
+        await sandbox.shell(name, role="observer") as observer,
+    ):
+        await driver.resize(100, 30)
+        await driver.send("echo shared-$((6*7))\n")
+        assert "shared-42" in await driver.read_until("shared-42")
+        assert "shared-42" in await observer.read_until("shared-42")
+        listed = {s["name"]: s for s in await sandbox.list_shells()}
+        assert listed[name]["clients"] == 2
+    await sandbox.delete_shell(name)
+    assert name not in {s["name"] for s in await sandbox.list_shells()}
+
+
+async def test_files(sandbox: AsyncSandbox, tmp_path: Path) -> None:
+    payload = bytes(range(256)) * 4096  # 1 MiB, binary
+    local = tmp_path / "blob.bin"
+    local.write_bytes(payload)
+    await sandbox.upload("/workspace/in/blob.bin", local)
+    assert await sandbox.download("/workspace/in/blob.bin") == payload
+    await sandbox.upload("raw.txt", b"raw bytes")
+    assert await sandbox.download_to("raw.txt", str(tmp_path / "raw.txt")) == 9
+    with pytest.raises(FileNotFound):
+        await sandbox.download("missing.txt")
+
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text("A")
+    (tree / "sub" / "b.txt").write_text("B")
+    await sandbox.write("/workspace/sync/stale.txt", "old")
+    await sandbox.upload_archive("/workspace/sync", tree, delete_missing=True)
+    names = {e.path for e in await sandbox.ls("/workspace/sync", depth=2)}
+    assert names == {"/workspace/sync/a.txt", "/workspace/sync/sub", "/workspace/sync/sub/b.txt"}
+    with tarfile.open(fileobj=io.BytesIO(await sandbox.download_archive("/workspace/sync"))) as tar:
+        assert {"a.txt", "sub/b.txt"} <= {m.name.removeprefix("./") for m in tar.getmembers()}
+
+
+async def test_fs_operations_with_etags(sandbox: AsyncSandbox) -> None:
+    etag = await sandbox.write("src/app.py", "x = 1\ny = 2\n")
+    read = await sandbox.read("/workspace/src/app.py", offset=1, limit=1)
+    assert (read.content, read.total_lines, read.start_line) == ("y = 2\n", 2, 1)
+    full = await sandbox.read("src/app.py")
+    assert full.etag == etag
+    edited = await sandbox.edit("src/app.py", "x = 1", "x = 10", if_match=etag)
+    assert edited["occurrences"] == 1
+    with pytest.raises(PreconditionFailed):
+        await sandbox.write("src/app.py", "clobber", if_match=etag)  # the other party's change
+    with pytest.raises(PreconditionFailed):
+        await sandbox.write("src/app.py", "x", if_none_match="*")
+    assert [e.path for e in await sandbox.glob("**/*.py")] == ["/workspace/src/app.py"]
+    hits = await sandbox.grep("x = 10")
+    assert [(m.path, m.line) for m in hits] == [("/workspace/src/app.py", 1)]
+    assert (await sandbox.stat("src/app.py"))["size"] == len("x = 10\ny = 2\n")
+    await sandbox.mkdir("docs/deep")
+    await sandbox.move("src/app.py", "docs/deep/app.py")
+    assert await sandbox.exists("docs/deep/app.py")
+    assert not await sandbox.exists("src/app.py")
+    await sandbox.delete("docs", recursive=True)
+    assert not await sandbox.exists("docs")
+    with pytest.raises(SandlotError):
+        await sandbox.edit("missing.py", "a", "b")
+
+
+@pytest.mark.parametrize("transport", ["sse", "ws"])
+async def test_events(sandbox: AsyncSandbox, transport: str) -> None:
+    await sandbox.write("ev.txt", "1")
+    await sandbox.exec("true")
+    seen = []
+    async with sandbox.events(after=0, transport=transport, timeout=10) as events:
+        async for event in events:
+            seen.append(event)
+            if event.kind == "exec" and event.event_type == "exec.exited":
+                break
+    assert [e.sequence for e in seen] == sorted({e.sequence for e in seen})
+    fs = [e for e in seen if e.kind == "fs"]
+    assert any(e.details["fs"]["path"] == "/workspace/ev.txt" for e in fs)
+    assert all(e.actor and e.actor["type"] == "human" for e in seen if e.kind == "exec")
+    # Resume strictly after a cursor.
+    cursor = seen[-2].sequence
+    async with sandbox.events(after=cursor, transport=transport, timeout=10) as events:
+        nxt = await events.__anext__()
+    assert nxt.sequence == seen[-1].sequence
+
+
+async def test_bootstrap_grant(
+    pair: tuple[AsyncSandlot, AsyncSandbox], server: SandlotServer, agent_key: str
+) -> None:
+    # What an agent finds in config["configurable"]["sandbox"]: the 2.1 answer itself.
+    async with httpx.AsyncClient() as raw:
+        resp = await raw.post(
+            f"{server.url}/v1/sandbox/sessions",
+            json={"thread_id": f"thr_{uuid.uuid4().hex[:8]}", "mode": "ensure"},
+            headers={"Authorization": f"Bearer {agent_key}"},
+        )
+    resp.raise_for_status()
+    config = {"configurable": {"sandbox": resp.json()}}
+    async with AsyncSandbox.from_config(config) as boot:
+        assert (await boot.run("echo boot")).stdout == "boot\n"
+        assert boot.grant.capabilities and "exec" in boot.grant.capabilities
+    grant = Grant.from_response(resp.json())
+    assert grant.session_id == resp.json()["session_id"]
+    # The 2.9 alias shape works too.
+    alias = {"sandbox_id": grant.sandbox_id, "token": grant.token, "http_url": grant.http_base_url}
+    async with AsyncSandbox(alias) as boot:
+        assert (await boot.exec("echo alias")).stdout == "alias\n"
