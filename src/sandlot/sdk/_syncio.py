@@ -64,13 +64,16 @@ class Background:
 
 def ws_connect(url: str, headers: dict[str, str], timeout: float | None) -> ClientConnection:
     """Open a WebSocket."""
-    return _connect(
+    ws = _connect(
         url,
         additional_headers=headers,
         open_timeout=timeout,
         max_size=None,
         compression=None,
     )
+    # The connection outlives this call (closed by ws_close), as with the async client.
+    ws.__enter__()
+    return ws
 
 
 def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
