@@ -1,0 +1,139 @@
+"""The deepagents backend's native calls vs deepagents' own script-over-execute defaults.
+
+Run: ``/tmp/venv/bin/python bench/deepagents_bench.py [--n 200]``
+
+Starts ``sandlot serve`` on 127.0.0.1, ensures one sandbox as an agent, and
+times ``read``, ``write``, ``edit`` and ``grep`` two ways on that same sandbox,
+interleaved call by call:
+
+- **sandlot**: :class:`~sandlot.integrations.deepagents.SandlotBackend`, one
+  native ``/fs/*`` call each;
+- **BaseSandbox**: deepagents' ``BaseSandbox`` implementations (a Python or
+  shell script run through ``execute``, uploads through ``upload_files``),
+  over the very same transport (``execute`` → ``POST /exec``).
+
+Prints a Markdown table: median and p95 in ms and the ratio of medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepagents.backends.protocol import (
+    ExecuteResponse,
+    FileDownloadResponse,
+    FileUploadResponse,
+)
+from deepagents.backends.sandbox import BaseSandbox
+from tests.servers import isolation_mode, running
+
+from sandlot.integrations.deepagents import SandlotBackend
+
+
+class ScriptSandbox(BaseSandbox):
+    """deepagents' defaults: every file operation is a script run through ``execute``."""
+
+    def __init__(self, native: SandlotBackend) -> None:
+        self.native = native
+
+    @property
+    def id(self) -> str:
+        return self.native.id
+
+    def execute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
+        return self.native.execute(command, timeout=timeout)
+
+    def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+        return self.native.upload_files(files)
+
+    def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+        return self.native.download_files(paths)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=200)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, running(Path(tmp) / "d") as srv:
+        backend = SandlotBackend.for_thread("thr_bench", url=srv.url, api_key=srv.key("b", "agent"))
+        script = ScriptSandbox(backend)
+        base = "/workspace/bench"
+        body = "".join(f"line {i}: the quick brown fox\n" for i in range(100))  # ~3 KiB
+        for i in range(50):
+            backend.write(f"{base}/src/m{i}.py", body)
+        backend.write(f"{base}/target.txt", body)
+        for tag in ("sandlot", "BaseSandbox"):
+            backend.write(f"{base}/edit-{tag}.txt", "alpha\n" + body)
+
+        def ops(b: Any, tag: str) -> dict[str, Callable[[], Any]]:
+            state = {"flip": False}
+
+            def edit() -> Any:
+                state["flip"] = not state["flip"]
+                old, new = ("alpha", "omega") if state["flip"] else ("omega", "alpha")
+                result = b.edit(f"{base}/edit-{tag}.txt", old, new)
+                assert result.error is None, result.error
+                return result
+
+            def read() -> Any:
+                result = b.read(f"{base}/target.txt")
+                assert result.error is None, result.error
+                return result
+
+            def write() -> Any:
+                result = b.write(f"{base}/out-{tag}.txt", body)
+                assert result.error is None, result.error
+                return result
+
+            def grep() -> Any:
+                result = b.grep("line 42:", f"{base}/src")
+                assert result.error is None and len(result.matches) == 50, result
+                return result
+
+            return {"read": read, "write": write, "edit": edit, "grep": grep}
+
+        sides = {"sandlot": ops(backend, "sandlot"), "BaseSandbox": ops(script, "BaseSandbox")}
+        times: dict[tuple[str, str], list[float]] = {}
+        for op in ("read", "write", "edit", "grep"):
+            for side in sides:  # warm-up
+                for _ in range(5):
+                    sides[side][op]()
+            for _ in range(args.n):
+                for side, table in sides.items():  # interleaved, call by call
+                    t0 = time.perf_counter()
+                    table[op]()
+                    times.setdefault((op, side), []).append((time.perf_counter() - t0) * 1000)
+        backend.close()
+
+    print(
+        f"deepagents backend, {args.n} calls each, interleaved; {platform.machine()}, "
+        f"{isolation_mode()} sandboxes, Python {platform.python_version()}\n"
+    )
+    print("| operation | sandlot median | p95 | BaseSandbox median | p95 | speed-up |")
+    print("|---|---|---|---|---|---|")
+    for op in ("read", "write", "edit", "grep"):
+        a, b = times[(op, "sandlot")], times[(op, "BaseSandbox")]
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(
+            f"| {op} | {ma:.2f} ms | {pct(a, 0.95):.2f} ms | {mb:.2f} ms | "
+            f"{pct(b, 0.95):.2f} ms | {mb / ma:.1f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
