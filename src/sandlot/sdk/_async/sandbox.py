@@ -118,6 +118,13 @@ class AsyncSandbox:
             # The log itself is not served yet: the one place left to wait is Retry-After.
             await _aio.sleep(min(exc.retry_after or 0.5, deadline.remaining() or 0.5))
 
+    async def _ensure_started(self, timeout: float | None) -> None:
+        # Sockets cannot answer 423: before opening one on a sandbox not known to be
+        # active, wait for it (one HTTP call when it is).
+        if self.grant.state not in ("active", "idle"):
+            await self.wait_ready(timeout=timeout)
+            self.grant.state = "active"
+
     async def wait_ready(self, *, timeout: float | None = None) -> None:
         """Return once the sandbox is active (waiting on its event log, never polling)."""
         await self._call("GET", "/fs/stat", timeout, params={"path": "/workspace"})
@@ -236,7 +243,7 @@ class AsyncSandbox:
                 start[key] = value
         if pty:
             start["pty"] = True
-        await self.wait_ready(timeout=timeout)
+        await self._ensure_started(timeout)
         cmd = AsyncCommand(
             self._ws_url("/exec/ws"),
             self._auth,
@@ -297,7 +304,7 @@ class AsyncSandbox:
         timeout: float | None = None,
     ) -> AsyncShell:
         """Attach to the named shared shell as ``driver`` or ``observer`` (created if missing)."""
-        await self.wait_ready(timeout=timeout)
+        await self._ensure_started(timeout)
         url = self._ws_url(
             "/shell/ws",
             session=name,

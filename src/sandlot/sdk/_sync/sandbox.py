@@ -119,6 +119,13 @@ class Sandbox:
             # The log itself is not served yet: the one place left to wait is Retry-After.
             _aio.sleep(min(exc.retry_after or 0.5, deadline.remaining() or 0.5))
 
+    def _ensure_started(self, timeout: float | None) -> None:
+        # Sockets cannot answer 423: before opening one on a sandbox not known to be
+        # active, wait for it (one HTTP call when it is).
+        if self.grant.state not in ("active", "idle"):
+            self.wait_ready(timeout=timeout)
+            self.grant.state = "active"
+
     def wait_ready(self, *, timeout: float | None = None) -> None:
         """Return once the sandbox is active (waiting on its event log, never polling)."""
         self._call("GET", "/fs/stat", timeout, params={"path": "/workspace"})
@@ -237,7 +244,7 @@ class Sandbox:
                 start[key] = value
         if pty:
             start["pty"] = True
-        self.wait_ready(timeout=timeout)
+        self._ensure_started(timeout)
         cmd = Command(
             self._ws_url("/exec/ws"),
             self._auth,
@@ -298,7 +305,7 @@ class Sandbox:
         timeout: float | None = None,
     ) -> Shell:
         """Attach to the named shared shell as ``driver`` or ``observer`` (created if missing)."""
-        self.wait_ready(timeout=timeout)
+        self._ensure_started(timeout)
         url = self._ws_url(
             "/shell/ws",
             session=name,
