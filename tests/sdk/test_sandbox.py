@@ -3,9 +3,11 @@ dropped connections, shells, files, filesystem operations, events, bootstrap gra
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import tarfile
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,9 +19,11 @@ from sandlot.protocol.errors import (
     CommandExitError,
     FileNotFound,
     PreconditionFailed,
+    SandboxStarting,
     SandlotError,
 )
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, Grant
+from sandlot.sdk.types import Deadline
 from tests.servers import SandlotServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -217,3 +221,26 @@ async def test_bootstrap_grant(
     alias = {"sandbox_id": grant.sandbox_id, "token": grant.token, "http_url": grant.http_base_url}
     async with AsyncSandbox(alias) as boot:
         assert (await boot.exec("echo alias")).stdout == "alias\n"
+
+
+async def test_starting_sandbox_is_awaited_on_events(
+    pair: tuple[AsyncSandlot, AsyncSandbox],
+) -> None:
+    # A suspended sandbox answers 423 SANDBOX_STARTING; the call waits on the event log
+    # for the next activation (here: a resume a moment later) and then succeeds.
+    client, sandbox = pair
+    await sandbox.write("before.txt", "x")
+    await client.suspend_sandbox(sandbox.id)
+    with pytest.raises(SandboxStarting):
+        await sandbox._http.json("GET", "/fs/stat", deadline=Deadline(5), params={"path": "."})
+
+    async def resume_later() -> None:
+        await asyncio.sleep(0.5)
+        await client.resume_sandbox(sandbox.id)
+
+    resumer = asyncio.create_task(resume_later())
+    started = time.monotonic()
+    result = await sandbox.exec("cat before.txt", timeout=20)
+    await resumer
+    assert result.stdout == "x"
+    assert time.monotonic() - started >= 0.4

@@ -25,12 +25,11 @@ from sandlot.protocol.errors import CommandExitError, SandboxStarting, SandlotEr
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import HTTP, http_timeout, raise_for_error
 from sandlot.sdk._sync.commands import Command
-from sandlot.sdk._sync.events import EventStream, wait_for_state
+from sandlot.sdk._sync.events import EventStream
 from sandlot.sdk._sync.shells import Shell
 from sandlot.sdk.types import (
     CommandResult,
     Deadline,
-    Event,
     FileEntry,
     Grant,
     GrepMatch,
@@ -41,16 +40,6 @@ from sandlot.sdk.types import (
 CHUNK = 1 << 20
 
 _ENDED = ("failed", "terminated")
-
-
-def _became_active(event: Event) -> bool:
-    phase = event.details.get("phase") or {}
-    return phase.get("to") == "active" or event.state in ("active", "idle")
-
-
-def _ended(event: Event) -> bool:
-    phase = event.details.get("phase") or {}
-    return phase.get("to") in _ENDED or event.state in _ENDED
 
 
 class Sandbox:
@@ -103,21 +92,41 @@ class Sandbox:
         return self.grant.ws_base_url + path + (f"?{query}" if query else "")
 
     def _call(self, method: str, path: str, timeout: float | None, **kw: Any) -> Any:
-        """A JSON call that waits out 423 SANDBOX_STARTING on the event log."""
-        deadline = self._http.deadline(timeout)
-        while True:
-            try:
-                return self._http.json(method, path, deadline=deadline, **kw)
-            except SandboxStarting as exc:
-                self._wait_started(deadline, exc)
+        """A JSON call that waits out 423 SANDBOX_STARTING on the sandbox's event log.
 
-    def _wait_started(self, deadline: Deadline, exc: SandboxStarting) -> None:
+        The log is read from its start once per call, and the call is retried after
+        each activation it reports: an activation older than the 423 only costs one
+        retry, and the cursor has then moved past it. No polling.
+        """
+        deadline = self._http.deadline(timeout)
+        log: EventStream | None = None
         try:
-            stream = EventStream(self._http, "/events", after=0, timeout=deadline.remaining())
-            wait_for_state(stream, _became_active, _ended)
+            while True:
+                try:
+                    return self._http.json(method, path, deadline=deadline, **kw)
+                except SandboxStarting as exc:
+                    if log is None:
+                        log = EventStream(
+                            self._http, "/events", after=0, timeout=deadline.remaining()
+                        )
+                    self._next_activation(log, exc, deadline)
+        finally:
+            if log is not None:
+                log.close()
+
+    def _next_activation(self, log: EventStream, exc: SandboxStarting, deadline: Deadline) -> None:
+        try:
+            for event in log:
+                phase = event.details.get("phase") or {}
+                if phase.get("to") in _ENDED:
+                    raise SandlotError(f"sandbox {self.id} is {phase.get('to')}")
+                if phase.get("to") in ("active", "idle"):
+                    return
         except SandboxStarting:
             # The log itself is not served yet: the one place left to wait is Retry-After.
             _aio.sleep(min(exc.retry_after or 0.5, deadline.remaining() or 0.5))
+            return
+        raise SandlotError("event log ended while the sandbox was starting")
 
     def _ensure_started(self, timeout: float | None) -> None:
         # Sockets cannot answer 423: before opening one on a sandbox not known to be
