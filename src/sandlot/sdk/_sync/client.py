@@ -31,6 +31,8 @@ from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk.types import Event, Grant
 
 _ACTIVE = ("active", "idle")
+#: Seconds before a failed background refresh or heartbeat is tried again.
+RETRY_DELAY = 5.0
 _ENDED = ("failed", "terminated")
 
 
@@ -81,9 +83,11 @@ class _Lease:
                 if beat is not None and now >= beat_at and self.grant.session_id:
                     self.client.heartbeat(self.grant.session_id)
                     self.heartbeats += 1
-            except Exception:  # the next round (or the next 401) tries again
-                refresh_at = min(refresh_at, now + 5.0)
-                beat_at = min(beat_at, now + 5.0)
+            except Exception:  # retried a little later (or by the next 401)
+                if now >= refresh_at:
+                    refresh_at = now + RETRY_DELAY
+                if now >= beat_at:
+                    beat_at = now + RETRY_DELAY
                 continue
             if now >= refresh_at:
                 refresh_at = time.monotonic() + self.grant.refresh_delay()
@@ -93,13 +97,15 @@ class _Lease:
     def renew(self) -> bool:
         """Refresh the token; re-negotiate when the binding is gone."""
         with self.lock:
-            try:
-                assert self.grant.session_id is not None
-                body = self.client.refresh(self.grant.session_id)
-                self.grant.update_token(body)
-            except (Gone, Unauthenticated, AssertionError):
-                body = self.client._negotiate(self.request, None)
-                fresh = Grant.from_response(body)
+            body: dict[str, Any] | None = None
+            if self.grant.session_id is not None:
+                try:
+                    body = self.client.refresh(self.grant.session_id)
+                    self.grant.update_token(body)
+                except (Gone, Unauthenticated):
+                    body = None
+            if body is None:
+                fresh = Grant.from_response(self.client._negotiate(self.request, None))
                 self.grant.__dict__.update(fresh.__dict__)
             self.refreshes += 1
             return True
