@@ -14,6 +14,9 @@ CONFIG = """
 token_ttl_seconds = 6
 lease_ttl_seconds = 6
 
+[quotas]
+max_live_sandboxes_per_user = 1000
+
 [policy.capabilities.agent]
 default = ["fs_read", "fs_write", "exec"]
 allowed = ["fs_read", "fs_write", "exec", "shell_observe"]
