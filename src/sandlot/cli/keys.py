@@ -28,7 +28,7 @@ def _services(data_dir: Path | None, store: str | None, config: Path | None):  #
     return KeyService(db, settings.admins)
 
 
-DataDir = typer.Option(None, "--data-dir", help="The server's data directory [default: .sandlot].")
+DataDir = typer.Option(None, "--data-dir", help="The server's data directory (default: .sandlot).")
 StoreUrl = typer.Option(
     None, "--store", help="The server's store URL, if not SQLite in the data dir."
 )
@@ -43,7 +43,7 @@ def create(
     user: str = typer.Option(..., "--user", help="The user the key belongs to."),
     actor: str = typer.Option("human", "--actor", help="human, agent or service."),
     name: str = typer.Option(None, "--name", help="A label for the key."),
-    principal: str = typer.Option(None, "--principal", help="Principal id [default: ACTOR:USER]."),
+    principal: str = typer.Option(None, "--principal", help="Principal id (default: ACTOR:USER)."),
     as_json: bool = typer.Option(False, "--json", help='Print {"key": …} as JSON.'),
     data_dir: Path = DataDir,
     store: str = StoreUrl,

@@ -7,7 +7,7 @@ import sys
 import typer
 
 from sandlot import __version__
-from sandlot.cli import keys, serve
+from sandlot.cli import keys, live, resources, serve, sync
 
 app = typer.Typer(
     name="sandlot",
@@ -15,9 +15,31 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("serve", help=serve.HELP, epilog=serve.EPILOG)(serve.serve_command)
 app.add_typer(keys.app, name="keys")
+app.add_typer(resources.session_app, name="session")
+app.add_typer(resources.sandbox_app, name="sandbox")
+app.add_typer(resources.template_app, name="template")
+app.add_typer(resources.pool_app, name="pool")
+app.command(
+    "exec",
+    epilog=(
+        "Example: sandlot exec thr_1 -- python3 -c 'print(42)'   "
+        "(one argument runs under the shell: sandlot exec thr_1 -- 'ls | wc -l')"
+    ),
+)(live.exec_command)
+app.command(
+    "shell",
+    epilog="Example: sandlot shell thr_1   (another terminal: sandlot shell thr_1 --observe)",
+)(live.shell_command)
+app.command("watch", epilog="Example: sandlot watch thr_1")(live.watch_command)
+app.command("sync", epilog="Example: sandlot sync ./myproject thr_1:/workspace --watch")(
+    sync.sync_command
+)
+app.command("pull", epilog="Example: sandlot pull thr_1 ./myproject")(sync.pull_command)
+app.command("audit", epilog="Example: sandlot audit --scope thread:thr_1")(resources.audit_command)
 
 
 def _version(value: bool) -> None:

@@ -16,20 +16,20 @@ EPILOG = (
 
 
 def serve_command(
-    host: str = typer.Option(None, help="Interface to listen on [default: 127.0.0.1]."),
-    port: int = typer.Option(None, help="Port to listen on; 0 picks a free one [default: 8765]."),
+    host: str = typer.Option(None, help="Interface to listen on (default: 127.0.0.1)."),
+    port: int = typer.Option(None, help="Port to listen on; 0 picks a free one (default: 8765)."),
     data_dir: Path = typer.Option(
-        None, help="Where the store, workspaces and runs live [default: .sandlot]."
+        None, help="Where the store, workspaces and runs live (default: .sandlot)."
     ),
     config: Path = typer.Option(
         None, help="A TOML config file (templates, pools, policy, quotas)."
     ),
     store: str = typer.Option(
-        None, help="Store URL, e.g. postgresql://user@host/db [default: SQLite in the data dir]."
+        None, help="Store URL, e.g. postgresql://user@host/db (default: SQLite in the data dir)."
     ),
-    workers: int = typer.Option(None, help="Broker worker processes [default: 1]."),
+    workers: int = typer.Option(None, help="Broker worker processes (default: 1)."),
     dataplane_port: int = typer.Option(
-        None, help="With --workers > 1: the sandbox dataplane's port [default: port + 1]."
+        None, help="With --workers > 1: the sandbox dataplane's port (default: port + 1)."
     ),
     public_url: str = typer.Option(
         None, help="The URL clients reach this server at, if not http://HOST:PORT."
@@ -39,7 +39,7 @@ def serve_command(
         "--unisolated",
         help="Run sandboxes as plain processes (no isolation; for machines without namespaces).",
     ),
-    log_format: str = typer.Option(None, help="text or json [default: text]."),
+    log_format: str = typer.Option(None, help="text or json (default: text)."),
 ) -> None:
     from sandlot.broker.logs import configure_logging
     from sandlot.broker.settings import load_settings

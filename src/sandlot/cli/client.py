@@ -1,0 +1,95 @@
+"""Running a client command: one SDK client, friendly errors, JSON or human output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sandlot.cli.context import ClientSettings, load_client_settings
+from sandlot.cli.errors import fail
+from sandlot.protocol.errors import SandlotError
+from sandlot.sdk import AsyncSandbox, AsyncSandlot
+
+T = TypeVar("T")
+console = Console(highlight=False)
+
+
+def run(
+    url: str | None,
+    api_key: str | None,
+    body: Callable[[AsyncSandlot, ClientSettings], Awaitable[T]],
+    *,
+    auto_refresh: bool = True,
+) -> T:
+    """Run ``body`` with a broker client; expected failures become one line and exit 1."""
+    settings = load_client_settings(url, api_key)
+
+    async def main() -> T:
+        client = AsyncSandlot(
+            settings.url, settings.api_key, timeout=settings.timeout, auto_refresh=auto_refresh
+        )
+        try:
+            return await body(client, settings)
+        finally:
+            await client.aclose()
+
+    try:
+        return asyncio.run(main())
+    except SandlotError as exc:
+        raise fail(f"{exc.message} ({exc.wire_code})") from None
+    except httpx.ConnectError:
+        raise fail(
+            f"cannot reach the server at {settings.url} (is `sandlot serve` running?)"
+        ) from None
+    except httpx.HTTPError as exc:
+        raise fail(f"connection to {settings.url} failed: {type(exc).__name__}") from None
+    except TimeoutError as exc:
+        raise fail(f"timed out: {exc}") from None
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+
+
+def split_target(target: str) -> tuple[str, str | None]:
+    """``THREAD[:REMOTE_DIR]`` → (thread, remote dir or None)."""
+    thread, sep, remote = target.partition(":")
+    if not thread:
+        raise fail("name a thread: THREAD or THREAD:/remote/dir", 2)
+    return thread, (remote or None) if sep else None
+
+
+async def sandbox_for(client: AsyncSandlot, thread: str, *, create: bool = True) -> AsyncSandbox:
+    """The thread's sandbox (created if missing unless ``create=False``), once active."""
+    if create:
+        return await client.ensure(thread)
+    return await client.get(thread)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str], *, empty: str = "nothing") -> None:
+    if not rows:
+        console.print(f"[dim]{empty}[/]")
+        return
+    table = Table(*columns)
+    for row in rows:
+        table.add_row(*("" if row.get(c) is None else str(row.get(c)) for c in columns))
+    console.print(table)
+
+
+def print_mapping(data: dict[str, Any]) -> None:
+    table = Table(show_header=False, box=None)
+    for key, value in data.items():
+        table.add_row(
+            f"[bold]{key}[/]", json.dumps(value) if isinstance(value, dict | list) else str(value)
+        )
+    console.print(table)

@@ -1,0 +1,282 @@
+"""``sandlot exec``, ``sandlot shell`` and ``sandlot watch``: working in a thread's sandbox live."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import contextlib
+import json
+import os
+import signal
+import sys
+import termios
+import time
+import tty
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from sandlot.cli.client import run
+from sandlot.cli.context import JsonOption, KeyOption, UrlOption
+from sandlot.cli.errors import err_console, fail
+from sandlot.sdk import AsyncSandbox, AsyncSandlot, AsyncShell
+
+#: Ctrl-] leaves ``sandlot shell`` (the shell keeps running), as in telnet.
+DETACH_KEY = b"\x1d"
+
+
+def exec_command(
+    thread: str = typer.Argument(..., help="The thread whose sandbox runs the command."),
+    command: list[str] = typer.Argument(
+        ..., help="The command after --; one argument runs under the shell."
+    ),
+    cwd: str = typer.Option(None, help="Working directory in the sandbox (default: /workspace)."),
+    env: list[str] = typer.Option(None, "--env", help="KEY=VALUE (repeatable)."),
+    timeout: float = typer.Option(
+        None, help="Kill the command after this many seconds (exit 124)."
+    ),
+    pty: bool = typer.Option(False, "--pty", help="Run under a pseudo-terminal."),
+    url: str = UrlOption,
+    api_key: str = KeyOption,
+) -> None:
+    """Run a command in the thread's sandbox, streaming its output; exit with its code.
+
+    The output survives a dropped connection: the command keeps running and
+    the client reattaches where it stopped, without running it again.
+    """
+    environ: dict[str, str] = {}
+    for item in env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise fail(f"--env wants KEY=VALUE, got {item!r}", 2)
+        environ[key] = value
+    argv: str | list[str] = command[0] if len(command) == 1 else list(command)
+
+    async def body(client: AsyncSandlot, _: Any) -> int:
+        sandbox = await client.ensure(thread)
+        cmd = await sandbox.stream(
+            argv, cwd=cwd, env=environ or None, timeout_seconds=timeout, pty=pty
+        )
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGINT, lambda: loop.create_task(cmd.signal("SIGINT")))
+        loop.add_signal_handler(signal.SIGTERM, lambda: loop.create_task(cmd.signal("SIGTERM")))
+        out, err = sys.stdout.buffer, sys.stderr.buffer
+        async for chunk in cmd:
+            if chunk.lost:
+                err_console.print(
+                    f"[yellow][sandlot] {chunk.lost} bytes of {chunk.stream} were lost[/]"
+                )
+                continue
+            stream = err if chunk.stream == "stderr" else out
+            stream.write(chunk.data.encode())
+            stream.flush()
+        result = await cmd.wait()
+        if result.timed_out:
+            err_console.print(f"[yellow][sandlot] timed out after {timeout:g} s[/]")
+        return 1 if result.exit_code is None else int(result.exit_code)
+
+    raise typer.Exit(run(url, api_key, body))
+
+
+class _Terminal:
+    """The local terminal in raw mode, restored on exit whatever happens."""
+
+    def __init__(self) -> None:
+        self.fd = sys.stdin.fileno()
+        self.saved: list[Any] | None = None
+
+    def __enter__(self) -> _Terminal:
+        if os.isatty(self.fd):
+            self.saved = termios.tcgetattr(self.fd)
+            tty.setraw(self.fd)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.saved is not None:
+            termios.tcsetattr(self.fd, termios.TCSADRAIN, self.saved)
+
+    @staticmethod
+    def size() -> tuple[int, int]:
+        try:
+            size = os.get_terminal_size(sys.stdout.fileno())
+            return size.columns, size.lines
+        except OSError:
+            return 80, 24
+
+
+async def _shell_session(
+    sandbox: AsyncSandbox, name: str, role: str, profile: str | None
+) -> int | None:
+    """Relay the terminal to the shared shell until it exits or the user detaches."""
+    loop = asyncio.get_running_loop()
+    out = sys.stdout.buffer
+    cols, rows = _Terminal.size()
+    shown = -1  # offset just past what was written to the terminal
+    detached = asyncio.Event()
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    shell: AsyncShell | None = None
+    sending: set[asyncio.Task[None]] = set()
+
+    def send(coro: Any) -> None:
+        # Keep a reference until the frame is sent (the loop holds tasks weakly).
+        task = loop.create_task(coro)
+        sending.add(task)
+        task.add_done_callback(sending.discard)
+
+    def on_input() -> None:
+        try:
+            data = os.read(sys.stdin.fileno(), 4096)
+        except OSError:
+            data = b""
+        if not data or DETACH_KEY in data:
+            detached.set()
+            return
+        if role == "driver" and shell is not None:
+            text = decoder.decode(data)
+            if text:
+                send(shell.send(text))
+
+    def on_resize() -> None:
+        if shell is not None:
+            send(shell.resize(*_Terminal.size()))
+
+    loop.add_reader(sys.stdin.fileno(), on_input)
+    loop.add_signal_handler(signal.SIGWINCH, on_resize)
+    try:
+        while not detached.is_set():
+            shell = await sandbox.shell(name, role=role, profile=profile, cols=cols, rows=rows)
+            # On reattach, show only what this terminal has not shown yet.
+            history = shell.history.encode()
+            start = shell.offset - len(history)
+            skip = 0 if shown < 0 else max(0, min(len(history), shown - start))
+            out.write(history[skip:])
+            out.flush()
+            shown = shell.offset
+            reader = loop.create_task(_pump(shell, out))
+            waiter = loop.create_task(detached.wait())
+            await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+                await shell.aclose()
+                return None
+            shown = max(shown, shell.offset)
+            reader.result()
+            if shell.exit_code is not None:
+                return shell.exit_code
+            # The connection dropped under a live shell: reattach after a breath.
+            await asyncio.sleep(0.2)
+        return None
+    finally:
+        loop.remove_reader(sys.stdin.fileno())
+        loop.remove_signal_handler(signal.SIGWINCH)
+
+
+async def _pump(shell: AsyncShell, out: Any) -> None:
+    async for chunk in shell:
+        if chunk.lost:
+            out.write(f"\r\n[sandlot: {chunk.lost} bytes of output skipped]\r\n".encode())
+        else:
+            out.write(chunk.data.encode())
+        out.flush()
+
+
+def shell_command(
+    thread: str = typer.Argument(..., help="The thread whose sandbox hosts the shell."),
+    session: str = typer.Option("main", "--session", help="The shared shell's name."),
+    observe: bool = typer.Option(False, "--observe", help="Watch without typing."),
+    profile: str = typer.Option(None, help="Shell profile of the template (default: default)."),
+    url: str = UrlOption,
+    api_key: str = KeyOption,
+) -> None:
+    """Open a terminal on a shared shell of the thread's sandbox (Ctrl-] detaches).
+
+    Everyone attached to the same --session sees the same screen; the shell
+    keeps running after you detach, and a dropped connection reattaches
+    without losing output.
+    """
+    role = "observer" if observe else "driver"
+
+    async def body(client: AsyncSandlot, _: Any) -> int | None:
+        sandbox = await client.ensure(thread)
+        with _Terminal():
+            return await _shell_session(sandbox, session, role, profile)
+
+    code = run(url, api_key, body)
+    if code is None:
+        err_console.print(f"[dim]detached from shell {session!r} (it keeps running)[/]")
+        raise typer.Exit(0)
+    raise typer.Exit(code)
+
+
+def _cursor_file(sandbox_id: str) -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sandlot" / "watch"
+    return base / f"{sandbox_id}.seq"
+
+
+def _describe(event: Any) -> str:
+    d = event.details.get(event.kind, {}) if event.kind else {}
+    if event.kind == "fs":
+        return f"{d.get('op', '?')} {d.get('path', '')}" + (
+            f" -> {d['dst']}" if d.get("dst") else ""
+        )
+    if event.kind == "exec":
+        text = d.get("command")
+        if isinstance(text, list):
+            text = " ".join(text)
+        tail = f" exit {d['exit_code']}" if d.get("exit_code") is not None else ""
+        return (
+            f"{event.event_type.split('.')[-1]} {d.get('exec_id', '')} {text or ''}{tail}".strip()
+        )
+    if event.kind == "shell":
+        return f"{event.event_type.split('.')[-1]} shell {d.get('name', '')}".strip()
+    if event.kind == "phase":
+        return f"sandbox {d.get('from')} -> {d.get('to')}" + (
+            f" ({d['reason']})" if d.get("reason") else ""
+        )
+    return json.dumps(d)
+
+
+def watch_command(
+    thread: str = typer.Argument(..., help="The thread whose sandbox to watch."),
+    after: int | None = typer.Option(
+        None, help="Start after this event sequence (default: where the last watch stopped)."
+    ),
+    from_start: bool = typer.Option(False, "--from-start", help="Replay every retained event."),
+    as_json: bool = JsonOption,
+    url: str = UrlOption,
+    api_key: str = KeyOption,
+) -> None:
+    """The live activity feed: commands started and finished (with who ran them), file changes.
+
+    It resumes where the previous watch of the same sandbox stopped.
+    """
+
+    async def body(client: AsyncSandlot, _: Any) -> None:
+        sandbox = await client.ensure(thread)
+        cursor_file = _cursor_file(sandbox.id)
+        cursor = 0 if from_start else after
+        if cursor is None:
+            try:
+                cursor = int(cursor_file.read_text().strip())
+            except (OSError, ValueError):
+                cursor = 0
+        cursor_file.parent.mkdir(parents=True, exist_ok=True)
+        async for event in sandbox.events(after=cursor):
+            if as_json:
+                sys.stdout.write(json.dumps(event.raw, sort_keys=True) + "\n")
+            else:
+                actor = event.actor or {}
+                who = f"{actor.get('type', '')}:{actor.get('id', '')}" if actor else "sandbox"
+                stamp = time.strftime("%H:%M:%S")
+                kind = event.kind or "?"
+                line = f"{stamp} #{event.sequence:<5} {who:<24} {kind:<6} {_describe(event)}"
+                sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            cursor_file.write_text(str(event.sequence))
+
+    with contextlib.suppress(KeyboardInterrupt):
+        run(url, api_key, body)

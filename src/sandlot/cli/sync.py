@@ -1,0 +1,206 @@
+"""``sandlot sync`` and ``sandlot pull``: a local tree into a thread's sandbox, and back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+import tarfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+from sandlot.cli.client import console, run, split_target
+from sandlot.cli.context import KeyOption, UrlOption
+from sandlot.cli.errors import err_console, fail
+from sandlot.cli.trees import (
+    LocalTree,
+    load_manifest,
+    manifest_of,
+    plan_pull,
+    save_manifest,
+    scan,
+    tar_stream,
+)
+from sandlot.sdk import AsyncSandbox, AsyncSandlot, FileNotFound
+
+DEFAULT_REMOTE = "/workspace"
+
+
+async def _aiter(chunks: Any) -> AsyncIterator[bytes]:
+    for chunk in chunks:
+        yield chunk
+        await asyncio.sleep(0)
+
+
+async def push(
+    sandbox: AsyncSandbox, tree: LocalTree, remote: str, *, delete: bool, show: bool
+) -> dict[str, Any]:
+    """Send ``tree`` as one tar stream into ``remote`` (with a progress bar when ``show``)."""
+    if not show:
+        stream = tar_stream(tree)
+        return await _upload(sandbox, remote, stream, delete)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err_console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task(f"sync {len(tree.files)} files", total=tree.total_bytes)
+        stream = tar_stream(tree, progress=lambda n: progress.advance(task, n))
+        return await _upload(sandbox, remote, stream, delete)
+
+
+async def _upload(sandbox: AsyncSandbox, remote: str, stream: Any, delete: bool) -> dict[str, Any]:
+    result = await sandbox._call(
+        "POST",
+        "/files/archive",
+        None,
+        params={"path": remote, "delete_missing": delete},
+        content=_aiter(stream),
+    )
+    return dict(result or {})
+
+
+def sync_command(
+    local_dir: Path = typer.Argument(..., help="The local directory to send."),
+    target: str = typer.Argument(
+        ..., help="THREAD or THREAD:/remote/dir (default dir: /workspace)."
+    ),
+    delete: bool = typer.Option(
+        False, "--delete", help="Remove remote files the local tree does not have."
+    ),
+    watch: bool = typer.Option(False, "--watch", help="Keep pushing local changes until Ctrl-C."),
+    url: str = UrlOption,
+    api_key: str = KeyOption,
+) -> None:
+    """Send a local tree into the thread's sandbox as one tar stream (honours .gitignore)."""
+    if not local_dir.is_dir():
+        raise fail(f"{local_dir} is not a directory", 2)
+    thread, remote = split_target(target)
+    remote = remote or DEFAULT_REMOTE
+    root = local_dir.resolve()
+
+    async def body(client: AsyncSandlot, _: Any) -> None:
+        sandbox = await client.ensure(thread)
+        started = time.monotonic()
+        tree = scan(root)
+        result = await push(sandbox, tree, remote, delete=delete, show=True)
+        save_manifest(root, manifest_of(tree))
+        err_console.print(
+            f"synced {len(tree.files)} files ({tree.total_bytes} bytes) to {thread}:{remote} "
+            f"in {time.monotonic() - started:.2f} s"
+            + (f", {result.get('deleted')} removed" if result.get("deleted") else "")
+        )
+        if watch:
+            await _watch_and_push(sandbox, root, remote)
+
+    run(url, api_key, body)
+
+
+async def _watch_and_push(sandbox: AsyncSandbox, root: Path, remote: str) -> None:
+    """Push what changes locally, file by file, as it changes.
+
+    File events only wake the loop; what to send is decided by comparing the
+    tree with what was last sent (size and mtime), so nothing is missed between
+    the first sync and the moment the watcher started, or in a burst of events.
+    """
+    from watchfiles import awatch
+
+    def index(tree: LocalTree) -> dict[str, tuple[int, float]]:
+        return {f.rel: (f.size, f.mtime) for f in tree.files}
+
+    sent = index(scan(root))
+    err_console.print(f"[dim]watching {root} (Ctrl-C to stop)[/]")
+    async for _changes in awatch(root, debounce=200, yield_on_timeout=True, rust_timeout=1000):
+        tree = scan(root)
+        now = index(tree)
+        changed = [f for f in tree.files if sent.get(f.rel) != now[f.rel]]
+        # Only what this sync sent is removed remotely, never the sandbox's own files.
+        gone = sorted(set(sent) - set(now))
+        if changed:
+            subset = LocalTree(root, files=changed, dirs=_parents([f.rel for f in changed]))
+            await push(sandbox, subset, remote, delete=False, show=False)
+        for rel in gone:
+            with contextlib.suppress(FileNotFound):
+                await sandbox.delete(str(PurePosixPath(remote) / rel), recursive=True)
+        if changed or gone:
+            sent = now
+            save_manifest(root, manifest_of(tree))
+            stamp = time.strftime("%H:%M:%S")
+            console.print(f"[dim]{stamp}[/] pushed {len(changed)} changed, {len(gone)} removed")
+
+
+def _parents(rels: list[str]) -> list[str]:
+    dirs: set[str] = set()
+    for rel in rels:
+        parent = PurePosixPath(rel).parent
+        while str(parent) not in (".", ""):
+            dirs.add(str(parent))
+            parent = parent.parent
+    return sorted(dirs, key=lambda d: (d.count("/"), d))
+
+
+def pull_command(
+    target: str = typer.Argument(
+        ..., help="THREAD or THREAD:/remote/dir (default dir: /workspace)."
+    ),
+    local_dir: Path = typer.Argument(..., help="The local directory to update."),
+    force: bool = typer.Option(False, "--force", help="Overwrite local changes too."),
+    url: str = UrlOption,
+    api_key: str = KeyOption,
+) -> None:
+    """Bring the sandbox's changes back; a file you changed locally is never overwritten silently.
+
+    A conflicting file (changed locally and remotely since the last sync or
+    pull) is left as it is, and the sandbox's version is written next to it as
+    FILE.sandlot-remote; the command then exits with status 1.
+    """
+    thread, remote = split_target(target)
+    remote = remote or DEFAULT_REMOTE
+    root = local_dir.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+
+    async def body(client: AsyncSandlot, _: Any) -> int:
+        sandbox = await client.ensure(thread)
+        data = await sandbox.download_archive(remote)
+        files: dict[str, bytes] = {}
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:
+            for member in tar:
+                name = PurePosixPath(member.name.removeprefix("./") or ".")
+                if not member.isfile() or name.is_absolute() or ".." in name.parts:
+                    continue
+                extracted = tar.extractfile(member)
+                if extracted is not None:
+                    files[str(name)] = extracted.read()
+        manifest = load_manifest(root)
+        plan = plan_pull(root, files, manifest, force=force)
+        for rel in plan.write:
+            dest = root / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dest.with_name(dest.name + ".sandlot-tmp")
+            tmp.write_bytes(files[rel])
+            tmp.replace(dest)
+        for rel in plan.conflicts:
+            (root / (rel + ".sandlot-remote")).write_bytes(files[rel])
+        # Both sides now agree on the files written or unchanged; a conflict keeps
+        # its old base, so the next pull still sees the local change.
+        for rel in plan.write + plan.unchanged:
+            manifest[rel] = hashlib.sha256(files[rel]).hexdigest()
+        save_manifest(root, manifest)
+        err_console.print(
+            f"pulled {len(plan.write)} files, {len(plan.unchanged)} unchanged"
+            + (f", [bold red]{len(plan.conflicts)} conflicts[/]" if plan.conflicts else "")
+        )
+        for rel in plan.conflicts:
+            err_console.print(f"  [red]conflict[/] {rel} (sandbox version in {rel}.sandlot-remote)")
+        return 1 if plan.conflicts else 0
+
+    raise typer.Exit(run(url, api_key, body))
