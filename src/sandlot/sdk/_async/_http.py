@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -117,7 +117,7 @@ class AsyncHTTP:
 
     async def sse(
         self, path: str, *, deadline: Deadline, params: dict[str, Any] | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
+    ) -> AsyncGenerator[dict[str, Any], None]:
         """Yield the JSON ``data`` of each Server-Sent Event of ``path``."""
         retried = False
         while True:

@@ -8,7 +8,7 @@ with ``after`` = the last sequence seen, so no event is lost or repeated.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import httpx
@@ -71,13 +71,17 @@ class AsyncEventStream:
         while True:
             try:
                 source = self._sse() if self._transport == "sse" else self._ws()
-                async for body in source:
-                    event = Event.from_wire(body)
-                    if event.sequence <= self.last_sequence:
-                        continue
-                    self.last_sequence = event.sequence
-                    failures = 0
-                    yield event
+                try:
+                    async for body in source:
+                        event = Event.from_wire(body)
+                        if event.sequence <= self.last_sequence:
+                            continue
+                        self.last_sequence = event.sequence
+                        failures = 0
+                        yield event
+                finally:
+                    # Close the connection now, not when the generator is collected.
+                    await source.aclose()
                 return
             except (httpx.TransportError, ConnectionClosed, OSError) as exc:
                 if isinstance(exc, httpx.TimeoutException):
@@ -87,12 +91,12 @@ class AsyncEventStream:
                     raise
                 await _aio.sleep(min(0.05 * 2**failures, 2.0))
 
-    def _sse(self) -> AsyncIterator[dict[str, Any]]:
+    def _sse(self) -> AsyncGenerator[dict[str, Any], None]:
         return self._http.sse(
             self._path, deadline=self._deadline, params={"after": self.last_sequence}
         )
 
-    async def _ws(self) -> AsyncIterator[dict[str, Any]]:
+    async def _ws(self) -> AsyncGenerator[dict[str, Any], None]:
         assert self._ws_url is not None
         ws = await _aio.ws_connect(
             self._ws_url(self.last_sequence), self._http.auth(), self._deadline.remaining()

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import httpx
@@ -118,7 +118,7 @@ class HTTP:
 
     def sse(
         self, path: str, *, deadline: Deadline, params: dict[str, Any] | None = None
-    ) -> Iterator[dict[str, Any]]:
+    ) -> Generator[dict[str, Any], None, None]:
         """Yield the JSON ``data`` of each Server-Sent Event of ``path``."""
         retried = False
         while True:

@@ -9,7 +9,7 @@ with ``after`` = the last sequence seen, so no event is lost or repeated.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import httpx
@@ -72,13 +72,17 @@ class EventStream:
         while True:
             try:
                 source = self._sse() if self._transport == "sse" else self._ws()
-                for body in source:
-                    event = Event.from_wire(body)
-                    if event.sequence <= self.last_sequence:
-                        continue
-                    self.last_sequence = event.sequence
-                    failures = 0
-                    yield event
+                try:
+                    for body in source:
+                        event = Event.from_wire(body)
+                        if event.sequence <= self.last_sequence:
+                            continue
+                        self.last_sequence = event.sequence
+                        failures = 0
+                        yield event
+                finally:
+                    # Close the connection now, not when the generator is collected.
+                    source.close()
                 return
             except (httpx.TransportError, ConnectionClosed, OSError) as exc:
                 if isinstance(exc, httpx.TimeoutException):
@@ -88,12 +92,12 @@ class EventStream:
                     raise
                 _aio.sleep(min(0.05 * 2**failures, 2.0))
 
-    def _sse(self) -> Iterator[dict[str, Any]]:
+    def _sse(self) -> Generator[dict[str, Any], None, None]:
         return self._http.sse(
             self._path, deadline=self._deadline, params={"after": self.last_sequence}
         )
 
-    def _ws(self) -> Iterator[dict[str, Any]]:
+    def _ws(self) -> Generator[dict[str, Any], None, None]:
         assert self._ws_url is not None
         ws = _aio.ws_connect(
             self._ws_url(self.last_sequence), self._http.auth(), self._deadline.remaining()
