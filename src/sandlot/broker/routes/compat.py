@@ -182,7 +182,7 @@ async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDe
 async def list_boxes(broker: BrokerDep, principal: PrincipalDep) -> Any:
     rows = await anyio.to_thread.run_sync(broker.sandboxes.list_for, principal.effective_user)
     # Boxes are the user's own sandboxes, not those serving a scope.
-    return {"boxes": [_box(broker, r) for r in rows if r.scope_key is None]}
+    return {"sandboxes": [_box(broker, r) for r in rows if r.scope_key is None]}
 
 
 @router.get("/v2/sandboxes/boxes/{name}")
