@@ -278,7 +278,7 @@ async def test_aliases_and_boxes(make_harness: MakeHarness) -> None:
     assert box["name"] == "b1" and box["status"] == "ready" and box["dataplane_url"]
     assert (await c.get("/v2/sandboxes/boxes/b1/status", headers=api)).json() == {"status": "ready"}
     assert [
-        b["name"] for b in (await c.get("/v2/sandboxes/boxes", headers=api)).json()["boxes"]
+        b["name"] for b in (await c.get("/v2/sandboxes/boxes", headers=api)).json()["sandboxes"]
     ] == ["b1"]
     assert (await c.post("/v2/sandboxes/boxes/b1/stop", headers=api)).json()["status"] == "stopped"
     assert (await c.post("/v2/sandboxes/boxes/b1/start", headers=api)).json()["status"] == "ready"
