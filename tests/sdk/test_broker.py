@@ -181,3 +181,23 @@ def test_url_and_key_from_env(monkeypatch: pytest.MonkeyPatch, server: SandlotSe
     monkeypatch.delenv("SANDLOT_URL")
     with pytest.raises(ValueError):
         AsyncSandlot()
+
+
+async def test_lost_lease_is_negotiated_again(server: SandlotServer, human_key: str):
+    async with AsyncSandlot(server.url, human_key) as client:
+        sandbox = await client.ensure(thread())
+        sid = sandbox.grant.session_id
+        assert sid
+        old = sandbox.grant.token
+        async with httpx.AsyncClient() as raw:  # released behind the client's back
+            resp = await raw.delete(
+                f"{server.url}/v1/sandbox/sessions/{sid}",
+                headers={"Authorization": f"Bearer {human_key}"},
+            )
+            assert resp.status_code == 204
+        # The next heartbeat (every lease_ttl/3 = 2 s) gets 410 and negotiates again.
+        deadline = time.monotonic() + 10
+        while sandbox.grant.token == old and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert sandbox.grant.token != old
+        assert (await client.heartbeat(sandbox.grant.session_id or ""))["lease_expires_at"]

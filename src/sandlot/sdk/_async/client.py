@@ -80,7 +80,10 @@ class _Lease:
                 if now >= refresh_at:
                     await self.renew()
                 if beat is not None and now >= beat_at and self.grant.session_id:
-                    await self.client.heartbeat(self.grant.session_id)
+                    try:
+                        await self.client.heartbeat(self.grant.session_id)
+                    except Gone:
+                        await self.renew()  # the lease was lost: negotiate again
                     self.heartbeats += 1
             except Exception:  # retried a little later (or by the next 401)
                 if now >= refresh_at:

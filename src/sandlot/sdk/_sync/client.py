@@ -81,7 +81,10 @@ class _Lease:
                 if now >= refresh_at:
                     self.renew()
                 if beat is not None and now >= beat_at and self.grant.session_id:
-                    self.client.heartbeat(self.grant.session_id)
+                    try:
+                        self.client.heartbeat(self.grant.session_id)
+                    except Gone:
+                        self.renew()  # the lease was lost: negotiate again
                     self.heartbeats += 1
             except Exception:  # retried a little later (or by the next 401)
                 if now >= refresh_at:
