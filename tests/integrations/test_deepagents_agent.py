@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
 from deepagents import create_deep_agent
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
@@ -99,5 +100,26 @@ async def test_agent_async(server: SandlotServer, agent_key: str) -> None:
         out = tool_outputs(result)
         assert "hello" in out["read_file"]
         assert "hello" in out["execute"]
+    finally:
+        backend.close()
+
+
+def test_backend_from_a_bootstrap_grant(server: SandlotServer, agent_key: str) -> None:
+    # The grant a run is handed in config["configurable"]["sandbox"] (PROTOCOL.md 2.10).
+    resp = httpx.post(
+        f"{server.url}/v1/sandbox/sessions",
+        json={"thread_id": "thr_boot", "mode": "ensure"},
+        headers={"Authorization": f"Bearer {agent_key}"},
+    )
+    resp.raise_for_status()
+    backend = SandlotBackend(resp.json())
+    try:
+        assert backend.id == resp.json()["sandbox"]["id"]
+        assert backend.write("/workspace/b.txt", "boot\n").error is None
+        read = backend.read("/workspace/b.txt")
+        assert read.file_data is not None and read.file_data["content"] == "boot"
+        assert backend.execute("cat /workspace/b.txt").output == "boot\n"
+        missing = backend.download_files(["/workspace/nope", "/workspace/b.txt"])
+        assert [r.error for r in missing] == ["file_not_found", None]
     finally:
         backend.close()
