@@ -201,3 +201,22 @@ async def test_lost_lease_is_negotiated_again(server: SandlotServer, human_key: 
             await asyncio.sleep(0.2)
         assert sandbox.grant.token != old
         assert (await client.heartbeat(sandbox.grant.session_id or ""))["lease_expires_at"]
+
+
+async def test_wait_active_follows_the_binding_events(server: SandlotServer, human_key: str):
+    async with AsyncSandlot(server.url, human_key) as client:
+        sandbox = await client.ensure(thread())
+        await client.suspend_sandbox(sandbox.id)
+        snap = await client.session(sandbox.grant.session_id or "")
+        assert snap["binding"]["state"] == "suspended"
+
+        async def resume_later() -> None:
+            await asyncio.sleep(0.5)
+            await client.resume_sandbox(sandbox.id)
+
+        resumer = asyncio.create_task(resume_later())
+        started = time.monotonic()
+        snap = await client.wait_active(sandbox.grant, timeout=20)
+        await resumer
+        assert snap["binding"]["state"] in ("active", "idle")
+        assert time.monotonic() - started >= 0.4
