@@ -244,3 +244,33 @@ async def test_starting_sandbox_is_awaited_on_events(
     await resumer
     assert result.stdout == "x"
     assert time.monotonic() - started >= 0.4
+
+
+async def test_event_socket_drop_resumes_without_loss(
+    sandbox: AsyncSandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sandlot.sdk import _aio
+
+    sockets = []
+    real_connect = _aio.ws_connect
+
+    async def recording_connect(*args, **kwargs):  # type: ignore[no-untyped-def]
+        ws = await real_connect(*args, **kwargs)
+        sockets.append(ws)
+        return ws
+
+    monkeypatch.setattr(_aio, "ws_connect", recording_connect)
+    for i in range(5):
+        await sandbox.write(f"drop/{i}.txt", str(i))
+    seen = []
+    async with sandbox.events(after=0, transport="ws", timeout=10) as events:
+        async for event in events:
+            seen.append(event.sequence)
+            if len(seen) == 2:
+                sockets[-1].transport.abort()  # the network fails under the client
+                for i in range(5, 8):
+                    await sandbox.write(f"drop/{i}.txt", str(i))
+            if event.kind == "fs" and event.details["fs"]["path"].endswith("drop/7.txt"):
+                break
+    assert len(sockets) >= 2
+    assert seen == list(range(1, len(seen) + 1))  # contiguous: nothing lost or repeated
