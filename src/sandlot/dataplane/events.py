@@ -97,6 +97,7 @@ class WorkspaceWatcher:
         self.log = log
         self.debounce_ms = debounce_ms
         self._recent: dict[str, float] = {}
+        self._trees: dict[str, float] = {}
         self._tree: Tree | None = None
 
     def start(self) -> None:
@@ -116,6 +117,20 @@ class WorkspaceWatcher:
         if len(self._recent) > 4096:
             self._recent = {p: t for p, t in self._recent.items() if t > now}
 
+    def api_tree(self, sandbox_path: str, *, done: bool = False) -> None:
+        """A whole tree is being written through the API (an archive): hide the
+        watcher's reports under it until a moment after it is ``done``."""
+        until = time.monotonic() + self.ECHO_WINDOW if done else float("inf")
+        self._trees[sandbox_path.rstrip("/") or "/"] = until
+
+    def _in_api_tree(self, spath: str, now: float) -> bool:
+        for prefix, until in list(self._trees.items()):
+            if until <= now:
+                del self._trees[prefix]
+            elif spath == prefix or spath.startswith(prefix.rstrip("/") + "/"):
+                return True
+        return False
+
     def _report(self, changes: list[tuple[str, str]]) -> None:
         now = time.monotonic()
         for host_path, op in changes:
@@ -124,6 +139,8 @@ class WorkspaceWatcher:
                 continue
             spath = self.to_sandbox(host_path)
             if spath is None or self._recent.get(spath, 0.0) > now:
+                continue
+            if self._trees and self._in_api_tree(spath, now):
                 continue
             self.log.append(f"fs.{op}", "fs", {"path": spath, "op": op, "source": "watch"})
 

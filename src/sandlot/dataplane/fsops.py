@@ -546,13 +546,36 @@ def create_temp(res: Resolved) -> tuple[int, str]:
     return os.open(tmp, flags, 0o600, dir_fd=res.dir_fd), tmp
 
 
-def commit_temp(res: Resolved, fd: int, tmp: str, mode: int | None) -> None:
+def commit_temp(
+    res: Resolved, fd: int, tmp: str, mode: int | None, *, durable: bool = True
+) -> None:
+    """Give the temp file its mode and rename it over the target.
+
+    ``durable=False`` skips the per-file fsync for callers that write many
+    files and flush them all at once with :func:`sync_filesystem`.
+    """
     assert res.name is not None
     # The mode of the file replaced, or what a new file would get (0644 less umask-free).
     os.fchmod(fd, mode if mode is not None else 0o644)
-    os.fsync(fd)
+    if durable:
+        os.fsync(fd)
     os.close(fd)
     os.rename(tmp, res.name, src_dir_fd=res.dir_fd, dst_dir_fd=res.dir_fd)
+
+
+def sync_filesystem(dir_fd: int) -> None:
+    """Flush every file of the filesystem holding directory ``dir_fd`` (which may be an
+    ``O_PATH`` descriptor): one syncfs for a whole batch of writes."""
+    import ctypes
+
+    from sandlot.dataplane.fsids import _libc
+
+    fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if _libc().syncfs(ctypes.c_int(fd)) != 0:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def abort_temp(res: Resolved, fd: int, tmp: str) -> None:

@@ -225,6 +225,10 @@ class PathResolver:
             raise FileNotFound("path is outside the sandbox's file system")
         return None
 
+    def is_mount_point(self, sandbox_path: str) -> bool:
+        """Whether ``sandbox_path`` (normalised) is where a mount is attached."""
+        return (sandbox_path.rstrip("/") or "/") in self._by_path
+
     def resolve(
         self,
         path: str,

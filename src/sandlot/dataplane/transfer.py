@@ -12,6 +12,7 @@ import contextlib
 import io
 import os
 import queue
+import secrets
 import stat
 import tarfile
 from collections.abc import AsyncIterator
@@ -22,7 +23,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from sandlot.dataplane.fsops import abort_temp, commit_temp, create_temp, etag_of, open_regular
+from sandlot.dataplane.fsops import (
+    abort_temp,
+    commit_temp,
+    create_temp,
+    etag_of,
+    open_regular,
+    sync_filesystem,
+)
 from sandlot.dataplane.paths import PathResolver, normalize, os_error
 from sandlot.dataplane.web import Api, endpoint, json_response, query_bool, query_path
 from sandlot.protocol.common import Capability
@@ -212,7 +220,10 @@ def _extract(
         tar = tarfile.open(fileobj=fileobj, mode="r|*")  # noqa: SIM115 (closed by the with below)
     except tarfile.TarError:
         raise InvalidRequest("body is not a tar archive") from None
-    with tar:
+    # Members land in directories pinned by fd (resolved once per directory, not
+    # once per file), so a symlink swapped in meanwhile cannot redirect them.
+    parents = _DirCache(resolver)
+    with tar, parents:
         count = 0
         try:
             for member in tar:
@@ -243,19 +254,11 @@ def _extract(
                         raise PayloadTooLarge("archive too large")
                     src = tar.extractfile(member)
                     assert src is not None
-                    with resolver.resolve(
-                        target, follow_final=False, create_parents=True, for_write=True
-                    ) as res:
-                        if res.name is None:
-                            raise InvalidRequest(f"archive member replaces a mount: {name!r}")
-                        fd, tmp = create_temp(res)
-                        try:
-                            while chunk := src.read(CHUNK):
-                                _write(fd, chunk)
-                            commit_temp(res, fd, tmp, stat.S_IMODE(member.mode) & 0o777 or 0o644)
-                        except BaseException:
-                            abort_temp(res, fd, tmp)
-                            raise
+                    if resolver.is_mount_point(target):
+                        raise InvalidRequest(f"archive member replaces a mount: {name!r}")
+                    parent = target.rsplit("/", 1)[0] or "/"
+                    mode = stat.S_IMODE(member.mode) & 0o777 or 0o644
+                    _write_member(parents.get(parent), parts[-1], src, mode)
                     files += 1
                 elif member.issym():
                     # Links are kept only when they stay inside the extracted tree.
@@ -286,7 +289,73 @@ def _extract(
         except tarfile.TarError:
             raise InvalidRequest("corrupt tar archive") from None
     deleted = _delete_missing(resolver, base, seen) if delete_missing else 0
+    with resolver.resolve(base) as top:
+        sync_filesystem(top.dir_fd)
     return {"path": base, "files": files, "directories": dirs, "deleted": deleted, "bytes": total}
+
+
+class _DirCache:
+    """``O_PATH`` descriptors of the directories an extraction writes into."""
+
+    LIMIT = 1024
+
+    def __init__(self, resolver: PathResolver) -> None:
+        self.resolver = resolver
+        self.fds: dict[str, int] = {}
+
+    def get(self, path: str) -> int:
+        fd = self.fds.get(path)
+        if fd is not None:
+            return fd
+        with self.resolver.resolve(path, create_parents=True, for_write=True) as res:
+            if res.name is None:
+                fd = os.dup(res.dir_fd)
+            else:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
+                flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(res.name, flags, dir_fd=res.dir_fd)
+        if len(self.fds) >= self.LIMIT:
+            self.close()
+        self.fds[path] = fd
+        return fd
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+    def __enter__(self) -> _DirCache:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+
+def _write_member(dir_fd: int, name: str, src: Any, mode: int) -> None:
+    """Write one archive member beside its final name, then rename it into place.
+
+    The per-file fsync is skipped: the extraction ends with one syncfs.
+    """
+    tmp = f".sandlot-{secrets.token_hex(8)}.tmp"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    try:
+        while chunk := src.read(CHUNK):
+            _write(fd, chunk)
+        os.fchmod(fd, mode)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=dir_fd)
+        raise
 
 
 def _delete_missing(resolver: PathResolver, base: str, seen: set[str]) -> int:
@@ -370,6 +439,9 @@ def build_transfer_routes(api: Api) -> list[Route]:
         delete_missing = query_bool(request, "delete_missing", False)
         reader = _QueueReader()
         loop = asyncio.get_running_loop()
+        if entry.watcher is not None:
+            # One summary event for the archive, not one per member from the watcher.
+            entry.watcher.api_tree(normalize(path))
         job = loop.run_in_executor(
             None,
             lambda: _extract_as(executor, resolver, path, reader, delete_missing),
@@ -400,7 +472,11 @@ def build_transfer_routes(api: Api) -> list[Route]:
                 break
             except queue.Full:
                 await asyncio.sleep(0.002)
-        result = await job
+        try:
+            result = await job
+        finally:
+            if entry.watcher is not None:
+                entry.watcher.api_tree(normalize(path), done=True)
         entry.changed((result["path"], "modified", {"archive": True, **result}), ctx.actor)
         return json_response(result)
 

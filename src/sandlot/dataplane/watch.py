@@ -193,6 +193,8 @@ class Inotify:
                 continue
             if mask & IN_DELETE_SELF or not name:
                 continue
+            if name.startswith(b".sandlot-") and name.endswith(b".tmp"):
+                continue  # the dataplane's own temp files: only their final names matter
             path = os.path.join(directory, os.fsdecode(name))
             if mask & (IN_CREATE | IN_MOVED_TO):
                 self._queue(tree, path, "created")

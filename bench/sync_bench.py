@@ -1,0 +1,85 @@
+"""``sandlot sync`` of a 10,000-file tree against a local ``tar c | tar x`` of the same tree.
+
+Run: ``.venv/bin/python bench/sync_bench.py [--files 10000] [--rounds 5]``.
+Both are timed end to end (the sync command as a user runs it, its process
+start included), interleaved, over several rounds; prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.servers import SandlotServer, isolation_mode  # noqa: E402
+
+
+def make_tree(root: Path, files: int) -> int:
+    total = 0
+    for i in range(files):
+        d = root / f"pkg{i % 100:03d}" / f"mod{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        data = (f"# file {i}\n" + "x = 1\n" * (i % 50)).encode()
+        (d / f"f{i}.py").write_bytes(data)
+        total += len(data)
+    (root / ".gitignore").write_text("*.pyc\n")
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--files", type=int, default=10_000)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mode", default=isolation_mode())
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="sandlot-syncbench-"))
+    try:
+        src = tmp / "src"
+        src.mkdir()
+        size = make_tree(src, args.files)
+        srv = SandlotServer(tmp / "d", mode=args.mode).start()
+        try:
+            env = {**os.environ, "SANDLOT_URL": srv.url, "SANDLOT_API_KEY": srv.key("bench")}
+            cli = [sys.executable, "-m", "sandlot.cli.main"]
+            subprocess.run([*cli, "exec", "bench", "--", "true"], env=env, check=True)
+            sync_t, tar_t = [], []
+            for r in range(args.rounds):
+                dest = tmp / f"copy{r}"
+                dest.mkdir()
+                t0 = time.perf_counter()
+                subprocess.run(
+                    f"tar cf - -C {src} . | tar xf - -C {dest}", shell=True, check=True
+                )
+                tar_t.append(time.perf_counter() - t0)
+                shutil.rmtree(dest)
+                t0 = time.perf_counter()
+                subprocess.run(
+                    [*cli, "sync", str(src), f"bench:/workspace/r{r}"],
+                    env=env,
+                    check=True,
+                    capture_output=True,
+                )
+                sync_t.append(time.perf_counter() - t0)
+        finally:
+            srv.stop()
+            srv.cleanup()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    s, t = statistics.median(sync_t), statistics.median(tar_t)
+    print(f"\n### sync of {args.files} files ({size / 1e6:.1f} MB), {args.mode} sandbox\n")
+    print("| operation | median s | min s | ratio | target |")
+    print("|---|---|---|---|---|")
+    print(f"| local `tar c \\| tar x` | {t:.3f} | {min(tar_t):.3f} | 1.0x | |")
+    print(f"| `sandlot sync` (CLI, end to end) | {s:.3f} | {min(sync_t):.3f} | {s / t:.1f}x | <= 3x |")
+
+
+if __name__ == "__main__":
+    main()
