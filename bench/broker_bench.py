@@ -20,7 +20,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.servers import SandlotServer, isolation_mode  # noqa: E402
+from tests.servers import SandlotServer, isolation_mode
 
 CONFIG = """
 [quotas]
@@ -41,7 +41,7 @@ reaper_interval_seconds = 0.2
 
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 def row(name: str, samples: list[float], floor: list[float] | None = None, extra: str = "") -> str:
@@ -76,7 +76,9 @@ async def throughput(url: str, headers: dict, seconds: float, concurrency: int) 
     async def worker(client: httpx.AsyncClient) -> None:
         nonlocal done
         while time.monotonic() < stop:
-            r = await client.post("/v1/sandbox/sessions", json={"thread_id": "warm"}, headers=headers)
+            r = await client.post(
+                "/v1/sandbox/sessions", json={"thread_id": "warm"}, headers=headers
+            )
             assert r.status_code == 200
             done += 1
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.servers import SandlotServer, isolation_mode  # noqa: E402
+from tests.servers import SandlotServer, isolation_mode
 
 
 def make_tree(root: Path, files: int) -> int:
@@ -55,9 +55,7 @@ def main() -> None:
                 dest = tmp / f"copy{r}"
                 dest.mkdir()
                 t0 = time.perf_counter()
-                subprocess.run(
-                    f"tar cf - -C {src} . | tar xf - -C {dest}", shell=True, check=True
-                )
+                subprocess.run(f"tar cf - -C {src} . | tar xf - -C {dest}", shell=True, check=True)
                 tar_t.append(time.perf_counter() - t0)
                 shutil.rmtree(dest)
                 t0 = time.perf_counter()
@@ -78,7 +76,9 @@ def main() -> None:
     print("| operation | median s | min s | ratio | target |")
     print("|---|---|---|---|---|")
     print(f"| local `tar c \\| tar x` | {t:.3f} | {min(tar_t):.3f} | 1.0x | |")
-    print(f"| `sandlot sync` (CLI, end to end) | {s:.3f} | {min(sync_t):.3f} | {s / t:.1f}x | <= 3x |")
+    print(
+        f"| `sandlot sync` (CLI, end to end) | {s:.3f} | {min(sync_t):.3f} | {s / t:.1f}x | <= 3x |"
+    )
 
 
 if __name__ == "__main__":
