@@ -12,6 +12,7 @@ import pytest
 
 from sandlot.runtime.local import LocalRuntimeManager, RuntimeSettings
 from tests.broker.test_e2e import wait_active
+from tests.figures import RecordProperty, report
 from tests.servers import SandlotServer
 
 CONFIG = """
@@ -69,7 +70,9 @@ def ensure(srv: SandlotServer, headers: dict, key: str) -> httpx.Response:
 
 @pytest.mark.reliability
 @pytest.mark.parametrize("point", ["after_binding_insert", "mid_provision"])
-def test_kill9_while_provisioning(tmp_path: Path, point: str) -> None:
+def test_kill9_while_provisioning(
+    tmp_path: Path, point: str, record_property: RecordProperty
+) -> None:
     srv = SandlotServer(tmp_path / "d", config=CONFIG, env={"SANDLOT_FAILPOINTS": point}).start()
     try:
         headers = srv.headers("alice")
@@ -98,13 +101,18 @@ def test_kill9_while_provisioning(tmp_path: Path, point: str) -> None:
         )
         assert r.status_code == 200 and r.json()["exit_code"] == 0
         assert_no_orphans(srv)
+        report(
+            record_property,
+            f"kill -9 at {point}, restart: the retry with the same Idempotency-Key gets the "
+            "same binding, 1 binding, 1 sandbox, 0 orphans",
+        )
     finally:
         srv.stop()
         srv.cleanup()
 
 
 @pytest.mark.reliability
-def test_kill9_mid_release(tmp_path: Path) -> None:
+def test_kill9_mid_release(tmp_path: Path, record_property: RecordProperty) -> None:
     srv = SandlotServer(tmp_path / "d", config=CONFIG).start()
     try:
         headers = srv.headers("alice")
@@ -122,6 +130,10 @@ def test_kill9_mid_release(tmp_path: Path) -> None:
         assert snap["binding"]["state"] == "terminated"
         assert_no_orphans(srv)
         assert live_sandboxes(srv.data_dir / "sandlot.db") == set()
+        report(
+            record_property,
+            "kill -9 mid-release, restart, retry: binding terminated, 0 live sandboxes, 0 orphans",
+        )
     finally:
         srv.stop()
         srv.cleanup()

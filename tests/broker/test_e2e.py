@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.figures import FULL, RecordProperty, report
 from tests.servers import running
 
 FAST_REAPER = """
@@ -128,13 +129,14 @@ async def _storm(url: str, headers: dict, thread: str, n: int) -> list[httpx.Res
 
 
 @pytest.mark.reliability
-@pytest.mark.timeout(300)
-def test_concurrent_ensure_across_workers(tmp_path: Path) -> None:
+@pytest.mark.timeout(1200 if FULL else 300)
+def test_concurrent_ensure_across_workers(tmp_path: Path, record_property: RecordProperty) -> None:
     data = tmp_path / "d"
     with running(data, workers=4, config=FAST_REAPER) as srv:
         headers = srv.headers("conc")
-        threads = [f"thr_{i}" for i in range(20)]
+        threads = [f"thr_{i}" for i in range(100 if FULL else 20)]
         errors = 0
+        started = time.monotonic()
         for thread in threads:
             results = asyncio.run(_storm(srv.url, headers, thread, 200))
             errors += sum(1 for r in results if r.status_code >= 500)
@@ -152,3 +154,9 @@ def test_concurrent_ensure_across_workers(tmp_path: Path) -> None:
                 _count(db, "SELECT count(*) FROM sandboxes WHERE scope_key = ?", f"thread:{thread}")
                 == 1
             )
+        took = time.monotonic() - started
+    report(
+        record_property,
+        f"200 concurrent ensure per thread, {len(threads)} threads, 4 worker processes (SQLite): "
+        f"{len(threads)} bindings, {len(threads)} sandboxes, {errors} server errors ({took:.1f} s)",
+    )

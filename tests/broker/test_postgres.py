@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from tests.broker.test_e2e import FAST_REAPER, _storm, wait_active
+from tests.figures import RecordProperty, report
 from tests.pg import postgres_cluster
 from tests.servers import SandlotServer
 
@@ -23,7 +24,9 @@ def pg_url() -> Iterator[str]:
 
 @pytest.mark.reliability
 @pytest.mark.timeout(240)
-def test_serve_on_postgres_with_workers(tmp_path: Path, pg_url: str) -> None:
+def test_serve_on_postgres_with_workers(
+    tmp_path: Path, pg_url: str, record_property: RecordProperty
+) -> None:
     config = FAST_REAPER + f'\n[server]\nstore_url = "{pg_url}"\n'
     srv = SandlotServer(tmp_path / "d", workers=4, config=config).start()
     try:
@@ -32,6 +35,11 @@ def test_serve_on_postgres_with_workers(tmp_path: Path, pg_url: str) -> None:
             results = asyncio.run(_storm(srv.url, headers, thread, 200))
             assert all(r.status_code == 200 for r in results), {r.status_code for r in results}
             assert len({r.json()["session_id"] for r in results}) == 1
+        report(
+            record_property,
+            "200 concurrent ensure per thread, 3 threads, 4 worker processes (PostgreSQL): "
+            "1 binding per thread, 0 server errors",
+        )
         grant = results[0].json()
         wait_active(srv.url, headers, grant)
         r = httpx.post(

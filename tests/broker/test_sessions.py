@@ -9,6 +9,7 @@ import pytest
 
 from tests.broker.conftest import Clock, Harness, MakeHarness
 from tests.broker.fakes import DownProvider, FakeProvider
+from tests.figures import RecordProperty, report
 
 
 def assert_error(resp, status: int, code: str) -> dict:  # type: ignore[no-untyped-def]
@@ -222,7 +223,8 @@ async def test_get_refresh_heartbeat_release_terminate(harness: Harness) -> None
     assert g2["session_id"] != sid and g2["binding"]["created"] is True
 
 
-async def test_idempotency(harness: Harness) -> None:
+@pytest.mark.reliability
+async def test_idempotency(harness: Harness, record_property: RecordProperty) -> None:
     alice = harness.key("alice")
     key = {**alice, "Idempotency-Key": "8e03978e-40d5-43e8-bc93-6894a57f9324"}
     body = {"thread_id": "thr_i", "mode": "ensure"}
@@ -252,9 +254,17 @@ async def test_idempotency(harness: Harness) -> None:
         "/v1/sandbox/sessions", json={"thread_id": "thr_b"}, headers=other
     )
     assert r4.status_code == 200 and r4.json()["session_id"] != r1.json()["session_id"]
+    report(
+        record_property,
+        "idempotency: replay returns the stored response (1 sandbox), errors replayed too, "
+        "same key with another body 422, same key of another caller independent",
+    )
 
 
-async def test_idempotency_in_flight(make_harness: MakeHarness) -> None:
+@pytest.mark.reliability
+async def test_idempotency_in_flight(
+    make_harness: MakeHarness, record_property: RecordProperty
+) -> None:
     h = await make_harness()
     alice = h.key("alice")
     orig = h.broker.sessions.negotiate
@@ -275,6 +285,7 @@ async def test_idempotency_in_flight(make_harness: MakeHarness) -> None:
     assert err["retryable"] is True
     gate.set()
     assert (await first).status_code == 200
+    report(record_property, "idempotency: a retry while the first is in flight gets 409, retryable")
 
 
 async def test_rate_limit_and_quota(make_harness: MakeHarness) -> None:

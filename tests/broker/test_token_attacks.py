@@ -11,6 +11,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from tests.broker.conftest import Harness
+from tests.figures import RecordProperty, report
 
 
 def _b64(data: bytes) -> str:
@@ -67,9 +68,13 @@ def _attacks(h: Harness, token: str, claims: dict) -> dict[str, str]:
     }
 
 
-async def test_token_attacks_rejected_at_broker(harness: Harness) -> None:
+@pytest.mark.reliability
+async def test_token_attacks_rejected_at_broker(
+    harness: Harness, record_property: RecordProperty
+) -> None:
     k, g, claims = await _grant(harness)
-    for name, forged in _attacks(harness, g["token"], claims).items():
+    attacks = _attacks(harness, g["token"], claims)
+    for name, forged in attacks.items():
         r = await harness.client.post("/sandbox/refresh", json={"token": forged}, headers=k)
         assert r.status_code in (400, 401), (name, r.status_code, r.text)
         assert r.json()["error"]["code"] in (
@@ -77,6 +82,11 @@ async def test_token_attacks_rejected_at_broker(harness: Harness) -> None:
             "TOKEN_EXPIRED",
             "INVALID_REQUEST",
         ), name
+    report(
+        record_property,
+        f"broker: {len(attacks)} token attacks ({', '.join(attacks)}) all rejected "
+        "with 400/401 and the error envelope",
+    )
 
 
 async def test_replay_after_release_and_recreation(harness: Harness) -> None:

@@ -23,7 +23,8 @@ from sandlot.runtime.base import SandboxRuntime
 from sandlot.runtime.local import IsolatedRuntime, LocalRuntimeManager, RuntimeSettings
 from tests.runtime.conftest import require_isolation, run
 
-pytestmark = pytest.mark.isolation
+# The isolation probes of the reliability suite: every test here is one.
+pytestmark = [pytest.mark.isolation, pytest.mark.reliability]
 
 HERE = Path(__file__).parent
 
