@@ -8,11 +8,20 @@ files and ignored files are searched (like ``grep -r``).
 
 The whole search (spawn, read, parse) runs on one worker thread: no child
 watcher, no await per output line, and the event loop stays free.
+
+Starting ripgrep costs a few milliseconds, far more than searching the small
+trees agents usually grep. A literal, case-sensitive search of a small tree
+(at most ``SMALL_TREE_FILES`` files and ``SMALL_TREE_BYTES`` bytes) is done in
+process with ripgrep's semantics, on the same confined descriptors (no
+symlink followed, hidden files searched, ``.git`` skipped, files with a NUL
+byte skipped as binary) and with the same identity as every file operation;
+anything else, or a tree found larger while walking, goes to ripgrep.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import functools
 import os
 import shutil
@@ -27,6 +36,8 @@ from sandlot.dataplane.paths import PathResolver, Resolved, os_error
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
 
 MAX_LINE_CHARS = 2000
+SMALL_TREE_FILES = 256
+SMALL_TREE_BYTES = 4 << 20
 
 
 @functools.cache
@@ -61,9 +72,18 @@ async def grep(
     if glob:
         flags.append(f"--glob={glob}")
 
+    small = (
+        not regex and not ignore_case and _simple_glob(glob) and bool(pattern)
+        and "\n" not in pattern
+    )  # fmt: skip
+
     def run() -> dict[str, Any]:
         try:
             with resolver.resolve(path) as res:
+                if small:
+                    found = _search_small(res, pattern.encode(), glob, cap)
+                    if found is not None:
+                        return found
                 return _search(rg, res, flags, pattern, cap, executor.fs_ids)
         except OSError as exc:
             raise os_error(exc) from None
@@ -174,6 +194,124 @@ def _search(
     if proc.returncode == 2 and not matches and b"regex" in err.lower():
         raise InvalidRequest("invalid regular expression")
     return {"matches": matches, "truncated": truncated}
+
+
+def _simple_glob(glob: str | None) -> bool:
+    """A glob whose ripgrep meaning is fnmatch's on the file name (no ``/``, braces, ``!``)."""
+    return glob is None or not any(c in glob for c in "/{}!\\")
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _search_small(
+    res: Resolved, pattern: bytes, glob: str | None, cap: int
+) -> dict[str, Any] | None:
+    """Search a small tree in process; ``None`` when ripgrep should do it instead."""
+    fd, is_dir = _open_target(res)
+    base = res.sandbox_path.rstrip("/")
+    matches: list[dict[str, Any]] = []
+    budget = [SMALL_TREE_FILES, SMALL_TREE_BYTES]
+    try:
+        if not is_dir:
+            data = _read_small(fd, budget)
+            if data is None or b"\x00" in data:
+                return None  # ripgrep's own handling of an explicitly named binary file
+            _scan(data, pattern, res.sandbox_path, matches, cap)
+        else:
+            _walk(fd, base, pattern, glob, matches, cap, budget)
+    except _TooBig:
+        return None
+    finally:
+        os.close(fd)
+    truncated = len(matches) > cap
+    return {"matches": matches[:cap], "truncated": truncated}
+
+
+def _walk(
+    dfd: int,
+    spath: str,
+    pattern: bytes,
+    glob: str | None,
+    matches: list[dict[str, Any]],
+    cap: int,
+    budget: list[int],
+) -> None:
+    try:
+        entries = sorted(os.scandir(dfd), key=lambda e: e.name)
+    except OSError:
+        return  # unreadable directory: skipped, as ripgrep does with --no-messages
+    for entry in entries:
+        if len(matches) > cap:
+            return
+        name = entry.name
+        if name == ".git":
+            continue
+        child = f"{spath}/{name}"
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
+                try:
+                    _walk(sub, child, pattern, glob, matches, cap, budget)
+                finally:
+                    os.close(sub)
+                continue
+            if not entry.is_file(follow_symlinks=False):
+                continue  # symlinks are not followed; FIFOs, sockets and devices not read
+            if glob is not None and not fnmatch.fnmatchcase(name, glob):
+                continue
+            fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
+        except OSError:
+            continue  # raced away or unreadable: skipped
+        try:
+            data = _read_small(fd, budget)
+        finally:
+            os.close(fd)
+        if data is None:
+            continue
+        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise _TooBig  # UTF-16 with a BOM: ripgrep transcodes it
+        if b"\x00" not in data:
+            _scan(data, pattern, child, matches, cap)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _read_small(fd: int, budget: list[int]) -> bytes | None:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    budget[0] -= 1
+    if budget[0] < 0 or st.st_size > budget[1]:
+        raise _TooBig
+    chunks: list[bytes] = []
+    total = 0
+    while chunk := os.read(fd, max(st.st_size + 1, 1 << 12)):
+        total += len(chunk)
+        if total > budget[1]:
+            raise _TooBig  # grew while being read
+        chunks.append(chunk)
+    budget[1] -= total
+    return b"".join(chunks)
+
+
+def _scan(data: bytes, pattern: bytes, spath: str, matches: list[dict[str, Any]], cap: int) -> None:
+    """Every line holding ``pattern``, once per line, with its 1-based number."""
+    line_no, counted = 1, 0
+    at = data.find(pattern)
+    while at >= 0 and len(matches) <= cap:
+        start = data.rfind(b"\n", 0, at) + 1
+        line_no += data.count(b"\n", counted, start)
+        counted = start
+        end = data.find(b"\n", at)
+        if end < 0:
+            end = len(data)
+        text = data[start:end][: MAX_LINE_CHARS * 4].decode("utf-8", "replace")
+        matches.append({"path": spath, "line": line_no, "text": text[:MAX_LINE_CHARS]})
+        at = data.find(pattern, end + 1)
 
 
 def _open_target(res: Resolved) -> tuple[int, bool]:

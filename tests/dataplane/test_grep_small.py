@@ -1,0 +1,102 @@
+"""The in-process search of small trees gives exactly what ripgrep gives on the same tree."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandlot.dataplane import grep as grep_mod
+from sandlot.dataplane.paths import PathResolver
+from sandlot.runtime.base import Mount
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    (root / "src" / "pkg").mkdir(parents=True)
+    (root / ".git").mkdir()
+    (root / ".hidden").mkdir()
+    (root / "src" / "a.py").write_text("import os\nneedle = 1\n\nprint(needle)  # needle twice\n")
+    (root / "src" / "pkg" / "b.txt").write_text("no match here\nsecond needle\r\nthird\n")
+    (root / "src" / "pkg" / "last.py").write_text("needle at the end, no newline")
+    (root / "src" / "pkg" / "uni.py").write_text("héllo needle ünïcode\n")
+    (root / "src" / "bad.bin").write_bytes(b"needle\x00binary")
+    (root / "src" / "latin1.txt").write_bytes(b"caf\xe9 needle\n")
+    (root / "src" / "long.txt").write_text("x" * 9000 + " needle\n")
+    (root / ".git" / "config").write_text("needle in git\n")
+    (root / ".hidden" / "h.py").write_text("hidden needle\n")
+    (root / "src" / "empty.py").write_text("")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.py").write_text("needle outside\n")
+    os.symlink(outside, root / "src" / "link_dir")
+    os.symlink(outside / "secret.py", root / "src" / "link_file.py")
+    os.mkfifo(root / "src" / "fifo.py")
+    return root
+
+
+def _both(root: Path, path: str, pattern: str, glob: str | None, cap: int = 1000) -> Any:
+    resolver = PathResolver([Mount("/workspace", root, True)])
+    rg = grep_mod.ripgrep_path()
+    assert rg is not None
+    flags = ["--fixed-strings"] + ([f"--glob={glob}"] if glob else [])
+    with resolver.resolve(path) as res:
+        slow = grep_mod._search(rg, res, flags, pattern, cap, None)
+    with resolver.resolve(path) as res:
+        fast = grep_mod._search_small(res, pattern.encode(), glob, cap)
+    assert fast is not None
+
+    def key(m: dict[str, Any]) -> tuple[str, int]:
+        return (m["path"], m["line"])
+
+    return sorted(slow["matches"], key=key), sorted(fast["matches"], key=key), slow, fast
+
+
+@pytest.mark.parametrize(
+    ("path", "pattern", "glob"),
+    [
+        ("/workspace", "needle", None),
+        ("/workspace", "needle", "*.py"),
+        ("/workspace", "needle", "[ab].*"),
+        ("/workspace/src", "needle", "?.txt"),
+        ("/workspace/src/a.py", "needle", None),
+        ("/workspace", "ünï", None),
+        ("/workspace", "nothing matches this", None),
+        ("/workspace", "e", None),
+    ],
+)
+def test_same_matches_as_ripgrep(tree: Path, path: str, pattern: str, glob: str | None) -> None:
+    slow, fast, _, _ = _both(tree, path, pattern, glob)
+    assert fast == slow
+    for m in fast:
+        assert "outside" not in m["text"] and "/.git/" not in m["path"]
+
+
+def test_truncation_matches_ripgrep(tree: Path) -> None:
+    _, fast, slow_raw, fast_raw = _both(tree, "/workspace", "e", None, cap=3)
+    assert fast_raw["truncated"] is slow_raw["truncated"] is True
+    assert len(fast) == len(slow_raw["matches"]) == 3
+
+
+def test_large_trees_and_binary_files_go_to_ripgrep(tree: Path, monkeypatch: Any) -> None:
+    resolver = PathResolver([Mount("/workspace", tree, True)])
+    with resolver.resolve("/workspace/src/bad.bin") as res:
+        assert grep_mod._search_small(res, b"needle", None, 10) is None
+    monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 3)
+    with resolver.resolve("/workspace") as res:
+        assert grep_mod._search_small(res, b"needle", None, 10) is None
+    (tree / "src" / "utf16.txt").write_bytes("needle".encode("utf-16"))
+    monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 256)
+    with resolver.resolve("/workspace") as res:
+        assert grep_mod._search_small(res, b"needle", None, 10) is None
+
+
+@pytest.mark.parametrize(
+    ("glob", "simple"),
+    [(None, True), ("*.py", True), ("src/*.py", False), ("*.{py,txt}", False), ("!x", False)],
+)
+def test_only_globs_with_a_plain_meaning_take_the_fast_path(glob: str | None, simple: bool) -> None:
+    assert grep_mod._simple_glob(glob) is simple
