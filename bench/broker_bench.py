@@ -69,6 +69,38 @@ def wait_active(client: httpx.Client, headers: dict, grant: dict) -> None:
                     return
 
 
+async def raw_throughput(port: int, key: str, seconds: float, concurrency: int) -> float:
+    """Requests per second from keep-alive connections driven by a minimal HTTP/1.1 client
+    (a few microseconds per request, like wrk), so the figure is the server's, not the
+    client's: on two cores an httpx client spends about as much CPU per request as the
+    server does."""
+    done = 0
+    stop = time.monotonic() + seconds
+    body = json.dumps({"thread_id": "warm"}).encode()
+    request = (
+        f"POST /v1/sandbox/sessions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+
+    async def worker() -> None:
+        nonlocal done
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        while time.monotonic() < stop:
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200"), head[:60]
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            done += 1
+        writer.close()
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / seconds
+
+
 async def throughput(url: str, headers: dict, seconds: float, concurrency: int) -> float:
     done = 0
     stop = time.monotonic() + seconds
@@ -96,7 +128,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         srv = SandlotServer(Path(tmp) / "d", config=CONFIG, mode=args.mode).start()
         try:
-            headers = srv.headers("bench")
+            key = srv.key("bench")
+            headers = {"Authorization": f"Bearer {key}"}
             client = httpx.Client(base_url=srv.url, timeout=30)
             client.post("/v1/sandbox/sessions", json={"thread_id": "warm"}, headers=headers)
             warm, floor = [], []
@@ -110,6 +143,7 @@ def main() -> None:
                 floor.append(t1 - t0)
                 warm.append(t2 - t1)
             rps = asyncio.run(throughput(srv.url, headers, 5.0, 16))
+            raw_rps = asyncio.run(raw_throughput(srv.port, key, 5.0, 16))
 
             cold, pooled = [], []
             for i in range(args.cold):
@@ -142,7 +176,9 @@ def main() -> None:
             "ensure, existing binding (token + audit)",
             warm,
             floor,
-            f"{rps:.0f} req/s at 16 concurrent; target p50 <= 3 ms, >= 500 req/s",
+            f"{raw_rps:.0f} req/s at 16 concurrent keep-alive connections ({rps:.0f} req/s "
+            "when the load comes from an httpx client on the same 2 cores); "
+            "target p50 <= 3 ms, >= 500 req/s",
         )
     )
     print(row("cold ensure -> active", cold, floor, "target p50 <= 30 ms"))
