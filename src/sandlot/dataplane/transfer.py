@@ -333,13 +333,20 @@ class _DirCache:
 
 
 def _write_member(dir_fd: int, name: str, src: Any, mode: int) -> None:
-    """Write one archive member beside its final name, then rename it into place.
+    """Write one archive member.
 
-    The per-file fsync is skipped: the extraction ends with one syncfs.
+    A new file is created under its own name (``O_EXCL``: nothing is replaced, as
+    ``tar x`` does); a file that exists already is written beside it and renamed
+    over it, so its readers see the old content or the new, never a mix. The
+    per-file fsync is skipped: the extraction ends with one syncfs.
     """
-    tmp = f".sandlot-{secrets.token_hex(8)}.tmp"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+    tmp: str | None = None
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    except FileExistsError:
+        tmp = f".sandlot-{secrets.token_hex(8)}.tmp"
+        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
     try:
         while chunk := src.read(CHUNK):
             _write(fd, chunk)
@@ -347,9 +354,11 @@ def _write_member(dir_fd: int, name: str, src: Any, mode: int) -> None:
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
-            os.unlink(tmp, dir_fd=dir_fd)
+            os.unlink(tmp or name, dir_fd=dir_fd)
         raise
     os.close(fd)
+    if tmp is None:
+        return
     try:
         os.rename(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError:
