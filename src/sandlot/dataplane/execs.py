@@ -4,7 +4,10 @@ An :class:`Exec` owns its process, one :class:`OutputStream` per stream
 (``stdout`` and ``stderr``, or a single ``stdout`` under a PTY) and its
 lifecycle (``running`` → ``exited``/``killed``/``failed``). Clients come and
 go (:class:`~sandlot.dataplane.streams.Cursor`); the command does not care.
-Finished commands stay attachable for the reattach window.
+Finished commands stay attachable for the reattach window. A ``command_id``
+names one command: while it is being started, a second start with the same id
+(a client resending ``start`` after a broken connection) waits for the first
+and attaches to it instead of spawning the command again.
 """
 
 from __future__ import annotations
@@ -258,6 +261,8 @@ class ExecManager:
         self._emit = emit
         self._execs: dict[str, Exec] = {}
         self._by_command: dict[str, Exec] = {}
+        #: command_ids of commands being spawned; set once the spawn succeeded or failed.
+        self._starting: dict[str, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._running = 0
         self._pruned_at = 0.0
@@ -276,7 +281,11 @@ class ExecManager:
             raise ExecNotFound(f"no command {exec_id}")
         return ex
 
-    def by_command_id(self, command_id: str) -> Exec | None:
+    async def by_command_id(self, command_id: str) -> Exec | None:
+        """The command started with ``command_id``; one being started is waited for."""
+        starting = self._starting.get(command_id)
+        if starting is not None:
+            await starting.wait()
         return self._by_command.get(command_id)
 
     def all(self) -> list[Exec]:
@@ -328,53 +337,61 @@ class ExecManager:
         stdin: bytes | None = None,
     ) -> Exec:
         self._prune()
-        if command_id is not None and command_id in self._by_command:
+        if command_id is not None and (
+            command_id in self._by_command or command_id in self._starting
+        ):
             raise ResourceConflict("command_id already used", metadata={"command_id": command_id})
         if self.running >= self.settings.max_execs:
             raise ResourceConflict("too many running commands")
-        argv = [shell, "-c", command] if isinstance(command, str) else list(command)
-        ex = Exec(
-            command=command,
-            command_id=command_id,
-            actor=actor,
-            pty=pty is not None,
-            settings=self.settings,
-            collect=collect,
-        )
-        spec = ProcessSpec(argv=argv, env=env, cwd=sandbox_cwd(cwd), pty=pty)
-        try:
-            process = await runtime.spawn(spec)
-        except FileNotFoundError:
-            raise InvalidRequest("command or working directory not found") from None
-        except PermissionError:
-            raise InvalidRequest("command is not executable") from None
-        except OSError as exc:
-            raise InvalidRequest(f"cannot start command: {exc.strerror}") from None
-        ex.attach_process(process, timeout)
-        self._running += 1
-        self._execs[ex.exec_id] = ex
         if command_id is not None:
-            self._by_command[command_id] = ex
-        self._emit(
-            "exec.started",
-            "exec",
-            {
-                "exec_id": ex.exec_id,
-                "command_id": command_id,
-                "pid": ex.pid,
-                "pty": ex.pty,
-                "status": "started",
-            },
-            actor,
-        )
-        task = asyncio.get_running_loop().create_task(ex.supervise(self._exited))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        if stdin is not None:
-            if stdin:
-                await ex.write_stdin(stdin)
-            await ex.close_stdin()
-        return ex
+            self._starting[command_id] = asyncio.Event()
+        try:
+            argv = [shell, "-c", command] if isinstance(command, str) else list(command)
+            ex = Exec(
+                command=command,
+                command_id=command_id,
+                actor=actor,
+                pty=pty is not None,
+                settings=self.settings,
+                collect=collect,
+            )
+            spec = ProcessSpec(argv=argv, env=env, cwd=sandbox_cwd(cwd), pty=pty)
+            try:
+                process = await runtime.spawn(spec)
+            except FileNotFoundError:
+                raise InvalidRequest("command or working directory not found") from None
+            except PermissionError:
+                raise InvalidRequest("command is not executable") from None
+            except OSError as exc:
+                raise InvalidRequest(f"cannot start command: {exc.strerror}") from None
+            ex.attach_process(process, timeout)
+            self._running += 1
+            self._execs[ex.exec_id] = ex
+            if command_id is not None:
+                self._by_command[command_id] = ex
+            self._emit(
+                "exec.started",
+                "exec",
+                {
+                    "exec_id": ex.exec_id,
+                    "command_id": command_id,
+                    "pid": ex.pid,
+                    "pty": ex.pty,
+                    "status": "started",
+                },
+                actor,
+            )
+            task = asyncio.get_running_loop().create_task(ex.supervise(self._exited))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            if stdin is not None:
+                if stdin:
+                    await ex.write_stdin(stdin)
+                await ex.close_stdin()
+            return ex
+        finally:
+            if command_id is not None:
+                self._starting.pop(command_id).set()
 
     def _exited(self, ex: Exec) -> None:
         self._running -= 1

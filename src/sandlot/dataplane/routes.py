@@ -50,7 +50,7 @@ async def run_exec(api: Api, request: Request) -> dict[str, Any]:
     body = await parse_json(request, ExecRequest, limit=api.host.settings.max_write_bytes)
     runtime, *_ = entry.ready()
     if body.command_id is not None:
-        existing = entry.execs.by_command_id(body.command_id)
+        existing = await entry.execs.by_command_id(body.command_id)
         if existing is not None:
             await existing.done.wait()
             return exec_result(existing, 0.0)

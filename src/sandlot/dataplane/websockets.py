@@ -233,7 +233,7 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
     if isinstance(first, (F.StartFrame, F.ExecuteFrame)):
         command_id = first.command_id
         if command_id is not None:
-            existing = entry.execs.by_command_id(command_id)
+            existing = await entry.execs.by_command_id(command_id)
             if existing is not None:
                 return existing, [0, 0]
         elif langsmith:
@@ -257,7 +257,7 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
             await ex.close_stdin()
         return ex, [0, 0]
     if isinstance(first, F.ReconnectFrame):
-        ex_found = entry.execs.by_command_id(first.command_id)
+        ex_found = await entry.execs.by_command_id(first.command_id)
         if ex_found is None and first.command_id.startswith("ex_"):
             with contextlib.suppress(NotFound):
                 ex_found = entry.execs.get(first.command_id)
@@ -269,7 +269,7 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
     if first.exec_id:
         ex_att = entry.execs.get(first.exec_id)
     elif first.command_id:
-        ex_att = entry.execs.by_command_id(first.command_id)
+        ex_att = await entry.execs.by_command_id(first.command_id)
     if ex_att is None:
         raise NotFound("no such command")
     return ex_att, [first.stdout_offset, first.stderr_offset]
