@@ -97,6 +97,16 @@ async def test_stream_survives_dropped_connections(sandbox: AsyncSandbox) -> Non
     assert (await sandbox.exec("cat /tmp/stream-runs")).stdout == "run\n"
 
 
+async def test_stream_deadline_raises_timeout_error(sandbox: AsyncSandbox) -> None:
+    # The command's deadline is not a broken connection: no reconnection attempts.
+    cmd = await sandbox.stream("sleep 30", timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        await cmd.wait()
+    assert time.monotonic() - started < 2.0
+    assert cmd.reconnects == 0
+
+
 async def test_stream_stdin_and_attach(sandbox: AsyncSandbox) -> None:
     cmd = await sandbox.stream("read line; echo got-$line; sleep 0.3; echo bye")
     await cmd.send_stdin("hello\n")

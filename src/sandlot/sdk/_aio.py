@@ -14,6 +14,9 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection
 from websockets.asyncio.client import connect as _connect
 
+#: Seconds a closing handshake may take (less when pings are more frequent).
+CLOSE_TIMEOUT = 10.0
+
 
 async def sleep(seconds: float) -> None:
     """Sleep without blocking the event loop."""
@@ -59,15 +62,23 @@ class Background:
             self._task.cancel()
 
 
-async def ws_connect(url: str, headers: dict[str, str], timeout: float | None) -> ClientConnection:
-    """Open a WebSocket."""
+async def ws_connect(
+    url: str, headers: dict[str, str], timeout: float, keepalive: float | None
+) -> ClientConnection:
+    """Open a WebSocket within ``timeout`` seconds, pinged every ``keepalive`` seconds.
+
+    A ping left unanswered for ``keepalive`` seconds closes the connection (its
+    ``recv`` raises ``ConnectionClosed``): a silently dead connection is noticed.
+    """
     return await _connect(
         url,
         additional_headers=headers,
         open_timeout=timeout,
         max_size=None,
         compression=None,
-        ping_interval=None,
+        ping_interval=keepalive,
+        ping_timeout=keepalive,
+        close_timeout=min(keepalive or CLOSE_TIMEOUT, CLOSE_TIMEOUT),
     )
 
 

@@ -11,6 +11,9 @@ from typing import Any
 from websockets.sync.client import ClientConnection
 from websockets.sync.client import connect as _connect
 
+#: Seconds a closing handshake may take (less when pings are more frequent).
+CLOSE_TIMEOUT = 10.0
+
 
 def sleep(seconds: float) -> None:
     """Sleep."""
@@ -62,14 +65,23 @@ class Background:
             self._thread.join(timeout)
 
 
-def ws_connect(url: str, headers: dict[str, str], timeout: float | None) -> ClientConnection:
-    """Open a WebSocket."""
+def ws_connect(
+    url: str, headers: dict[str, str], timeout: float, keepalive: float | None
+) -> ClientConnection:
+    """Open a WebSocket within ``timeout`` seconds, pinged every ``keepalive`` seconds.
+
+    A ping left unanswered for ``keepalive`` seconds closes the connection (its
+    ``recv`` raises ``ConnectionClosed``): a silently dead connection is noticed.
+    """
     ws = _connect(
         url,
         additional_headers=headers,
         open_timeout=timeout,
         max_size=None,
         compression=None,
+        ping_interval=keepalive,
+        ping_timeout=keepalive,
+        close_timeout=min(keepalive or CLOSE_TIMEOUT, CLOSE_TIMEOUT),
     )
     # The connection outlives this call (closed by ws_close), as with the async client.
     ws.__enter__()

@@ -14,6 +14,10 @@ from sandlot.sdk.types import Deadline
 #: Seconds a connection may take to open, whatever the call's deadline.
 CONNECT_TIMEOUT = 10.0
 
+#: Seconds between keepalive pings on WebSockets; a ping unanswered for as long
+#: again means the connection is dead (a command then resumes on a new one).
+KEEPALIVE = 20.0
+
 #: Connection pools carry no timeout of their own: each call sets its deadline.
 NO_TIMEOUT = httpx.Timeout(None)
 
@@ -34,6 +38,12 @@ def raise_for_error(resp: httpx.Response) -> None:
         except ValueError:
             retry_after = None
     raise error_from_wire(body, resp.status_code, retry_after=retry_after)
+
+
+def open_timeout(deadline: Deadline) -> float:
+    """Seconds one connection (a WebSocket's handshake included) may take to open."""
+    left = deadline.remaining()
+    return CONNECT_TIMEOUT if left is None else min(CONNECT_TIMEOUT, left)
 
 
 def http_timeout(deadline: Deadline) -> httpx.Timeout:
@@ -169,4 +179,4 @@ def _clean(params: dict[str, Any] | None) -> dict[str, Any] | None:
     return out
 
 
-__all__ = ["AsyncHTTP", "SandlotError", "http_timeout", "raise_for_error"]
+__all__ = ["AsyncHTTP", "SandlotError", "http_timeout", "open_timeout", "raise_for_error"]

@@ -24,7 +24,7 @@ import httpx
 
 from sandlot.protocol.errors import Gone, SandlotError, Unauthenticated
 from sandlot.sdk import _aio
-from sandlot.sdk._async._http import NO_TIMEOUT, AsyncHTTP
+from sandlot.sdk._async._http import KEEPALIVE, NO_TIMEOUT, AsyncHTTP
 from sandlot.sdk._async.events import AsyncEventStream, wait_for_state
 from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk.types import Event, Grant
@@ -125,6 +125,7 @@ class AsyncSandlot:
     ``timeout`` is the default client-side deadline of every call; each method
     takes its own ``timeout`` too. ``on_behalf_of`` lets a service key act for
     a user. ``auto_refresh=False`` turns the background refresh and heartbeats off.
+    ``keepalive`` is handed to the sandboxes (see :class:`AsyncSandbox`).
     """
 
     def __init__(
@@ -136,6 +137,7 @@ class AsyncSandlot:
         on_behalf_of: str | None = None,
         auto_refresh: bool = True,
         http_client: httpx.AsyncClient | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         url = url or os.environ.get("SANDLOT_URL")
         api_key = api_key or os.environ.get("SANDLOT_API_KEY")
@@ -146,6 +148,7 @@ class AsyncSandlot:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.auto_refresh = auto_refresh
+        self.keepalive = keepalive
         self._api_key = api_key
         self._on_behalf_of = on_behalf_of
         self._client = http_client or httpx.AsyncClient(timeout=NO_TIMEOUT)
@@ -217,7 +220,11 @@ class AsyncSandlot:
             if wait and grant.state not in _ACTIVE:
                 await self.wait_active(grant, timeout=deadline.remaining())
         return AsyncSandbox(
-            lease.grant, timeout=self.timeout, http_client=self._client, renew=lease.renew
+            lease.grant,
+            timeout=self.timeout,
+            http_client=self._client,
+            renew=lease.renew,
+            keepalive=self.keepalive,
         )
 
     async def get(
@@ -291,7 +298,9 @@ class AsyncSandlot:
 
     def sandbox(self, grant: Grant | Mapping[str, Any]) -> AsyncSandbox:
         """An :class:`AsyncSandbox` for a grant in hand (e.g. a bootstrap object)."""
-        return AsyncSandbox(grant, timeout=self.timeout, http_client=self._client)
+        return AsyncSandbox(
+            grant, timeout=self.timeout, http_client=self._client, keepalive=self.keepalive
+        )
 
     # --- sandboxes -----------------------------------------------------------------
 

@@ -6,7 +6,9 @@ stdout_offset, stderr_offset}`` (or, if the server had not yet acknowledged the
 start, ``start`` again with the same ``command_id``, which attaches to the
 command already running): a command is never run twice, and chunks are
 trimmed by offset so no byte is lost or repeated. The reconnection budget is
-reset whenever the server acknowledges (``ready``).
+reset whenever the server acknowledges (``ready``). A connection that went
+silent (a blackholed network: no reset, no close) is noticed by keepalive
+pings, and a connection attempt is bounded, so neither can hang a command.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidMessage
 
 from sandlot.protocol.errors import (
     CommandExitError,
@@ -26,6 +28,7 @@ from sandlot.protocol.errors import (
     error_from_wire,
 )
 from sandlot.sdk import _aio
+from sandlot.sdk._async._http import KEEPALIVE, open_timeout
 from sandlot.sdk.types import CommandResult, Deadline, OutputChunk
 
 #: Consecutive reconnections without an acknowledgement before giving up.
@@ -37,7 +40,9 @@ class AsyncCommand:
 
     Iterate it (``async for chunk in cmd``) for :class:`~sandlot.sdk.types.OutputChunk`
     objects, or call :meth:`wait` for the whole :class:`~sandlot.sdk.types.CommandResult`.
-    ``reconnects`` counts the connections that broke and were resumed.
+    ``reconnects`` counts the connections that broke and were resumed. ``keepalive``:
+    seconds between pings; one unanswered for as long again counts as a broken
+    connection (``None``: no pings).
     """
 
     def __init__(
@@ -51,8 +56,10 @@ class AsyncCommand:
         stderr_offset: int = 0,
         renew: Callable[[], Awaitable[bool]] | None = None,
         timeout: float | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self._url = ws_url
+        self._keepalive = keepalive
         self._auth = auth
         self._start = start
         self._renew = renew
@@ -69,8 +76,8 @@ class AsyncCommand:
         self._ws: Any = None
         self._failures = 0
 
-    async def _open(self) -> None:
-        self._ws = await _aio.ws_connect(self._url, self._auth(), self._deadline.remaining())
+    async def _open(self, timeout: float) -> None:
+        self._ws = await _aio.ws_connect(self._url, self._auth(), timeout, self._keepalive)
         if self.exec_id is not None:
             frame: dict[str, Any] = {
                 "type": "attach",
@@ -86,10 +93,12 @@ class AsyncCommand:
     async def _connect(self) -> None:
         """Open (or reopen) the socket, within the reconnection budget."""
         while True:
+            timeout = open_timeout(self._deadline)  # TimeoutError once the deadline passed
             try:
-                await self._open()
+                await self._open(timeout)
                 return
-            except (OSError, ConnectionClosed) as exc:
+            # InvalidMessage: the connection broke during the upgrade (no valid HTTP answer).
+            except (OSError, ConnectionClosed, InvalidMessage) as exc:
                 self._failures += 1
                 if self._failures > RECONNECT_BUDGET:
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
@@ -133,10 +142,9 @@ class AsyncCommand:
                 await self._connect()
             try:
                 raw = await _aio.ws_recv(self._ws, self._deadline.remaining())
-            except ConnectionClosed:
-                await self._broken()
-                continue
-            except OSError:
+            except TimeoutError:
+                raise  # the deadline of this command, not a broken connection
+            except (ConnectionClosed, OSError):
                 await self._broken()
                 continue
             chunk = self._handle(json.loads(raw))
@@ -207,9 +215,11 @@ class AsyncCommand:
 
     async def wait(self, *, check: bool = False) -> CommandResult:
         """Read to the end and return the result (``check``: raise on a non-zero exit)."""
-        while await self.next_chunk() is not None:
-            pass
-        await self.aclose()
+        try:
+            while await self.next_chunk() is not None:
+                pass
+        finally:
+            await self.aclose()  # also on a deadline: waiting again reattaches
         result = CommandResult(
             exit_code=self.exit_code,
             stdout="".join(self._text["stdout"]),

@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
 from sandlot.sdk import _aio
-from sandlot.sdk._async._http import AsyncHTTP
+from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, open_timeout
 from sandlot.sdk.types import Deadline, Event
 
 #: Consecutive failed reconnections before giving up (reset by every event).
@@ -39,6 +39,7 @@ class AsyncEventStream:
         timeout: float | None,
         transport: str = "sse",
         ws_url: Callable[[int], str] | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         if transport not in ("sse", "ws"):
             raise ValueError("transport is 'sse' or 'ws'")
@@ -48,6 +49,7 @@ class AsyncEventStream:
         self._deadline = Deadline(timeout)
         self._transport = transport
         self._ws_url = ws_url
+        self._keepalive = keepalive
         self._gen = self._run()
 
     def __aiter__(self) -> AsyncEventStream:
@@ -99,7 +101,10 @@ class AsyncEventStream:
     async def _ws(self) -> AsyncGenerator[dict[str, Any], None]:
         assert self._ws_url is not None
         ws = await _aio.ws_connect(
-            self._ws_url(self.last_sequence), self._http.auth(), self._deadline.remaining()
+            self._ws_url(self.last_sequence),
+            self._http.auth(),
+            open_timeout(self._deadline),
+            self._keepalive,
         )
         try:
             while True:

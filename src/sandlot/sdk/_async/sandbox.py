@@ -22,7 +22,7 @@ import httpx
 
 from sandlot.protocol.errors import CommandExitError, SandboxStarting, SandlotError
 from sandlot.sdk import _aio
-from sandlot.sdk._async._http import AsyncHTTP, http_timeout, raise_for_error
+from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, http_timeout, raise_for_error
 from sandlot.sdk._async.commands import AsyncCommand
 from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.shells import AsyncShell
@@ -48,7 +48,9 @@ class AsyncSandbox:
     :meth:`Grant.from_response <sandlot.sdk.types.Grant.from_response>` accepts.
     ``timeout`` is the default deadline of every call (each method also takes
     its own). ``renew`` (given by the broker client) obtains a fresh token after
-    a 401; a bootstrap grant has none.
+    a 401; a bootstrap grant has none. ``keepalive`` is the interval of the pings
+    that detect a dead WebSocket (commands, shells, events): a socket is taken
+    as dead after about twice that without an answer (``None``: no pings).
     """
 
     def __init__(
@@ -58,9 +60,11 @@ class AsyncSandbox:
         timeout: float | None = 60.0,
         http_client: httpx.AsyncClient | None = None,
         renew: Callable[[], Awaitable[bool]] | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self.grant = Grant.from_response(grant)
         self.timeout = timeout
+        self.keepalive = keepalive
         self._renew = renew
         self._http = AsyncHTTP(
             self.grant.http_base_url,
@@ -261,6 +265,7 @@ class AsyncSandbox:
             start=start,
             renew=self._renew_token if self._renew else None,
             timeout=timeout,
+            keepalive=self.keepalive,
         )
         await cmd._connect()
         return cmd
@@ -282,6 +287,7 @@ class AsyncSandbox:
             stderr_offset=stderr_offset,
             renew=self._renew_token if self._renew else None,
             timeout=timeout,
+            keepalive=self.keepalive,
         )
         await cmd._connect()
         return cmd
@@ -326,7 +332,12 @@ class AsyncSandbox:
             create=None if create else "false",
         )
         return await AsyncShell.connect(
-            url, self._auth, name=name, role=role, timeout=timeout or self.timeout
+            url,
+            self._auth,
+            name=name,
+            role=role,
+            timeout=timeout or self.timeout,
+            keepalive=self.keepalive,
         )
 
     async def list_shells(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
@@ -562,6 +573,7 @@ class AsyncSandbox:
             timeout=timeout,
             transport=transport,
             ws_url=lambda seq: self._ws_url("/events/ws", after=seq),
+            keepalive=self.keepalive,
         )
 
     async def aclose(self) -> None:

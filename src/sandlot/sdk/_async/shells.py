@@ -16,6 +16,7 @@ from sandlot.protocol.errors import (
     error_from_wire,
 )
 from sandlot.sdk import _aio
+from sandlot.sdk._async._http import KEEPALIVE, open_timeout
 from sandlot.sdk.types import Deadline, OutputChunk
 
 
@@ -45,10 +46,11 @@ class AsyncShell:
         name: str,
         role: str,
         timeout: float | None,
+        keepalive: float | None = KEEPALIVE,
     ) -> AsyncShell:
         """Attach to (or create) the shell at ``url`` and read its greeting."""
         deadline = Deadline(timeout)
-        ws = await _aio.ws_connect(url, auth(), deadline.remaining())
+        ws = await _aio.ws_connect(url, auth(), open_timeout(deadline), keepalive)
         shell = cls(ws, name=name, role=role)
         try:
             while shell.session_id is None or not shell._greeted:

@@ -25,7 +25,7 @@ import httpx
 
 from sandlot.protocol.errors import Gone, SandlotError, Unauthenticated
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk._sync._http import HTTP, NO_TIMEOUT
+from sandlot.sdk._sync._http import HTTP, KEEPALIVE, NO_TIMEOUT
 from sandlot.sdk._sync.events import EventStream, wait_for_state
 from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk.types import Event, Grant
@@ -126,6 +126,7 @@ class Sandlot:
     ``timeout`` is the default client-side deadline of every call; each method
     takes its own ``timeout`` too. ``on_behalf_of`` lets a service key act for
     a user. ``auto_refresh=False`` turns the background refresh and heartbeats off.
+    ``keepalive`` is handed to the sandboxes (see :class:`Sandbox`).
     """
 
     def __init__(
@@ -137,6 +138,7 @@ class Sandlot:
         on_behalf_of: str | None = None,
         auto_refresh: bool = True,
         http_client: httpx.Client | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         url = url or os.environ.get("SANDLOT_URL")
         api_key = api_key or os.environ.get("SANDLOT_API_KEY")
@@ -147,6 +149,7 @@ class Sandlot:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self.auto_refresh = auto_refresh
+        self.keepalive = keepalive
         self._api_key = api_key
         self._on_behalf_of = on_behalf_of
         self._client = http_client or httpx.Client(timeout=NO_TIMEOUT)
@@ -218,7 +221,11 @@ class Sandlot:
             if wait and grant.state not in _ACTIVE:
                 self.wait_active(grant, timeout=deadline.remaining())
         return Sandbox(
-            lease.grant, timeout=self.timeout, http_client=self._client, renew=lease.renew
+            lease.grant,
+            timeout=self.timeout,
+            http_client=self._client,
+            renew=lease.renew,
+            keepalive=self.keepalive,
         )
 
     def get(
@@ -292,7 +299,9 @@ class Sandlot:
 
     def sandbox(self, grant: Grant | Mapping[str, Any]) -> Sandbox:
         """An :class:`Sandbox` for a grant in hand (e.g. a bootstrap object)."""
-        return Sandbox(grant, timeout=self.timeout, http_client=self._client)
+        return Sandbox(
+            grant, timeout=self.timeout, http_client=self._client, keepalive=self.keepalive
+        )
 
     # --- sandboxes -----------------------------------------------------------------
 

@@ -7,7 +7,9 @@ stdout_offset, stderr_offset}`` (or, if the server had not yet acknowledged the
 start, ``start`` again with the same ``command_id``, which attaches to the
 command already running): a command is never run twice, and chunks are
 trimmed by offset so no byte is lost or repeated. The reconnection budget is
-reset whenever the server acknowledges (``ready``).
+reset whenever the server acknowledges (``ready``). A connection that went
+silent (a blackholed network: no reset, no close) is noticed by keepalive
+pings, and a connection attempt is bounded, so neither can hang a command.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidMessage
 
 from sandlot.protocol.errors import (
     CommandExitError,
@@ -27,6 +29,7 @@ from sandlot.protocol.errors import (
     error_from_wire,
 )
 from sandlot.sdk import _syncio as _aio
+from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
 from sandlot.sdk.types import CommandResult, Deadline, OutputChunk
 
 #: Consecutive reconnections without an acknowledgement before giving up.
@@ -38,7 +41,9 @@ class Command:
 
     Iterate it (``for chunk in cmd``) for :class:`~sandlot.sdk.types.OutputChunk`
     objects, or call :meth:`wait` for the whole :class:`~sandlot.sdk.types.CommandResult`.
-    ``reconnects`` counts the connections that broke and were resumed.
+    ``reconnects`` counts the connections that broke and were resumed. ``keepalive``:
+    seconds between pings; one unanswered for as long again counts as a broken
+    connection (``None``: no pings).
     """
 
     def __init__(
@@ -52,8 +57,10 @@ class Command:
         stderr_offset: int = 0,
         renew: Callable[[], bool] | None = None,
         timeout: float | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self._url = ws_url
+        self._keepalive = keepalive
         self._auth = auth
         self._start = start
         self._renew = renew
@@ -70,8 +77,8 @@ class Command:
         self._ws: Any = None
         self._failures = 0
 
-    def _open(self) -> None:
-        self._ws = _aio.ws_connect(self._url, self._auth(), self._deadline.remaining())
+    def _open(self, timeout: float) -> None:
+        self._ws = _aio.ws_connect(self._url, self._auth(), timeout, self._keepalive)
         if self.exec_id is not None:
             frame: dict[str, Any] = {
                 "type": "attach",
@@ -87,10 +94,12 @@ class Command:
     def _connect(self) -> None:
         """Open (or reopen) the socket, within the reconnection budget."""
         while True:
+            timeout = open_timeout(self._deadline)  # TimeoutError once the deadline passed
             try:
-                self._open()
+                self._open(timeout)
                 return
-            except (OSError, ConnectionClosed) as exc:
+            # InvalidMessage: the connection broke during the upgrade (no valid HTTP answer).
+            except (OSError, ConnectionClosed, InvalidMessage) as exc:
                 self._failures += 1
                 if self._failures > RECONNECT_BUDGET:
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
@@ -134,10 +143,9 @@ class Command:
                 self._connect()
             try:
                 raw = _aio.ws_recv(self._ws, self._deadline.remaining())
-            except ConnectionClosed:
-                self._broken()
-                continue
-            except OSError:
+            except TimeoutError:
+                raise  # the deadline of this command, not a broken connection
+            except (ConnectionClosed, OSError):
                 self._broken()
                 continue
             chunk = self._handle(json.loads(raw))
@@ -208,9 +216,11 @@ class Command:
 
     def wait(self, *, check: bool = False) -> CommandResult:
         """Read to the end and return the result (``check``: raise on a non-zero exit)."""
-        while self.next_chunk() is not None:
-            pass
-        self.close()
+        try:
+            while self.next_chunk() is not None:
+                pass
+        finally:
+            self.close()  # also on a deadline: waiting again reattaches
         result = CommandResult(
             exit_code=self.exit_code,
             stdout="".join(self._text["stdout"]),

@@ -17,7 +17,7 @@ from websockets.exceptions import ConnectionClosed
 
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk._sync._http import HTTP
+from sandlot.sdk._sync._http import HTTP, KEEPALIVE, open_timeout
 from sandlot.sdk.types import Deadline, Event
 
 #: Consecutive failed reconnections before giving up (reset by every event).
@@ -40,6 +40,7 @@ class EventStream:
         timeout: float | None,
         transport: str = "sse",
         ws_url: Callable[[int], str] | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         if transport not in ("sse", "ws"):
             raise ValueError("transport is 'sse' or 'ws'")
@@ -49,6 +50,7 @@ class EventStream:
         self._deadline = Deadline(timeout)
         self._transport = transport
         self._ws_url = ws_url
+        self._keepalive = keepalive
         self._gen = self._run()
 
     def __iter__(self) -> EventStream:
@@ -100,7 +102,10 @@ class EventStream:
     def _ws(self) -> Generator[dict[str, Any], None, None]:
         assert self._ws_url is not None
         ws = _aio.ws_connect(
-            self._ws_url(self.last_sequence), self._http.auth(), self._deadline.remaining()
+            self._ws_url(self.last_sequence),
+            self._http.auth(),
+            open_timeout(self._deadline),
+            self._keepalive,
         )
         try:
             while True:

@@ -23,7 +23,7 @@ import httpx
 
 from sandlot.protocol.errors import CommandExitError, SandboxStarting, SandlotError
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk._sync._http import HTTP, http_timeout, raise_for_error
+from sandlot.sdk._sync._http import HTTP, KEEPALIVE, http_timeout, raise_for_error
 from sandlot.sdk._sync.commands import Command
 from sandlot.sdk._sync.events import EventStream
 from sandlot.sdk._sync.shells import Shell
@@ -49,7 +49,9 @@ class Sandbox:
     :meth:`Grant.from_response <sandlot.sdk.types.Grant.from_response>` accepts.
     ``timeout`` is the default deadline of every call (each method also takes
     its own). ``renew`` (given by the broker client) obtains a fresh token after
-    a 401; a bootstrap grant has none.
+    a 401; a bootstrap grant has none. ``keepalive`` is the interval of the pings
+    that detect a dead WebSocket (commands, shells, events): a socket is taken
+    as dead after about twice that without an answer (``None``: no pings).
     """
 
     def __init__(
@@ -59,9 +61,11 @@ class Sandbox:
         timeout: float | None = 60.0,
         http_client: httpx.Client | None = None,
         renew: Callable[[], bool] | None = None,
+        keepalive: float | None = KEEPALIVE,
     ) -> None:
         self.grant = Grant.from_response(grant)
         self.timeout = timeout
+        self.keepalive = keepalive
         self._renew = renew
         self._http = HTTP(
             self.grant.http_base_url,
@@ -260,6 +264,7 @@ class Sandbox:
             start=start,
             renew=self._renew_token if self._renew else None,
             timeout=timeout,
+            keepalive=self.keepalive,
         )
         cmd._connect()
         return cmd
@@ -281,6 +286,7 @@ class Sandbox:
             stderr_offset=stderr_offset,
             renew=self._renew_token if self._renew else None,
             timeout=timeout,
+            keepalive=self.keepalive,
         )
         cmd._connect()
         return cmd
@@ -324,7 +330,14 @@ class Sandbox:
             rows=rows,
             create=None if create else "false",
         )
-        return Shell.connect(url, self._auth, name=name, role=role, timeout=timeout or self.timeout)
+        return Shell.connect(
+            url,
+            self._auth,
+            name=name,
+            role=role,
+            timeout=timeout or self.timeout,
+            keepalive=self.keepalive,
+        )
 
     def list_shells(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
         """The sandbox's shells: ``{name, clients, created_at, offset}``."""
@@ -548,6 +561,7 @@ class Sandbox:
             timeout=timeout,
             transport=transport,
             ws_url=lambda seq: self._ws_url("/events/ws", after=seq),
+            keepalive=self.keepalive,
         )
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from sandlot.protocol.errors import (
     error_from_wire,
 )
 from sandlot.sdk import _syncio as _aio
+from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
 from sandlot.sdk.types import Deadline, OutputChunk
 
 
@@ -46,10 +47,11 @@ class Shell:
         name: str,
         role: str,
         timeout: float | None,
+        keepalive: float | None = KEEPALIVE,
     ) -> Shell:
         """Attach to (or create) the shell at ``url`` and read its greeting."""
         deadline = Deadline(timeout)
-        ws = _aio.ws_connect(url, auth(), deadline.remaining())
+        ws = _aio.ws_connect(url, auth(), open_timeout(deadline), keepalive)
         shell = cls(ws, name=name, role=role)
         try:
             while shell.session_id is None or not shell._greeted:
