@@ -1,21 +1,36 @@
-"""Dataplane latency, side by side with the same operation done directly.
+"""Dataplane latency, side by side with the same operation done directly and with jupyter_server.
 
-Run: ``/tmp/venv/bin/python bench/dataplane_bench.py [--n 300]``
+Run: ``/tmp/venv/bin/python bench/dataplane_bench.py [--n 300] [--no-jupyter]``
 
 Starts a dataplane (uvicorn, one sandbox, direct runtime) in a subprocess on
-127.0.0.1, then interleaves each operation through the dataplane with the same
-operation done directly in this process, and prints a Markdown table
-(median / p99 in ms, and the ratio of medians).
+127.0.0.1, and jupyter_server twice on loopback (stock, and with TCP_NODELAY
+forced on its sockets; root directory = a copy of the same workspace, see
+``bench/jupyter_peer.py``). Each operation is sampled round-robin: through the
+dataplane (httpx, and a raw keep-alive socket client), directly in this
+process, and through jupyter_server's equivalent (contents API, terminals,
+a kernel), so that drift on a shared machine hits every column alike.
+
+Shell figures: a keystroke echo (``stty raw -echo; cat``), a command round
+trip (``echo`` through the shell, to its output), open to the first prompt,
+the keystroke echo while 50 other shells are open and flooding, and while 50
+shells are all driven back to back at once by 50 concurrent clients; memory
+per client attached to one shell. Prints Markdown: a table of median / p99 in
+ms with the ratio of medians to direct and to jupyter, and notes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
+import math
 import os
 import pty
-import select
+import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -24,6 +39,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from jupyter_peer import JupyterServer, rss_mib
+
+PROMPT = re.compile(r"[#$] $")
+
+# --- the dataplane under test --------------------------------------------------------------
 
 
 def serve(workspace: str) -> None:
@@ -50,7 +73,7 @@ def serve(workspace: str) -> None:
             "iss": "bench", "aud": "sandlot-dataplane", "typ": "sandbox+jwt", "sub": "p",
             "act": {"type": "agent", "id": "a"}, "sid": "s", "sandbox_id": "sb_bench",
             "scope": "thread:t", "caps": ["fs_read", "fs_write", "exec", "shell"], "gen": 1,
-            "iat": now, "nbf": now, "exp": now + 3600, "jti": "j1",
+            "iat": now, "nbf": now, "exp": now + 3 * 3600, "jti": "j1",
         },
         key, algorithm="EdDSA", headers={"kid": "k1"},
     )  # fmt: skip
@@ -69,6 +92,51 @@ def serve(workspace: str) -> None:
     print(json.dumps({"port": port, "token": token}), flush=True)
     config = uvicorn.Config(app, log_level="warning", ws_per_message_deflate=False)
     uvicorn.Server(config).run(sockets=[sock])
+
+
+class Dataplane:
+    """``bench/dataplane_bench.py --serve WORKSPACE`` in a subprocess."""
+
+    def __init__(self, workspace: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve", str(workspace)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        info = json.loads(self.proc.stdout.readline())
+        self.port: int = info["port"]
+        self.token: str = info["token"]
+        self.base = f"http://127.0.0.1:{self.port}/v1"
+        self.ws_base = f"ws://127.0.0.1:{self.port}/v1"
+        self.headers = {"Authorization": f"Bearer {self.token}"}
+        self.wait_ready()
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        with httpx.Client() as c:
+            while True:
+                try:
+                    checked(c.get(f"{self.base}/healthz"))
+                    return
+                except httpx.TransportError:
+                    if self.proc.poll() is not None or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
 
 
 class RawHttp:
@@ -101,6 +169,9 @@ class RawHttp:
         return rest
 
 
+# --- figures -------------------------------------------------------------------------------
+
+
 def stats(samples: list[float]) -> tuple[float, float]:
     s = sorted(samples)
     return statistics.median(s) * 1000, s[min(len(s) - 1, int(len(s) * 0.99))] * 1000
@@ -112,127 +183,621 @@ def timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+def checked(r: Any) -> Any:
+    """An httpx response that must have succeeded (a failed call is never a sample)."""
+    r.raise_for_status()
+    return r
 
 
-async def shell_rtt(
-    ws_url: str,
-    token: str,
+class Row:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.sandlot: list[float] = []
+        self.raw: list[float] = []
+        self.direct: list[float] = []
+        self.jupyter: list[float] = []
+        #: jupyter_server with TCP_NODELAY forced (reported in the notes).
+        self.jupyter_nodelay: list[float] = []
+
+
+def ms(v: float) -> str:
+    return f"{v:.3f} ms" if v < 10 else f"{v:.1f} ms"
+
+
+def ratio(a: float, b: float) -> str:
+    r = a / b
+    return f"{r:.2f}\u00d7" if r < 10 else f"{r:.0f}\u00d7"
+
+
+def print_table(rows: list[Row]) -> None:
+    print(
+        "| operation | sandlot median | p99 | sandlot, raw HTTP client median | p99 "
+        "| direct median | p99 | jupyter_server median | p99 | sandlot ÷ direct "
+        "| sandlot ÷ jupyter |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        am, ap = stats(row.sandlot)
+        bm, bp = stats(row.direct)
+        cells = [row.name, ms(am), ms(ap)]
+        if row.raw:
+            rm, rp = stats(row.raw)
+            cells += [ms(rm), ms(rp)]
+        else:
+            cells += ["-", "-"]
+        cells += [ms(bm), ms(bp)]
+        if row.jupyter:
+            jm, jp = stats(row.jupyter)
+            cells += [ms(jm), ms(jp)]
+        else:
+            cells += ["-", "-"]
+        cells.append(ratio(am, bm))
+        cells.append(ratio(am, jm) if row.jupyter else "-")
+        print("| " + " | ".join(cells) + " |")
+
+
+# --- the workspace -------------------------------------------------------------------------
+
+
+def make_workspace(ws: Path) -> str:
+    small = os.urandom(3072).hex()[:4096]
+    (ws / "small.txt").write_text(small)
+    (ws / "big.bin").write_bytes(os.urandom(1 << 20))
+    (ws / "many").mkdir()
+    for i in range(1000):
+        (ws / "many" / f"f{i:04d}.txt").write_text("x")
+    tree = ws / "tree"
+    for i in range(1000):
+        d = tree / f"d{i % 20}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.py").write_text(("def f():\n    return 1\n" * 200) + f"# needle {i}\n")
+    return small
+
+
+# --- HTTP operations: dataplane, direct, jupyter -------------------------------------------
+
+
+def http_rows(
+    dp: Dataplane,
+    ws_dir: Path,
+    small: str,
     n: int,
-    *,
-    crowd: int = 0,
-    pid: int = 0,
-    report: list[str] | None = None,
-) -> tuple[list[float], list[float]]:
-    """Open times, and echo round trips on one shell while ``crowd`` other shells are open."""
-    import websockets
+    jup: JupyterServer | None,
+    jup_nd: JupyterServer | None,
+    budget: float,
+) -> tuple[list[Row], list[str]]:
+    import httpx
 
-    opens: list[float] = []
-    rtts: list[float] = []
+    notes: list[str] = []
+    raw = RawHttp(dp.port, dp.token)
+    q = "/v1"
+    c = httpx.Client(headers=dp.headers)
+    jc = jup.client() if jup else None
+    jnc = jup_nd.client() if jup_nd else None
+    kernel = jup.start_kernel(jc) if jup and jc else None
+    kernel_nd = jup_nd.start_kernel(jnc) if jup_nd and jnc else None
+    base = dp.base
+
+    def direct_write() -> None:
+        tmpf = ws_dir / ".w.tmp"
+        fd = os.open(tmpf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.write(fd, small.encode())
+        os.fsync(fd)
+        os.close(fd)
+        os.rename(tmpf, ws_dir / "w.txt")
+
+    put_body = {"type": "file", "format": "text", "content": small}
+    true_code = "import subprocess; subprocess.run(['true'])"
+    # (name, dataplane via httpx, via the raw client, direct, jupyter, jupyter NODELAY)
+    ops: list[tuple[str, Callable[[], Any], Callable[[], Any], Callable[[], Any], Any, Any]] = [
+        (
+            "4 KiB read (`/fs/read`; jupyter: contents GET)",
+            lambda: checked(c.get(f"{base}/fs/read", params={"path": "small.txt"})),
+            lambda: raw.request("GET", f"{q}/fs/read?path=small.txt"),
+            lambda: (ws_dir / "small.txt").read_text(),
+            jc
+            and (
+                lambda: checked(
+                    jc.get("/api/contents/small.txt", params={"type": "file", "format": "text"})
+                )
+            ),
+            None,
+        ),
+        (
+            "4 KiB write, durable (`/fs/write`; jupyter: contents PUT)",
+            lambda: checked(c.put(f"{base}/fs/write", json={"path": "w.txt", "content": small})),
+            lambda: raw.request(
+                "PUT", f"{q}/fs/write", json.dumps({"path": "w.txt", "content": small}).encode()
+            ),
+            direct_write,
+            jc and (lambda: checked(jc.put("/api/contents/w.txt", json=put_body))),
+            None,
+        ),
+        (
+            "1 MiB read (`/files/download`; jupyter: contents GET, base64)",
+            lambda: checked(c.get(f"{base}/files/download", params={"path": "big.bin"})),
+            lambda: raw.request("GET", f"{q}/files/download?path=big.bin"),
+            lambda: (ws_dir / "big.bin").read_bytes(),
+            jc
+            and (
+                lambda: checked(
+                    jc.get("/api/contents/big.bin", params={"type": "file", "format": "base64"})
+                )
+            ),
+            None,
+        ),
+        (
+            "list 1,000 files (`/fs/list`; jupyter: contents GET of the directory)",
+            lambda: checked(c.get(f"{base}/fs/list", params={"path": "many"})),
+            lambda: raw.request("GET", f"{q}/fs/list?path=many"),
+            lambda: [e.stat() for e in os.scandir(ws_dir / "many")],
+            jc and (lambda: checked(jc.get("/api/contents/many", params={"type": "directory"}))),
+            None,
+        ),
+        (
+            "exec `true` (`/exec`; jupyter: kernel runs `subprocess.run(['true'])`)",
+            lambda: checked(c.post(f"{base}/exec", json={"command": ["true"]})),
+            lambda: raw.request("POST", f"{q}/exec", b'{"command": ["true"]}'),
+            lambda: subprocess.run(["true"], check=True),
+            kernel and (lambda: kernel.execute(true_code)),
+            kernel_nd and (lambda: kernel_nd.execute(true_code)),
+        ),
+    ]
+    rows = []
+    for name, via, via_raw, direct, peer, peer_nd in ops:
+        row = Row(name)
+        for _ in range(5):
+            via()
+            direct()
+            via_raw()
+        # The peer's share of the time budget decides how often it is sampled.
+        every = 1
+        if peer:
+            warm = [timed(peer) for _ in range(3)][-1]
+            if peer_nd:
+                warm += [timed(peer_nd) for _ in range(3)][-1]
+            every = max(1, math.ceil(n * warm / budget))
+            if every > 1:
+                notes.append(
+                    f"{name}: jupyter sampled in 1 of every {every} rounds "
+                    f"({math.ceil(n / every)} samples) to bound the run time."
+                )
+        for i in range(n):
+            row.sandlot.append(timed(via))
+            row.direct.append(timed(direct))
+            row.raw.append(timed(via_raw))
+            if peer and i % every == 0:
+                row.jupyter.append(timed(peer))
+            if peer_nd and i % every == 0:
+                row.jupyter_nodelay.append(timed(peer_nd))
+        rows.append(row)
+    for k, kc in ((kernel, jc), (kernel_nd, jnc)):
+        if k is not None and kc is not None:
+            k.close(kc)
+    for cl in (c, jc, jnc):
+        if cl is not None:
+            cl.close()
+    raw.sock.close()
+    return rows, notes
+
+
+# --- terminals: one interface over the three kinds -----------------------------------------
+
+
+class Term:
+    """A terminal a client types into and reads from."""
+
+    async def send(self, data: str) -> None:
+        raise NotImplementedError
+
+    async def recv(self) -> str:
+        """The next output chunk ("" for frames that carry none)."""
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def read_until(self, done: Callable[[str], bool], timeout: float = 15.0) -> str:
+        seen = ""
+        async with asyncio.timeout(timeout):
+            while not done(seen):
+                seen += await self.recv()
+        return seen
+
+    async def prompt(self) -> str:
+        return await self.read_until(lambda s: PROMPT.search(s) is not None)
+
+    async def drain(self, quiet: float = 0.2) -> None:
+        with contextlib.suppress(TimeoutError):
+            while True:
+                await asyncio.wait_for(self.recv(), quiet)
+
+    async def raw_cat(self) -> None:
+        """Turn the terminal into a byte echo: every keystroke comes back as one chunk."""
+        await self.send("stty raw -echo; cat\r")
+        await asyncio.sleep(0.3)
+        await self.drain()
+
+    async def keystroke(self) -> float:
+        t0 = time.perf_counter()
+        await self.send("x")
+        await self.read_until(lambda s: "x" in s)
+        return time.perf_counter() - t0
+
+    async def command(self, i: int) -> float:
+        """``echo`` through the shell (line discipline echo on), until its output and the
+        next prompt: how a tool that runs a command in a shell knows it finished.
+        Commands go back to back, the next one as soon as the prompt is in."""
+        want = f"a{i + 1}b\r\n"
+
+        def finished(s: str) -> bool:
+            at = s.find(want)
+            return at >= 0 and PROMPT.search(s, at + len(want)) is not None
+
+        t0 = time.perf_counter()
+        await self.send(f"echo a$(({i}+1))b\r")
+        await self.read_until(finished)
+        return time.perf_counter() - t0
+
+
+class SandlotTerm(Term):
+    def __init__(self, ws: Any, name: str) -> None:
+        self.ws = ws
+        self.name = name
+
+    @classmethod
+    async def open(cls, dp: Dataplane, name: str, role: str = "driver") -> SandlotTerm:
+        import websockets
+
+        ws = await websockets.connect(
+            f"{dp.ws_base}/shell/ws?session={name}&profile=default&role={role}",
+            additional_headers=dp.headers,
+            compression=None,
+            max_size=None,
+        )
+        return cls(ws, name)
+
+    async def send(self, data: str) -> None:
+        await self.ws.send(json.dumps({"type": "stdin", "data": data}))
+
+    async def recv(self) -> str:
+        msg = json.loads(await self.ws.recv())
+        kind = msg.get("type")
+        if kind in ("stdout", "history"):
+            return str(msg.get("data", ""))
+        if kind in ("exit", "error"):
+            raise RuntimeError(f"shell: {msg}")
+        return ""
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+class JupyterTerm(Term):
+    def __init__(self, ws: Any, srv: JupyterServer, name: str) -> None:
+        self.ws = ws
+        self.srv = srv
+        self.name = name
+
+    @classmethod
+    async def open(cls, srv: JupyterServer, name: str) -> JupyterTerm:
+        return cls(await srv.terminal_socket(name), srv, name)
+
+    async def send(self, data: str) -> None:
+        await self.ws.send(json.dumps(["stdin", data]))
+
+    async def recv(self) -> str:
+        msg = json.loads(await self.ws.recv())
+        if msg[0] == "stdout":
+            return str(msg[1])
+        if msg[0] == "disconnect":
+            raise RuntimeError("terminal disconnected")
+        return ""
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+class LocalTerm(Term):
+    """A PTY in this process running /bin/sh: the physical limit."""
+
+    def __init__(self) -> None:
+        self.pid, self.fd = pty.fork()
+        if self.pid == 0:
+            os.execv("/bin/sh", ["/bin/sh"])
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags | os.O_NONBLOCK)
+        self.loop = asyncio.get_running_loop()
+        self.chunks: list[str] = []
+        self.wake = asyncio.Event()
+        self.loop.add_reader(self.fd, self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.loop.remove_reader(self.fd)
+            self.chunks.append("\x00EOF")
+        else:
+            self.chunks.append(data.decode(errors="replace"))
+        self.wake.set()
+
+    async def send(self, data: str) -> None:
+        os.write(self.fd, data.encode())
+
+    async def recv(self) -> str:
+        while not self.chunks:
+            self.wake.clear()
+            await self.wake.wait()
+        out = "".join(self.chunks)
+        self.chunks.clear()
+        if "\x00EOF" in out:
+            raise RuntimeError("local pty closed")
+        return out
+
+    async def close(self) -> None:
+        self.loop.remove_reader(self.fd)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)  # noqa: ASYNC222 (killed: reaped at once)
+        os.close(self.fd)
+
+
+async def wait_flooded(c: Any, dp: Dataplane, names: list[str], size: int) -> None:
+    """Until every named shell has printed ``size`` bytes and the output stopped growing."""
+    last: dict[str, int] = {}
+    async with asyncio.timeout(120):
+        while True:
+            r = checked(await c.get(f"{dp.base}/shells"))
+            now = {s["name"]: s["offset"] for s in r.json()["shells"] if s["name"] in names}
+            if len(now) == len(names) and min(now.values()) >= size and now == last:
+                return
+            last = now
+            await asyncio.sleep(0.5)
+
+
+# --- shell measurements --------------------------------------------------------------------
+
+
+async def shell_rows(
+    dp: Dataplane,
+    n: int,
+    jup: JupyterServer | None,
+    jup_nd: JupyterServer | None,
+    *,
+    crowd: int,
+    active: int,
+    active_rounds: int,
+    active_each: int,
+) -> tuple[list[Row], list[str]]:
+    import httpx
+
+    rows: list[Row] = []
+    notes: list[str] = []
+    c = httpx.AsyncClient(headers=dp.headers)
+    jc = jup.async_client() if jup else None
+    jnc = jup_nd.async_client() if jup_nd else None
+
+    async def dispose(t: Term) -> None:
+        """Close the client and remove the shell or terminal itself."""
+        await t.close()
+        if isinstance(t, SandlotTerm):
+            checked(await c.delete(f"{dp.base}/shells/{t.name}"))
+        elif isinstance(t, JupyterTerm):
+            cl = jc if t.srv is jup else jnc
+            assert cl is not None
+            await t.srv.delete_terminal(cl, t.name)
+
+    # Open to first prompt (each shell closed and removed outside the timing).
+    opens = Row("shell open to first prompt (`/shell/ws`; jupyter: POST /api/terminals + socket)")
+    for i in range(max(20, n // 5)):
+        t0 = time.perf_counter()
+        st = await SandlotTerm.open(dp, f"open{i}")
+        await st.prompt()
+        opens.sandlot.append(time.perf_counter() - t0)
+        await st.close()
+        checked(await c.delete(f"{dp.base}/shells/open{i}"))
+        t0 = time.perf_counter()
+        lt = LocalTerm()
+        await lt.prompt()
+        opens.direct.append(time.perf_counter() - t0)
+        await lt.close()
+        for srv, cl, out in ((jup, jc, opens.jupyter), (jup_nd, jnc, opens.jupyter_nodelay)):
+            if srv is None or cl is None:
+                continue
+            t0 = time.perf_counter()
+            name = await srv.new_terminal(cl)
+            jt = await JupyterTerm.open(srv, name)
+            await jt.prompt()
+            out.append(time.perf_counter() - t0)
+            await jt.close()
+            await srv.delete_terminal(cl, name)
+    rows.append(opens)
+
+    # Keystroke echo and command round trip, one session of each kind, interleaved.
+    async def open_all(tag: str) -> list[tuple[str, Term]]:
+        """One terminal of each kind: (the Row attribute its samples go to, terminal)."""
+        out: list[tuple[str, Term]] = []
+        st = await SandlotTerm.open(dp, tag)
+        await st.prompt()
+        out.append(("sandlot", st))
+        lt = LocalTerm()
+        await lt.prompt()
+        out.append(("direct", lt))
+        for kind, srv, cl in (("jupyter", jup, jc), ("jupyter_nodelay", jup_nd, jnc)):
+            if srv is None or cl is None:
+                continue
+            jt = await JupyterTerm.open(srv, await srv.new_terminal(cl))
+            await jt.prompt()
+            out.append((kind, jt))
+        return out
+
+    echo = Row("shell keystroke echo (`/shell/ws` vs local PTY; jupyter: terminal socket)")
+    terms = await open_all("echo")
+    for _, t in terms:
+        await t.raw_cat()
+    for _ in range(n):
+        for kind, t in terms:
+            getattr(echo, kind).append(await t.keystroke())
+    rows.append(echo)
+    echo_terms = terms
+
+    cmd = Row("shell command round trip (`echo`, to its output and the next prompt)")
+    terms = await open_all("cmd")
+    for i in range(10):
+        for _, t in terms:
+            await t.command(100_000 + i)
+    for i in range(n):
+        for kind, t in terms:
+            getattr(cmd, kind).append(await t.command(i))
+    rows.append(cmd)
+    for _, t in terms:
+        await dispose(t)
+
+    # Keystroke echo on one shell while `crowd` other shells are open and flooding unread clients.
+    notes.append(f"server RSS idle: {rss_mib(dp.pid):.0f} MiB")
+    crowded = Row(f"shell keystroke echo, {crowd} other shells open (flooding unread clients)")
     others = []
     for i in range(crowd):
-        ws = await websockets.connect(
-            f"{ws_url}/shell/ws?session=crowd{i}&profile=default",
-            additional_headers={"Authorization": f"Bearer {token}"},
-            compression=None,
-        )
-        others.append(ws)
-    if crowd and pid and report is not None:
-        # Every crowd shell prints 2 MiB while its client does not read: memory stays bounded.
-        for ws in others:
-            await ws.send(
-                json.dumps({"type": "stdin", "data": "head -c 2000000 /dev/zero | tr '\\0' y\n"})
-            )
-        await asyncio.sleep(3)
-        report.append(
-            f"server RSS with {crowd} shells flooding unread clients: {rss_mib(pid):.0f} MiB"
-        )
-    for i in range(20):
-        t0 = time.perf_counter()
-        async with websockets.connect(
-            f"{ws_url}/shell/ws?session=open{i}&profile=default",
-            additional_headers={"Authorization": f"Bearer {token}"},
-            compression=None,
-        ) as ws:
-            await ws.recv()
-            await ws.recv()
-            opens.append(time.perf_counter() - t0)
-    async with websockets.connect(
-        f"{ws_url}/shell/ws?session=echo&profile=default",
-        additional_headers={"Authorization": f"Bearer {token}"},
-        compression=None,
-    ) as ws:
-        await ws.recv()
-        await ws.recv()
-        await ws.send(json.dumps({"type": "stdin", "data": "stty raw -echo; cat\n"}))
-        await asyncio.sleep(0.3)
-        while True:
-            try:
-                await asyncio.wait_for(ws.recv(), 0.2)
-            except TimeoutError:
-                break
-        for _ in range(n):
-            t0 = time.perf_counter()
-            await ws.send('{"type":"stdin","data":"x"}')
-            while "x" not in json.loads(await ws.recv()).get("data", ""):
-                pass
-            rtts.append(time.perf_counter() - t0)
-    for ws in others:
-        await ws.close()
-    return opens, rtts
-
-
-def local_pty_rtt(n: int) -> list[float]:
-    pid, fd = pty.fork()
-    if pid == 0:
-        os.execv("/bin/sh", ["/bin/sh", "-c", "stty raw -echo; exec cat"])
-    time.sleep(0.2)
-    out = []
+        others.append(await SandlotTerm.open(dp, f"crowd{i}"))
+    for t in others:
+        await t.send("head -c 2000000 /dev/zero | tr '\\0' y\n")
+    await wait_flooded(c, dp, [f"crowd{i}" for i in range(crowd)], 2_000_000)
+    notes.append(
+        f"server RSS with {crowd} shells flooding unread clients: {rss_mib(dp.pid):.0f} MiB"
+    )
+    st = echo_terms[0][1]
+    lt = echo_terms[1][1]
+    await st.drain(0.1)
     for _ in range(n):
-        t0 = time.perf_counter()
-        os.write(fd, b"x")
-        while True:
-            select.select([fd], [], [])
-            if b"x" in os.read(fd, 100):
-                break
-        out.append(time.perf_counter() - t0)
-    os.kill(pid, 9)
-    os.waitpid(pid, 0)
-    return out
+        crowded.sandlot.append(await st.keystroke())
+        crowded.direct.append(await lt.keystroke())
+    rows.append(crowded)
+    for t in others:
+        await dispose(t)
+    for _, t in echo_terms:
+        await dispose(t)
+
+    # `active` shells all driven at once, back to back, by `active` concurrent clients.
+    busy = Row(f"shell keystroke echo, {active} shells all active ({active} concurrent clients)")
+    groups: dict[str, list[Term]] = {"sandlot": [], "direct": [], "jupyter": []}
+    for i in range(active):
+        groups["sandlot"].append(await SandlotTerm.open(dp, f"active{i}"))
+        groups["direct"].append(LocalTerm())
+        if jup is not None and jc is not None:
+            groups["jupyter"].append(await JupyterTerm.open(jup, await jup.new_terminal(jc)))
+    for group in groups.values():
+        await asyncio.gather(*(t.prompt() for t in group))
+        await asyncio.gather(*(t.raw_cat() for t in group))
+
+    async def drive(t: Term, out: list[float]) -> None:
+        for _ in range(active_each):
+            out.append(await t.keystroke())
+
+    walls: dict[str, list[float]] = {k: [] for k in groups}
+    for _ in range(active_rounds):
+        for kind, group in groups.items():
+            if not group:
+                continue
+            t0 = time.perf_counter()
+            await asyncio.gather(*(drive(t, getattr(busy, kind)) for t in group))
+            walls[kind].append(time.perf_counter() - t0)
+    rows.append(busy)
+    for kind, group in groups.items():
+        if group:
+            total = active * active_each * active_rounds
+            rate = total / sum(walls[kind])
+            notes.append(
+                f"{active} shells all active, {kind}: {total} keystrokes, "
+                f"{rate:.0f} echoes/s in all"
+            )
+    for group in groups.values():
+        for t in group:
+            await dispose(t)
+
+    for cl in (c, jc, jnc):
+        if cl is not None:
+            await cl.aclose()
+    return rows, notes
 
 
-def grep_pair(c: Any, base: str, ws_dir: Path, n: int) -> tuple[list[float], list[float]]:
+async def memory_per_client(dp: Dataplane, jup: JupyterServer | None, attached: int) -> list[str]:
+    """Server RSS delta / clients for ``attached`` clients on one shell.
+
+    Runs first, on servers that have not served anything big yet, so that the
+    allocator has no freed memory to hand out again and hide the cost.
+    """
+    import httpx
+
+    notes: list[str] = []
+    c = httpx.AsyncClient(headers=dp.headers)
+    jc = jup.async_client() if jup else None
+    for kind, srv, pid in (("sandlot", None, dp.pid), ("jupyter_server", jup, jup and jup.pid)):
+        if kind == "jupyter_server" and (srv is None or jc is None):
+            continue
+        if srv is None:
+            owner: Term = await SandlotTerm.open(dp, "mem")
+        else:
+            assert jc is not None
+            jname = await srv.new_terminal(jc)
+            owner = await JupyterTerm.open(srv, jname)
+        await owner.prompt()
+        await asyncio.sleep(1)
+        before = rss_mib(int(pid or 0))
+        clients: list[Term] = []
+        for _ in range(attached):
+            if srv is None:
+                clients.append(await SandlotTerm.open(dp, "mem", role="observer"))
+            else:
+                clients.append(await JupyterTerm.open(srv, jname))
+        # Output reaches every client: each has read 49 KiB through its socket.
+        await owner.send("seq 1 10000\r")
+        await asyncio.gather(
+            *(t.read_until(lambda s: "9999\r\n10000" in s) for t in [owner, *clients])
+        )
+        await asyncio.sleep(1)
+        after = rss_mib(int(pid or 0))
+        notes.append(
+            f"memory per attached client, {kind}: {(after - before) / attached:.3f} MiB "
+            f"(server RSS {before:.1f} → {after:.1f} MiB with {attached} clients on one shell)"
+        )
+        for t in [owner, *clients]:
+            await t.close()
+        if srv is None:
+            checked(await c.delete(f"{dp.base}/shells/mem"))
+        else:
+            assert jc is not None
+            await srv.delete_terminal(jc, jname)
+    await c.aclose()
+    if jc is not None:
+        await jc.aclose()
+    return notes
+
+
+# --- grep and transfers --------------------------------------------------------------------
+
+
+def grep_row(c: Any, base: str, ws_dir: Path, n: int) -> Row:
     from sandlot.dataplane.grep import ripgrep_path
 
-    tree = ws_dir / "tree"
-    if not tree.exists():
-        for i in range(1000):
-            d = tree / f"d{i % 20}"
-            d.mkdir(parents=True, exist_ok=True)
-            (d / f"f{i}.py").write_text(("def f():\n    return 1\n" * 200) + f"# needle {i}\n")
     rg = ripgrep_path() or "rg"
-    argv = [
-        rg,
-        "--no-heading",
-        "-n",
-        "--null",
-        "--hidden",
-        "--no-ignore",
-        "-F",
-        "needle",
-        str(tree),
-    ]
-    a, b = [], []
+    argv = [rg, "--no-heading", "-n", "--null", "--hidden", "--no-ignore", "-F", "needle"]
+    argv.append(str(ws_dir / "tree"))
+    row = Row("grep a 1,000-file tree (`/fs/grep` vs `rg`)")
     for _ in range(n):
-        a.append(
-            timed(lambda: c.post(f"{base}/fs/grep", json={"pattern": "needle", "path": "tree"}))
+        row.sandlot.append(
+            timed(
+                lambda: checked(
+                    c.post(f"{base}/fs/grep", json={"pattern": "needle", "path": "tree"})
+                )
+            )
         )
-        b.append(timed(lambda: subprocess.run(argv, capture_output=True, check=True)))
-    return a, b
+        row.direct.append(timed(lambda: subprocess.run(argv, capture_output=True, check=True)))
+    return row
 
 
 def transfer(c: Any, base: str, ws_dir: Path) -> tuple[float, float, int]:
@@ -245,18 +810,30 @@ def transfer(c: Any, base: str, ws_dir: Path) -> tuple[float, float, int]:
         with open(blob, "rb") as fh:
             ups.append(
                 timed(
-                    lambda fh=fh: c.post(
-                        f"{base}/files/upload", params={"path": "blob.bin"}, content=fh
+                    lambda fh=fh: checked(
+                        c.post(f"{base}/files/upload", params={"path": "blob.bin"}, content=fh)
                     )
                 )
             )
-        downs.append(timed(lambda: c.get(f"{base}/files/download", params={"path": "blob.bin"})))
+        downs.append(
+            timed(lambda: checked(c.get(f"{base}/files/download", params={"path": "blob.bin"})))
+        )
+    blob.unlink()
     return statistics.median(ups), statistics.median(downs), size
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--n", type=int, default=300)
+    parser.add_argument("--n", type=int, default=300, help="samples per operation")
+    parser.add_argument("--no-jupyter", action="store_true", help="skip the jupyter_server peer")
+    parser.add_argument("--crowd", type=int, default=50, help="other shells open, flooding")
+    parser.add_argument("--active", type=int, default=50, help="shells driven at once")
+    parser.add_argument("--active-rounds", type=int, default=5)
+    parser.add_argument("--active-each", type=int, default=40, help="keystrokes per shell a round")
+    parser.add_argument("--attached", type=int, default=50, help="clients on one shell (memory)")
+    parser.add_argument(
+        "--peer-budget", type=float, default=30.0, help="seconds of jupyter samples per operation"
+    )
     parser.add_argument("--serve")
     args = parser.parse_args()
     if args.serve:
@@ -265,148 +842,90 @@ def main() -> None:
     import httpx
 
     n = args.n
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         ws_dir = Path(tmp) / "ws"
         ws_dir.mkdir()
-        proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(ws_dir)], stdout=subprocess.PIPE, text=True
-        )
+        small = make_workspace(ws_dir)
+        jroot = Path(tmp) / "jupyter-root"
+        shutil.copytree(ws_dir, jroot)
+        dp = Dataplane(ws_dir)
+        jup = jup_nd = None
         try:
-            assert proc.stdout is not None
-            info = json.loads(proc.stdout.readline())
-            base = f"http://127.0.0.1:{info['port']}/v1"
-            ws_base = f"ws://127.0.0.1:{info['port']}/v1"
-            token = info["token"]
-            small = os.urandom(3072).hex()[:4096]
-            (ws_dir / "small.txt").write_text(small)
-            (ws_dir / "big.bin").write_bytes(os.urandom(1 << 20))
-            (ws_dir / "many").mkdir()
-            for i in range(1000):
-                (ws_dir / "many" / f"f{i:04d}.txt").write_text("x")
-            rows: list[tuple[str, list[float], list[float]]] = []
-            raw_rows: dict[str, list[float]] = {}
-            raw = RawHttp(info["port"], token)
-            q = "/v1"
-            raw_ops: dict[str, Callable[[], Any]] = {
-                "4 KiB read (`/fs/read`)": lambda: raw.request(
-                    "GET", f"{q}/fs/read?path=small.txt"
-                ),
-                "4 KiB write, durable (`/fs/write`)": lambda: raw.request(
-                    "PUT", f"{q}/fs/write", json.dumps({"path": "w.txt", "content": small}).encode()
-                ),
-                "1 MiB read (`/files/download`)": lambda: raw.request(
-                    "GET", f"{q}/files/download?path=big.bin"
-                ),
-                "list 1,000 files (`/fs/list`)": lambda: raw.request(
-                    "GET", f"{q}/fs/list?path=many"
-                ),
-                "exec `true` (`/exec`)": lambda: raw.request(
-                    "POST", f"{q}/exec", b'{"command": ["true"]}'
-                ),
-            }
-            with httpx.Client(headers={"Authorization": f"Bearer {token}"}) as c:
-                c.get(f"{base}/healthz")
-
-                def direct_write() -> None:
-                    tmpf = ws_dir / ".w.tmp"
-                    fd = os.open(tmpf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                    os.write(fd, small.encode())
-                    os.fsync(fd)
-                    os.close(fd)
-                    os.rename(tmpf, ws_dir / "w.txt")
-
-                ops: list[tuple[str, Callable[[], Any], Callable[[], Any]]] = [
-                    (
-                        "4 KiB read (`/fs/read`)",
-                        lambda: c.get(f"{base}/fs/read", params={"path": "small.txt"}),
-                        lambda: (ws_dir / "small.txt").read_text(),
-                    ),
-                    (
-                        "4 KiB write, durable (`/fs/write`)",
-                        lambda: c.put(f"{base}/fs/write", json={"path": "w.txt", "content": small}),
-                        direct_write,
-                    ),
-                    (
-                        "1 MiB read (`/files/download`)",
-                        lambda: c.get(f"{base}/files/download", params={"path": "big.bin"}),
-                        lambda: (ws_dir / "big.bin").read_bytes(),
-                    ),
-                    (
-                        "list 1,000 files (`/fs/list`)",
-                        lambda: c.get(f"{base}/fs/list", params={"path": "many"}),
-                        lambda: [e.stat() for e in os.scandir(ws_dir / "many")],
-                    ),
-                    (
-                        "exec `true` (`/exec`)",
-                        lambda: c.post(f"{base}/exec", json={"command": ["true"]}),
-                        lambda: subprocess.run(["true"], check=True),
-                    ),
-                ]
-                for name, via, direct in ops:
-                    for _ in range(10):
-                        via()
-                        direct()
-                    a, b, r = [], [], []
-                    for _ in range(n):
-                        a.append(timed(via))
-                        b.append(timed(direct))
-                        r.append(timed(raw_ops[name]))
-                    rows.append((name, a, b))
-                    raw_rows[name] = r
-            opens, rtts = asyncio.run(shell_rtt(ws_base, token, n))
-            report: list[str] = [f"server RSS idle: {rss_mib(proc.pid):.0f} MiB"]
-            _, crowded = asyncio.run(
-                shell_rtt(ws_base, token, n, crowd=50, pid=proc.pid, report=report)
-            )
-            rows.append(
-                (
-                    "grep a 1,000-file tree (`/fs/grep`)",
-                    *grep_pair(
-                        c2 := httpx.Client(headers={"Authorization": f"Bearer {token}"}),
-                        base,
-                        ws_dir,
-                        n // 5,
-                    ),
+            if not args.no_jupyter:
+                jup = JupyterServer(jroot).launch()
+                jup_nd = JupyterServer(jroot, nodelay=True).launch()
+                jup.wait_ready()
+                jup_nd.wait_ready()
+            with httpx.Client(headers=dp.headers) as c:
+                checked(c.get(f"{dp.base}/healthz"))
+            mem_notes = asyncio.run(memory_per_client(dp, jup, args.attached))
+            rows, notes = http_rows(dp, ws_dir, small, n, jup, jup_nd, args.peer_budget)
+            shell, shell_notes = asyncio.run(
+                shell_rows(
+                    dp,
+                    n,
+                    jup,
+                    jup_nd,
+                    crowd=args.crowd,
+                    active=args.active,
+                    active_rounds=args.active_rounds,
+                    active_each=args.active_each,
                 )
             )
-            up, down, size = transfer(c2, base, ws_dir)
-            c2.close()
-            local = local_pty_rtt(n)
-            local_open = []
-            for _ in range(20):
-                t0 = time.perf_counter()
-                pid, fd = pty.fork()
-                if pid == 0:
-                    os.execv("/bin/sh", ["/bin/sh"])
-                select.select([fd], [], [])
-                local_open.append(time.perf_counter() - t0)
-                os.kill(pid, 9)
-                os.waitpid(pid, 0)
-                os.close(fd)
-            rows.append(("shell echo round trip (`/shell/ws`)", rtts, local))
-            rows.append(("shell echo, 50 other shells open", crowded, local))
-            rows.append(("shell open to first prompt (`/shell/ws`)", opens, local_open))
+            with httpx.Client(headers=dp.headers) as c:
+                grep = grep_row(c, dp.base, ws_dir, max(10, n // 5))
+                up, down, size = transfer(c, dp.base, ws_dir)
         finally:
-            proc.terminate()
-            proc.wait(5)
-    print(f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, n={n}\n")
-    for line in report:
+            dp.stop()
+            for srv in (jup, jup_nd):
+                if srv is not None:
+                    srv.stop()
+    rows = [*rows, grep, *shell]
+    print(
+        f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}, n={n} "
+        f"samples per operation, {time.monotonic() - started:.0f} s in all\n"
+    )
+    print_table(rows)
+    print()
+    print(
+        "sandlot: httpx (keep-alive) for HTTP rows, the `websockets` client for shells; "
+        "jupyter_server gets the same clients, token auth, same files (a copy of the "
+        "workspace), `/bin/sh` terminals. Direct: the same operation in this process "
+        "(`read`, tmp + fsync + rename, `scandir` + `stat`, `subprocess.run`, a local PTY).\n"
+    )
+    nd = [r for r in rows if r.jupyter_nodelay]
+    if nd:
+        parts = []
+        for r in nd:
+            sm, _ = stats(r.jupyter)
+            nm, np_ = stats(r.jupyter_nodelay)
+            what = r.name.split(" (")[0]
+            stalls = sum(1 for x in r.jupyter if x > 0.030)
+            stalls_nd = sum(1 for x in r.jupyter_nodelay if x > 0.030)
+            parts.append(
+                f"{what}: {nm:.2f} ms (p99 {np_:.2f}; {stalls_nd} of {len(r.jupyter_nodelay)} "
+                f"samples over 30 ms), stock {sm:.2f} ms ({stalls} of {len(r.jupyter)} over 30 ms)"
+            )
+        print(
+            "jupyter_server with TCP_NODELAY forced on its sockets (stock tornado leaves "
+            "Nagle on for WebSockets, so a frame that follows another waits for the "
+            "client's delayed ACK, ~40 ms; a client cannot change that): "
+            + "; ".join(parts)
+            + ".\n"
+        )
+    busy = next((r for r in rows if "all active" in r.name), None)
+    if busy is not None:
+        _, p99 = stats(busy.sandlot)
+        verdict = "met" if p99 <= 30 else "missed"
+        print(
+            f"{args.active} shells all active: sandlot p99 {p99:.1f} ms "
+            f"(target ≤ 30 ms: {verdict}).\n"
+        )
+    for line in notes + shell_notes + mem_notes:
         print(line + "\n")
     mb = size / 1e6
-    print(f"100 MiB upload {mb / up:.0f} MB/s, download {mb / down:.0f} MB/s (median of 3)\n")
-    print(
-        "| operation | dataplane (httpx) median | p99 | dataplane (raw HTTP) median | p99 "
-        "| direct median | p99 |"
-    )
-    print("|---|---|---|---|---|---|---|")
-    for name, a, b in rows:
-        am, ap = stats(a)
-        bm, bp = stats(b)
-        raw_cell = "| - | - |"
-        if name in raw_rows:
-            rm, rp = stats(raw_rows[name])
-            raw_cell = f"| {rm:.3f} ms | {rp:.3f} ms |"
-        print(f"| {name} | {am:.3f} ms | {ap:.3f} ms {raw_cell} {bm:.3f} ms | {bp:.3f} ms |")
+    print(f"100 MiB upload {mb / up:.0f} MB/s, download {mb / down:.0f} MB/s (median of 3)")
 
 
 if __name__ == "__main__":
