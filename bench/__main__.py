@@ -30,8 +30,14 @@ BENCHES = [
     (
         "dataplane_bench",
         [],
-        ["--n", "100"],
-        "dataplane: files, listing, exec, shells, grep, transfers",
+        ["--n", "100", "--active-rounds", "3", "--peer-budget", "15"],
+        "dataplane: files, listing, exec, shells, grep, transfers; jupyter_server side by side",
+    ),
+    (
+        "growth_bench",
+        [],
+        ["--quick"],
+        "cost growth: listing, reads, grep, exec output at 1x to 1,000x the work",
     ),
     ("deepagents_bench", [], ["--n", "50"], "deepagents backend vs BaseSandbox's script defaults"),
     ("sync_bench", [], ["--rounds", "2"], "sync of 10,000 files vs local tar"),
