@@ -25,6 +25,7 @@ from sandlot.protocol.errors import (
     SandlotError,
     exception_for,
 )
+from sandlot.protocol.openapi import ERROR_RESPONSES
 
 log = logging.getLogger("sandlot.broker.app")
 
@@ -103,10 +104,8 @@ def create_app(broker: Broker, *, extra_mounts: dict[str, ASGIApp] | None = None
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(request, InternalError("internal error"))
 
-    app.include_router(sessions.router)
-    app.include_router(resources.router)
-    app.include_router(compat.router)
-    app.include_router(ops.router)
+    for module in (sessions, resources, compat, ops):
+        app.include_router(module.router, responses=ERROR_RESPONSES)
     for path, sub in (extra_mounts or {}).items():
         app.mount(path, sub)
     app.add_middleware(RequestIdMiddleware)

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
+from sandlot.dataplane import openapi
 from sandlot.dataplane.auth import ApiKeyResolver, AuthContext, Authenticator, TokenVerifier
 from sandlot.dataplane.langsmith import build_langsmith_routes
 from sandlot.dataplane.routes import VERSION, build_routes
@@ -42,6 +43,7 @@ def _sandbox_routes(api: Api) -> list[BaseRoute]:
     by_path = {r.path: r for r in routes}
     return [
         *routes,
+        Route("/openapi.json", _openapi, methods=["GET"]),
         *build_transfer_routes(api),
         *build_langsmith_routes(api, by_path),
         *build_ws_routes(api),
@@ -51,6 +53,11 @@ def _sandbox_routes(api: Api) -> list[BaseRoute]:
 @endpoint
 async def _version(request: Request) -> Response:
     return json_response(VERSION)
+
+
+@endpoint
+async def _openapi(request: Request) -> Response:
+    return json_response(openapi.document())
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -82,6 +82,12 @@ class ExecSnapshot(WireModel):
     last_event_sequence: int
 
 
+class ExecList(WireModel):
+    """``GET /execs``."""
+
+    execs: list[ExecSnapshot]
+
+
 class SignalRequest(WireModel):
     signal: str = Field(min_length=1, max_length=16)
 
@@ -96,6 +102,12 @@ class ShellSnapshot(WireModel):
     created_at: str
     offset: int
     state: str
+
+
+class ShellList(WireModel):
+    """``GET /shells``."""
+
+    shells: list[ShellSnapshot]
 
 
 class FsEntry(WireModel):

@@ -27,6 +27,7 @@ from sandlot.protocol.errors import (
     ProviderUnavailable,
     SandboxNotFound,
 )
+from sandlot.protocol.openapi import json_body
 from sandlot.protocol.sessions import (
     AcquireRequest,
     AcquireResponse,
@@ -45,7 +46,9 @@ router = APIRouter()
 # --- 2.9 aliases -----------------------------------------------------------------------
 
 
-@router.post("/sandbox/acquire", response_model=AcquireResponse)
+@router.post(
+    "/sandbox/acquire", response_model=AcquireResponse, openapi_extra=json_body(AcquireRequest)
+)
 async def acquire(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(AcquireRequest, await read_body(request))
     broker.ratelimit.check(principal.lease_holder)
@@ -68,7 +71,7 @@ async def acquire(request: Request, broker: BrokerDep, principal: PrincipalDep) 
     )
 
 
-@router.post("/sandbox/refresh")
+@router.post("/sandbox/refresh", openapi_extra=json_body(AliasRefreshRequest))
 async def alias_refresh(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(AliasRefreshRequest, await read_body(request))
     claims = broker.keyring.verify(req.token)
@@ -86,7 +89,7 @@ async def alias_refresh(request: Request, broker: BrokerDep, principal: Principa
     }
 
 
-@router.post("/sandbox/release", status_code=204)
+@router.post("/sandbox/release", status_code=204, openapi_extra=json_body(AliasReleaseRequest))
 async def alias_release(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Response:
     req = parse_model(AliasReleaseRequest, await read_body(request))
     await broker.sessions.release(
@@ -151,7 +154,7 @@ async def _wait_ready(broker: Broker, sandbox_id: str, timeout: float) -> Sandbo
         await broker.hub.wait(sandbox_id, min(remaining, broker.hub.POLL_SECONDS), seen)
 
 
-@router.post("/v2/sandboxes/boxes")
+@router.post("/v2/sandboxes/boxes", openapi_extra=json_body(BoxCreate, required=False))
 async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(BoxCreate, await read_body(request), empty_ok=True)
     broker.ratelimit.check(principal.lease_holder)

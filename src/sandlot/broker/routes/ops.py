@@ -6,7 +6,7 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from sandlot import __version__
@@ -44,7 +44,7 @@ async def readyz(broker: BrokerDep) -> Any:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request) -> Response:
     data = await anyio.to_thread.run_sync(request.app.state.metrics.render)
     return Response(data, media_type=CONTENT_TYPE_LATEST)

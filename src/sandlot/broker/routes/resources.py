@@ -6,7 +6,6 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request, Response
-from fastapi.responses import StreamingResponse
 
 from sandlot.broker.core import Broker
 from sandlot.broker.events import read_events
@@ -20,9 +19,15 @@ from sandlot.broker.routes.deps import (
     read_body,
     require_admin,
 )
-from sandlot.broker.routes.sessions import parse_cursor, sse_response
+from sandlot.broker.routes.sessions import (
+    EventStream,
+    LastEventId,
+    parse_cursor,
+    sse_response,
+)
 from sandlot.broker.sandboxes import SandboxRow
 from sandlot.protocol.errors import InvalidRequest, SandboxNotFound, SequenceExpired
+from sandlot.protocol.openapi import event_stream, json_body
 from sandlot.protocol.sessions import (
     Pool,
     PoolSnapshot,
@@ -51,7 +56,9 @@ async def get_template(name: str, broker: BrokerDep, principal: PrincipalDep) ->
     return await anyio.to_thread.run_sync(broker.templates.get, name)
 
 
-@router.post("/v1/templates", response_model=Template, status_code=201)
+@router.post(
+    "/v1/templates", response_model=Template, status_code=201, openapi_extra=json_body(Template)
+)
 async def create_template(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     require_admin(principal)
     tpl = parse_model(Template, await read_body(request))
@@ -88,7 +95,9 @@ async def get_volume(name: str, broker: BrokerDep, principal: PrincipalDep) -> A
     return await anyio.to_thread.run_sync(broker.volumes.get, name, _owner_filter(principal))
 
 
-@router.post("/v1/volumes", response_model=Volume, status_code=201)
+@router.post(
+    "/v1/volumes", response_model=Volume, status_code=201, openapi_extra=json_body(VolumeCreate)
+)
 async def create_volume(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(VolumeCreate, await read_body(request))
     vol = await anyio.to_thread.run_sync(broker.volumes.create, req.name, principal.effective_user)
@@ -119,7 +128,9 @@ async def get_pool(name: str, broker: BrokerDep, principal: PrincipalDep) -> Any
     return await anyio.to_thread.run_sync(broker.pools.get, name)
 
 
-@router.post("/v1/pools", response_model=PoolSnapshot, status_code=201)
+@router.post(
+    "/v1/pools", response_model=PoolSnapshot, status_code=201, openapi_extra=json_body(Pool)
+)
 async def create_pool(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     require_admin(principal)
     pool = parse_model(Pool, await read_body(request))
@@ -170,7 +181,12 @@ async def list_sandboxes(
     return {"items": [broker.sandboxes.snapshot(r).model_dump(mode="json") for r in rows]}
 
 
-@router.post("/v1/sandboxes", response_model=SandboxSnapshot, status_code=201)
+@router.post(
+    "/v1/sandboxes",
+    response_model=SandboxSnapshot,
+    status_code=201,
+    openapi_extra=json_body(SandboxCreate, required=False),
+)
 async def create_sandbox(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(SandboxCreate, await read_body(request), empty_ok=True)
     broker.ratelimit.check(principal.lease_holder)
@@ -238,15 +254,19 @@ async def resume_sandbox(
     return broker.sandboxes.snapshot(broker.sandboxes.get(sandbox_id))
 
 
-@router.get("/v1/sandboxes/{sandbox_id}/events")
+@router.get(
+    "/v1/sandboxes/{sandbox_id}/events",
+    response_class=EventStream,
+    responses=event_stream("The sandbox's phase events after the cursor, then live"),
+)
 async def sandbox_events(
-    request: Request,
     sandbox_id: str,
     broker: BrokerDep,
     principal: PrincipalDep,
     after: int | None = None,
-) -> StreamingResponse:
-    cursor = parse_cursor(request, after)
+    last_event_id: LastEventId = None,
+) -> EventStream:
+    cursor = parse_cursor(last_event_id, after)
     await anyio.to_thread.run_sync(visible_sandbox, broker, principal, sandbox_id)
 
     def fetch(c: int) -> list[dict[str, Any]]:

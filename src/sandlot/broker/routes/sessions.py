@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Header, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandlot.broker.events import EventHub
@@ -24,6 +24,7 @@ from sandlot.broker.routes.deps import (
 from sandlot.broker.routes.errors import envelope_for
 from sandlot.protocol.common import Scope, ScopeType
 from sandlot.protocol.errors import InvalidRequest, SandlotError
+from sandlot.protocol.openapi import event_stream, json_body
 from sandlot.protocol.sessions import (
     HeartbeatResponse,
     MemberRequest,
@@ -39,15 +40,23 @@ router = APIRouter()
 KEEPALIVE_SECONDS = 15.0
 
 
+class EventStream(StreamingResponse):
+    media_type = "text/event-stream"
+
+
+#: Where an event stream resumes (SSE reconnection); it takes precedence over ``after``.
+LastEventId = Annotated[str | None, Header(description="Resume after this sequence number")]
+
+
 async def idempotent(
     request: Request,
     broker: Any,
     principal: Principal,
     body: bytes,
     run: Callable[[], Awaitable[tuple[int, Any]]],
+    key: str | None,
 ) -> JSONResponse:
     """Run a creating request under its ``Idempotency-Key`` (if any)."""
-    key = request.headers.get("idempotency-key")
     if key is None:
         status, payload = await run()
         return JSONResponse(payload, status_code=status)
@@ -75,8 +84,15 @@ async def idempotent(
     return JSONResponse(payload, status_code=status)
 
 
-@router.post("/v1/sandbox/sessions", response_model=SessionGrant)
-async def negotiate(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Response:
+@router.post(
+    "/v1/sandbox/sessions", response_model=SessionGrant, openapi_extra=json_body(SessionRequest)
+)
+async def negotiate(
+    request: Request,
+    broker: BrokerDep,
+    principal: PrincipalDep,
+    idempotency_key: Annotated[str | None, Header()] = None,
+) -> Response:
     body = await read_body(request)
     req = parse_model(SessionRequest, body)
     broker.ratelimit.check(principal.lease_holder)
@@ -88,7 +104,7 @@ async def negotiate(request: Request, broker: BrokerDep, principal: PrincipalDep
         request.app.state.metrics.negotiation(req.mode.value, time.perf_counter() - started)
         return 200, grant.model_dump(mode="json")
 
-    return await idempotent(request, broker, principal, body, run)
+    return await idempotent(request, broker, principal, body, run, idempotency_key)
 
 
 @router.get("/v1/sandbox/sessions/{session_id}", response_model=SessionSnapshot)
@@ -137,8 +153,7 @@ async def release(
     return Response(status_code=204)
 
 
-def parse_cursor(request: Request, after: int | None) -> int:
-    last = request.headers.get("last-event-id")
+def parse_cursor(last: str | None, after: int | None) -> int:
     if last is not None:
         if not last.strip().isdigit():
             raise InvalidRequest("Last-Event-ID must be a sequence number")
@@ -155,7 +170,7 @@ def sse_response(
     hub: EventHub,
     stream_id: str,
     ended: Callable[[], bool],
-) -> StreamingResponse:
+) -> EventStream:
     """An SSE stream: events after ``cursor``, then live, keep-alive every 15 s."""
 
     async def stream() -> AsyncIterator[bytes]:
@@ -182,22 +197,22 @@ def sse_response(
         finally:
             hub.forget(stream_id)
 
-    return StreamingResponse(
-        stream(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    return EventStream(stream(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-@router.get("/v1/sandbox/sessions/{session_id}/events")
+@router.get(
+    "/v1/sandbox/sessions/{session_id}/events",
+    response_class=EventStream,
+    responses=event_stream("The binding's events after the cursor, then live"),
+)
 async def session_events(
-    request: Request,
     session_id: str,
     broker: BrokerDep,
     principal: PrincipalDep,
     after: int | None = None,
-) -> StreamingResponse:
-    cursor = parse_cursor(request, after)
+    last_event_id: LastEventId = None,
+) -> EventStream:
+    cursor = parse_cursor(last_event_id, after)
     # Checks access and retention before the stream starts, so errors get a status.
     await anyio.to_thread.run_sync(broker.sessions.events_after, principal, session_id, cursor)
 
@@ -230,7 +245,11 @@ async def list_members(
     )
 
 
-@router.post("/v1/sandbox/scopes/{scope_type}/{scope_id}/members", response_model=MembersResponse)
+@router.post(
+    "/v1/sandbox/scopes/{scope_type}/{scope_id}/members",
+    response_model=MembersResponse,
+    openapi_extra=json_body(MemberRequest),
+)
 async def add_member(
     request: Request, scope_type: str, scope_id: str, broker: BrokerDep, principal: PrincipalDep
 ) -> Any:
