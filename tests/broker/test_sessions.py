@@ -419,3 +419,23 @@ async def test_sequence_expired_and_provider_unavailable(make_harness: MakeHarne
     )
     err = assert_error(r, 503, "PROVIDER_UNAVAILABLE")
     assert err["retryable"] is True and "retry-after" in r.headers
+
+
+async def test_event_cursors_out_of_range_are_client_errors(make_harness: MakeHarness) -> None:
+    """Cursors beyond the store's 64-bit range, or not ASCII digits, are 400 (they were 500)."""
+    h = await make_harness(admins=frozenset({"root"}))
+    k = h.key("alice")
+    g = (await ensure(h, k)).json()
+    for stream in (
+        f"/v1/sandbox/sessions/{g['session_id']}/events",
+        f"/v1/sandboxes/{g['sandbox']['id']}/events",
+    ):
+        for query, extra in (
+            (f"?after={1 << 64}", {}),
+            ("", {"Last-Event-ID": b"\xb2"}),
+            ("", {"Last-Event-ID": str(1 << 64)}),
+        ):
+            r = await h.client.get(stream + query, headers={**k, **extra})
+            assert_error(r, 400, "INVALID_REQUEST")
+    r = await h.client.get(f"/v1/audit?after={1 << 64}", headers=h.key("root"))
+    assert_error(r, 400, "INVALID_REQUEST")

@@ -13,6 +13,9 @@ from sandlot.protocol.common import Actor, WireModel
 
 DETAIL_KINDS = ("phase", "exec", "shell", "fs", "service", "binding")
 
+#: The largest cursor (event sequence, audit id): the store keeps them as 64-bit integers.
+MAX_SEQUENCE = (1 << 63) - 1
+
 
 class EventDetails(WireModel):
     model_config = WireModel.model_config | {"extra": "forbid"}

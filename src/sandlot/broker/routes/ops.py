@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -13,6 +13,7 @@ from sandlot import __version__
 from sandlot.broker.routes.deps import BrokerDep, PrincipalDep, require_admin
 from sandlot.protocol.common import API_VERSION, Scope, rfc3339
 from sandlot.protocol.errors import InvalidRequest
+from sandlot.protocol.events import MAX_SEQUENCE
 
 router = APIRouter()
 
@@ -56,8 +57,8 @@ async def audit(
     principal: PrincipalDep,
     scope: str | None = None,
     actor: str | None = None,
-    after: int = 0,
-    limit: int = 500,
+    after: Annotated[int, Query(ge=0, le=MAX_SEQUENCE)] = 0,
+    limit: Annotated[int, Query(ge=1, le=5000)] = 500,
 ) -> Any:
     require_admin(principal)
     if scope is not None:
@@ -65,8 +66,6 @@ async def audit(
             Scope.parse(scope)
         except ValueError as exc:
             raise InvalidRequest("scope must read TYPE:ID, e.g. thread:thr_1") from exc
-    if after < 0 or not 1 <= limit <= 5000:
-        raise InvalidRequest("after must be >= 0 and limit within 1..5000")
     items = await anyio.to_thread.run_sync(
         lambda: broker.audit.query(scope_key=scope, actor_id=actor, after=after, limit=limit)
     )

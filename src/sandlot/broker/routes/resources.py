@@ -20,6 +20,7 @@ from sandlot.broker.routes.deps import (
     require_admin,
 )
 from sandlot.broker.routes.sessions import (
+    Cursor,
     EventStream,
     LastEventId,
     parse_cursor,
@@ -263,7 +264,7 @@ async def sandbox_events(
     sandbox_id: str,
     broker: BrokerDep,
     principal: PrincipalDep,
-    after: int | None = None,
+    after: Cursor = None,
     last_event_id: LastEventId = None,
 ) -> EventStream:
     cursor = parse_cursor(last_event_id, after)

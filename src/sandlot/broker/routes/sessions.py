@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 import anyio
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandlot.broker.events import EventHub
@@ -24,6 +24,7 @@ from sandlot.broker.routes.deps import (
 from sandlot.broker.routes.errors import envelope_for
 from sandlot.protocol.common import Scope, ScopeType
 from sandlot.protocol.errors import InvalidRequest, SandlotError
+from sandlot.protocol.events import MAX_SEQUENCE
 from sandlot.protocol.openapi import event_stream, json_body
 from sandlot.protocol.sessions import (
     HeartbeatResponse,
@@ -44,6 +45,8 @@ class EventStream(StreamingResponse):
     media_type = "text/event-stream"
 
 
+#: Where an event stream starts: after this sequence number (exclusive).
+Cursor = Annotated[int | None, Query(ge=0, le=MAX_SEQUENCE)]
 #: Where an event stream resumes (SSE reconnection); it takes precedence over ``after``.
 LastEventId = Annotated[str | None, Header(description="Resume after this sequence number")]
 
@@ -155,11 +158,11 @@ async def release(
 
 def parse_cursor(last: str | None, after: int | None) -> int:
     if last is not None:
-        if not last.strip().isdigit():
+        last = last.strip()
+        # isdigit() alone admits "²", which int() refuses.
+        if not (last.isascii() and last.isdigit()) or int(last) > MAX_SEQUENCE:
             raise InvalidRequest("Last-Event-ID must be a sequence number")
         return int(last)
-    if after is not None and after < 0:
-        raise InvalidRequest("after must be >= 0")
     return after or 0
 
 
@@ -209,7 +212,7 @@ async def session_events(
     session_id: str,
     broker: BrokerDep,
     principal: PrincipalDep,
-    after: int | None = None,
+    after: Cursor = None,
     last_event_id: LastEventId = None,
 ) -> EventStream:
     cursor = parse_cursor(last_event_id, after)
