@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field, model_validator
 
@@ -32,6 +32,15 @@ class SessionMode(StrEnum):
 
 class SessionRequest(WireModel):
     """Both shapes of 2.1: MVP ``{thread_id, mode}`` and the full shape with ``scope``."""
+
+    model_config = WireModel.model_config | {
+        "json_schema_extra": {
+            "anyOf": [
+                {"required": ["thread_id"], "properties": {"thread_id": {"type": "string"}}},
+                {"required": ["scope"], "properties": {"scope": {"type": "object"}}},
+            ]
+        }
+    }
 
     thread_id: Name | None = None
     scope: Scope | None = None
@@ -243,8 +252,13 @@ class SandboxSnapshot(WireModel):
     generation: int = 1
 
 
-class ListResponse(WireModel):
-    items: list[Any]
+T = TypeVar("T")
+
+
+class ListResponse(WireModel, Generic[T]):
+    """``GET /v1/templates``, ``/v1/volumes``, ``/v1/pools``, ``/v1/sandboxes``."""
+
+    items: list[T]
 
 
 # --- aliases (2.9) ----------------------------------------------------------------
@@ -271,6 +285,12 @@ class AliasRefreshRequest(WireModel):
     token: str = Field(min_length=1, max_length=8192)
 
 
+class AliasRefreshResponse(RefreshResponse):
+    sandbox_id: str | None
+    session_id: str
+    scopes: list[Capability]
+
+
 class AliasReleaseRequest(WireModel):
     session_id: Name
 
@@ -286,10 +306,39 @@ class BoxCreate(WireModel):
     timeout: float = Field(default=60.0, gt=0, le=3600)
 
 
+BoxState = Literal["provisioning", "ready", "failed", "stopped"]
+
+
 class Box(WireModel):
     name: str
     id: str
-    status: str
+    status: BoxState
     dataplane_url: str
     created_at: str
     updated_at: str
+
+
+class BoxList(WireModel):
+    sandboxes: list[Box]
+
+
+class BoxStatus(WireModel):
+    status: BoxState
+
+
+# --- operations -----------------------------------------------------------------------
+
+
+class Health(WireModel):
+    status: str
+    server: str
+    api_version: str
+
+
+class Jwks(WireModel):
+    keys: list[dict[str, Any]]
+
+
+class AuditPage(WireModel):
+    items: list[dict[str, Any]]
+    next_after: int

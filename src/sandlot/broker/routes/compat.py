@@ -32,9 +32,13 @@ from sandlot.protocol.sessions import (
     AcquireRequest,
     AcquireResponse,
     AliasRefreshRequest,
+    AliasRefreshResponse,
     AliasReleaseRequest,
     Box,
     BoxCreate,
+    BoxList,
+    BoxState,
+    BoxStatus,
     SessionMode,
     SessionRequest,
 )
@@ -71,7 +75,11 @@ async def acquire(request: Request, broker: BrokerDep, principal: PrincipalDep) 
     )
 
 
-@router.post("/sandbox/refresh", openapi_extra=json_body(AliasRefreshRequest))
+@router.post(
+    "/sandbox/refresh",
+    response_model=AliasRefreshResponse,
+    openapi_extra=json_body(AliasRefreshRequest),
+)
 async def alias_refresh(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(AliasRefreshRequest, await read_body(request))
     claims = broker.keyring.verify(req.token)
@@ -100,7 +108,7 @@ async def alias_release(request: Request, broker: BrokerDep, principal: Principa
 
 # --- LangSmith boxes -------------------------------------------------------------------
 
-_BOX_STATUS = {
+_BOX_STATUS: dict[SandboxState, BoxState] = {
     SandboxState.PROVISIONING: "provisioning",
     SandboxState.ACTIVE: "ready",
     SandboxState.IDLE: "ready",
@@ -154,7 +162,9 @@ async def _wait_ready(broker: Broker, sandbox_id: str, timeout: float) -> Sandbo
         await broker.hub.wait(sandbox_id, min(remaining, broker.hub.POLL_SECONDS), seen)
 
 
-@router.post("/v2/sandboxes/boxes", openapi_extra=json_body(BoxCreate, required=False))
+@router.post(
+    "/v2/sandboxes/boxes", response_model=Box, openapi_extra=json_body(BoxCreate, required=False)
+)
 async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(BoxCreate, await read_body(request), empty_ok=True)
     broker.ratelimit.check(principal.lease_holder)
@@ -181,20 +191,20 @@ async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDe
     return _box(broker, row)
 
 
-@router.get("/v2/sandboxes/boxes")
+@router.get("/v2/sandboxes/boxes", response_model=BoxList)
 async def list_boxes(broker: BrokerDep, principal: PrincipalDep) -> Any:
     rows = await anyio.to_thread.run_sync(broker.sandboxes.list_for, principal.effective_user)
     # Boxes are the user's own sandboxes, not those serving a scope.
     return {"sandboxes": [_box(broker, r) for r in rows if r.scope_key is None]}
 
 
-@router.get("/v2/sandboxes/boxes/{name}")
+@router.get("/v2/sandboxes/boxes/{name}", response_model=Box)
 async def get_box(name: str, broker: BrokerDep, principal: PrincipalDep) -> Any:
     row = await anyio.to_thread.run_sync(_find_box, broker, principal, name)
     return _box(broker, row)
 
 
-@router.get("/v2/sandboxes/boxes/{name}/status")
+@router.get("/v2/sandboxes/boxes/{name}/status", response_model=BoxStatus)
 async def box_status(name: str, broker: BrokerDep, principal: PrincipalDep) -> Any:
     row = await anyio.to_thread.run_sync(_find_box, broker, principal, name)
     return {"status": _BOX_STATUS[row.state]}
@@ -211,14 +221,14 @@ async def delete_box(
     return Response(status_code=204)
 
 
-@router.post("/v2/sandboxes/boxes/{name}/stop")
+@router.post("/v2/sandboxes/boxes/{name}/stop", response_model=Box)
 async def stop_box(name: str, broker: BrokerDep, principal: PrincipalDep) -> Any:
     row = await anyio.to_thread.run_sync(_find_box, broker, principal, name)
     await broker.sandboxes.suspend(row.id, reason="box stopped")
     return _box(broker, await anyio.to_thread.run_sync(broker.sandboxes.get, row.id))
 
 
-@router.post("/v2/sandboxes/boxes/{name}/start")
+@router.post("/v2/sandboxes/boxes/{name}/start", response_model=Box)
 async def start_box(name: str, broker: BrokerDep, principal: PrincipalDep) -> Any:
     row = await anyio.to_thread.run_sync(_find_box, broker, principal, name)
     if row.state is SandboxState.SUSPENDED:

@@ -14,11 +14,12 @@ from sandlot.broker.routes.deps import BrokerDep, PrincipalDep, require_admin
 from sandlot.protocol.common import API_VERSION, Scope, rfc3339
 from sandlot.protocol.errors import InvalidRequest
 from sandlot.protocol.events import MAX_SEQUENCE
+from sandlot.protocol.sessions import AuditPage, Health, Jwks
 
 router = APIRouter()
 
 
-@router.get("/.well-known/jwks.json")
+@router.get("/.well-known/jwks.json", response_model=Jwks)
 async def jwks(broker: BrokerDep) -> Any:
     return JSONResponse(
         await anyio.to_thread.run_sync(broker.keyring.jwks),
@@ -26,7 +27,7 @@ async def jwks(broker: BrokerDep) -> Any:
     )
 
 
-@router.get("/healthz")
+@router.get("/healthz", response_model=Health)
 async def healthz() -> Any:
     return {"status": "ok", "server": f"sandlot/{__version__}", "api_version": API_VERSION}
 
@@ -51,7 +52,7 @@ async def metrics(request: Request) -> Response:
     return Response(data, media_type=CONTENT_TYPE_LATEST)
 
 
-@router.get("/v1/audit")
+@router.get("/v1/audit", response_model=AuditPage)
 async def audit(
     broker: BrokerDep,
     principal: PrincipalDep,

@@ -30,6 +30,7 @@ from sandlot.broker.sandboxes import SandboxRow
 from sandlot.protocol.errors import InvalidRequest, SandboxNotFound, SequenceExpired
 from sandlot.protocol.openapi import event_stream, json_body
 from sandlot.protocol.sessions import (
+    ListResponse,
     Pool,
     PoolSnapshot,
     SandboxCreate,
@@ -46,7 +47,7 @@ router = APIRouter()
 # --- templates -------------------------------------------------------------------------
 
 
-@router.get("/v1/templates")
+@router.get("/v1/templates", response_model=ListResponse[Template])
 async def list_templates(broker: BrokerDep, principal: PrincipalDep) -> dict[str, Any]:
     items = await anyio.to_thread.run_sync(broker.templates.list)
     return {"items": [t.model_dump(mode="json") for t in items]}
@@ -85,7 +86,7 @@ def _owner_filter(principal: Principal) -> str | None:
     return None if principal.is_admin else principal.effective_user
 
 
-@router.get("/v1/volumes")
+@router.get("/v1/volumes", response_model=ListResponse[Volume])
 async def list_volumes(broker: BrokerDep, principal: PrincipalDep) -> dict[str, Any]:
     items = await anyio.to_thread.run_sync(broker.volumes.list, _owner_filter(principal))
     return {"items": [v.model_dump(mode="json") for v in items]}
@@ -118,7 +119,7 @@ async def delete_volume(
 # --- pools -----------------------------------------------------------------------------
 
 
-@router.get("/v1/pools")
+@router.get("/v1/pools", response_model=ListResponse[PoolSnapshot])
 async def list_pools(broker: BrokerDep, principal: PrincipalDep) -> dict[str, Any]:
     items = await anyio.to_thread.run_sync(broker.pools.list)
     return {"items": [p.model_dump(mode="json") for p in items]}
@@ -168,7 +169,7 @@ def visible_sandbox(broker: Broker, principal: Principal, sandbox_id: str) -> Sa
     return row
 
 
-@router.get("/v1/sandboxes")
+@router.get("/v1/sandboxes", response_model=ListResponse[SandboxSnapshot])
 async def list_sandboxes(
     broker: BrokerDep, principal: PrincipalDep, all_users: bool = False, include_ended: bool = False
 ) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandlot.broker.events import EventHub
-from sandlot.broker.idempotency import fingerprint
+from sandlot.broker.idempotency import MAX_KEY_LENGTH, fingerprint
 from sandlot.broker.principals import Principal
 from sandlot.broker.routes.deps import (
     BrokerDep,
@@ -94,7 +94,14 @@ async def negotiate(
     request: Request,
     broker: BrokerDep,
     principal: PrincipalDep,
-    idempotency_key: Annotated[str | None, Header()] = None,
+    idempotency_key: Annotated[
+        str | None,
+        Header(
+            min_length=1,
+            max_length=MAX_KEY_LENGTH,
+            description="A retry with the same key (printable characters) replays the answer",
+        ),
+    ] = None,
 ) -> Response:
     body = await read_body(request)
     req = parse_model(SessionRequest, body)
@@ -232,16 +239,16 @@ async def session_events(
     )
 
 
-def _scope(scope_type: str, scope_id: str) -> Scope:
+def _scope(scope_type: ScopeType, scope_id: str) -> Scope:
     try:
-        return Scope(type=ScopeType(scope_type), id=scope_id)
+        return Scope(type=scope_type, id=scope_id)
     except ValueError as exc:
-        raise InvalidRequest(f"unknown scope type {scope_type!r}") from exc
+        raise InvalidRequest(f"invalid scope id {scope_id!r}") from exc
 
 
 @router.get("/v1/sandbox/scopes/{scope_type}/{scope_id}/members", response_model=MembersResponse)
 async def list_members(
-    scope_type: str, scope_id: str, broker: BrokerDep, principal: PrincipalDep
+    scope_type: ScopeType, scope_id: str, broker: BrokerDep, principal: PrincipalDep
 ) -> Any:
     return await anyio.to_thread.run_sync(
         broker.sessions.members, principal, _scope(scope_type, scope_id)
@@ -254,7 +261,11 @@ async def list_members(
     openapi_extra=json_body(MemberRequest),
 )
 async def add_member(
-    request: Request, scope_type: str, scope_id: str, broker: BrokerDep, principal: PrincipalDep
+    request: Request,
+    scope_type: ScopeType,
+    scope_id: str,
+    broker: BrokerDep,
+    principal: PrincipalDep,
 ) -> Any:
     req = parse_model(MemberRequest, await read_body(request))
     ctx = audit_context(request, principal)
@@ -266,7 +277,7 @@ async def add_member(
 @router.delete("/v1/sandbox/scopes/{scope_type}/{scope_id}/members/{user_id}", status_code=204)
 async def remove_member(
     request: Request,
-    scope_type: str,
+    scope_type: ScopeType,
     scope_id: str,
     user_id: str,
     broker: BrokerDep,
