@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import socket
@@ -11,6 +12,7 @@ import time
 from typing import Any
 
 import httpx
+import pytest
 import websockets
 
 from tests.dataplane.conftest import Server
@@ -348,3 +350,28 @@ def test_sequence_expired(tmp_path: Any) -> None:
             assert r.status_code == 410 and r.json()["error"]["code"] == "SEQUENCE_EXPIRED"
     finally:
         gen.close()
+
+
+def test_dropped_event_streams_leave_no_task_behind(
+    server: Server, client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that leaves an idle SSE stream ends the stream's waits too (they leaked, and
+    their collection logged an error each: enough of them filled a piped stderr)."""
+
+    def waits() -> list[str]:
+        tasks = server.call(asyncio.all_tasks)
+        return [repr(t) for t in tasks if "Event.wait" in repr(t.get_coro())]
+
+    before = len(waits())
+    for _ in range(5):
+        after = server.call(lambda: server.host.status(server.sandbox_id)[1])
+        with client.stream("GET", server.url("/events"), params={"after": after}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # ": connected", then the stream waits for events
+    deadline = time.monotonic() + 10
+    while server.call(lambda: len(server.host._entry(server.sandbox_id).connections)):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert len(waits()) == before, waits()
+    gc.collect()
+    assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]

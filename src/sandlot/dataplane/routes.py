@@ -301,13 +301,16 @@ def build_routes(api: Api) -> list[Route]:
                         continue
                     waiter = asyncio.ensure_future(wake.wait())
                     stopper = asyncio.ensure_future(closed.wait())
-                    done, pending = await asyncio.wait(
-                        {waiter, stopper},
-                        timeout=settings.keepalive_seconds,
-                        return_when=asyncio.FIRST_COMPLETED,
-                    )
-                    for fut in pending:
-                        fut.cancel()
+                    try:
+                        done, _ = await asyncio.wait(
+                            {waiter, stopper},
+                            timeout=settings.keepalive_seconds,
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                    finally:
+                        # Also when the client left meanwhile (this wait is then cancelled).
+                        waiter.cancel()
+                        stopper.cancel()
                     if not done:
                         yield b": keep-alive\n\n"
             finally:
