@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ class SandlotServer:
         self.url = ""
         self.output: list[str] = []
         self.port = 0
+        self._reader: threading.Thread | None = None
 
     def argv(self) -> list[str]:
         argv = [
@@ -94,8 +96,20 @@ class SandlotServer:
         if not self.url:
             self.stop()
             raise RuntimeError(f"server did not start:\n{buf.decode(errors='replace')}")
+        # From here on the output is read as it comes: a pipe nobody reads fills up
+        # (64 KiB) and then blocks the server at its next log line.
+        self.output.append(buf.decode(errors="replace"))
+        self._reader = threading.Thread(target=self._read_output, args=(fd,), daemon=True)
+        self._reader.start()
         self._wait_ready(deadline)
         return self
+
+    def _read_output(self, fd: int) -> None:
+        try:
+            while chunk := os.read(fd, 65536):
+                self.output.append(chunk.decode(errors="replace"))
+        except OSError:
+            return
 
     def _wait_ready(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -142,11 +156,15 @@ class SandlotServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout is not None:
+        if self._reader is not None:
+            self._reader.join(10)
+            self._reader = None
+        elif self.proc.stdout is not None:
             with contextlib.suppress(Exception):
                 rest = self.proc.stdout.read()
                 if rest:
                     self.output.append(rest.decode(errors="replace"))
+        if self.proc.stdout is not None:
             self.proc.stdout.close()
         return self.proc.returncode
 
