@@ -150,7 +150,7 @@ class LocalProvider(Provider):
         except Exception as exc:
             log.error("creating sandbox %s failed: %s", sid, exc)
             self._failed[sid] = str(exc)
-            with contextlib.suppress(KeyError):
+            with contextlib.suppress(SandboxNotFound):
                 self.host.set_state(sid, SandboxState.FAILED, reason=str(exc)[:500])
             await self._notify(sid)
             return
@@ -194,7 +194,7 @@ class LocalProvider(Provider):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        with contextlib.suppress(KeyError):
+        with contextlib.suppress(SandboxNotFound):
             self.host.set_state(sandbox_id, SandboxState.TERMINATED, reason="deleted")
         await self.host.unregister(sandbox_id)
         self._runtimes.pop(sandbox_id, None)
