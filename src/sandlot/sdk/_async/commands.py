@@ -93,7 +93,8 @@ class AsyncCommand:
     async def _connect(self) -> None:
         """Open (or reopen) the socket, within the reconnection budget."""
         while True:
-            timeout = open_timeout(self._deadline)  # TimeoutError once the deadline passed
+            # TimeoutError once the deadline passed
+            timeout = open_timeout(self._deadline, self._keepalive)
             try:
                 await self._open(timeout)
                 return

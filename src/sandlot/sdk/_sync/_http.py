@@ -41,10 +41,15 @@ def raise_for_error(resp: httpx.Response) -> None:
     raise error_from_wire(body, resp.status_code, retry_after=retry_after)
 
 
-def open_timeout(deadline: Deadline) -> float:
-    """Seconds one connection (a WebSocket's handshake included) may take to open."""
+def open_timeout(deadline: Deadline, keepalive: float | None = None) -> float:
+    """Seconds one connection (a WebSocket's handshake included) may take to open.
+
+    With ``keepalive``, no longer than an open connection may stay silent (two
+    intervals): a handshake cut off by the network fails as fast as a dead socket.
+    """
+    limit = CONNECT_TIMEOUT if keepalive is None else min(CONNECT_TIMEOUT, 2 * keepalive)
     left = deadline.remaining()
-    return CONNECT_TIMEOUT if left is None else min(CONNECT_TIMEOUT, left)
+    return limit if left is None else min(limit, left)
 
 
 def http_timeout(deadline: Deadline) -> httpx.Timeout:

@@ -104,7 +104,7 @@ class EventStream:
         ws = _aio.ws_connect(
             self._ws_url(self.last_sequence),
             self._http.auth(),
-            open_timeout(self._deadline),
+            open_timeout(self._deadline, self._keepalive),
             self._keepalive,
         )
         try:

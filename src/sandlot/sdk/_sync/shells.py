@@ -51,7 +51,7 @@ class Shell:
     ) -> Shell:
         """Attach to (or create) the shell at ``url`` and read its greeting."""
         deadline = Deadline(timeout)
-        ws = _aio.ws_connect(url, auth(), open_timeout(deadline), keepalive)
+        ws = _aio.ws_connect(url, auth(), open_timeout(deadline, keepalive), keepalive)
         shell = cls(ws, name=name, role=role)
         try:
             while shell.session_id is None or not shell._greeted:
