@@ -1,0 +1,112 @@
+"""schemathesis against the dataplane's OpenAPI document, on a sandbox of a real ``sandlot serve``.
+
+The document is served at the sandbox's ``http_base_url``; every case carries
+the session's token. Each operation is fuzzed with generated inputs, and where
+it takes an exec id or a path, also with those of an existing command and of
+files in the workspace (so success responses are checked too). Operations that
+delete run last.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from starlette.routing import Route
+
+from sandlot.dataplane import openapi
+from sandlot.dataplane.auth import TokenVerifier
+from sandlot.dataplane.host import DataplaneHost
+from tests.figures import FULL, RecordProperty, report
+from tests.fuzzing import Fuzzer, unexpected_logs
+from tests.servers import running
+
+EXAMPLES, KNOWN_EXAMPLES = (100, 50) if FULL else (10, 8)
+TARGET = 4_000 if FULL else 1_000
+
+# A full-size run outlasts the default 15 min token.
+CONFIG = """
+[policy]
+token_ttl_seconds = 7200
+"""
+
+FILE = "/workspace/fuzz/notes.txt"
+DIRECTORY = "/workspace/fuzz"
+
+
+def active_grant(base: str, headers: dict[str, str]) -> dict[str, object]:
+    r = httpx.post(f"{base}/v1/sandbox/sessions", json={"thread_id": "thr_fuzz"}, headers=headers)
+    assert r.status_code == 200, r.text
+    grant = dict(r.json())
+    deadline = time.monotonic() + 30
+    while True:
+        snap = httpx.get(f"{base}/v1/sandbox/sessions/{grant['session_id']}", headers=headers)
+        if snap.json()["binding"]["state"] == "active":
+            return grant
+        assert time.monotonic() < deadline, snap.text
+        time.sleep(0.05)
+
+
+def known_inputs(path: str, exec_id: str) -> tuple[dict[str, str] | None, dict[str, str] | None]:
+    """Path parameters and query of existing objects for ``path`` (``None``: nothing fixed)."""
+    if "{exec_id}" in path:
+        return {"exec_id": exec_id}, None
+    if path in ("/fs/list", "/files/archive"):
+        return None, {"path": DIRECTORY}
+    if path in ("/fs/read", "/fs/stat", "/fs", "/files/download", "/download"):
+        return None, {"path": FILE}
+    return None, None
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(1800 if FULL else 300)
+def test_dataplane_openapi_document(tmp_path: Path, record_property: RecordProperty) -> None:
+    with running(tmp_path / "data", config=CONFIG) as server:
+        headers = {"Authorization": f"Bearer {server.key('fuzz')}"}
+        grant = active_grant(server.url, headers)
+        base = str(grant["dataplane"]["http_base_url"])  # type: ignore[index]
+        token = {"Authorization": f"Bearer {grant['token']}"}
+        with httpx.Client(base_url=base, headers=token, timeout=60) as dp:
+            r = dp.put("/fs/write", json={"path": FILE, "content": "one\ntwo\nthree\n"})
+            assert r.status_code == 201, r.text
+            r = dp.post("/exec", json={"command": "echo fuzz", "command_id": "fuzz-1"})
+            assert r.status_code == 200, r.text
+            exec_id = r.json()["exec_id"]
+        fuzzer = Fuzzer.load(f"{base}/openapi.json", base, token)
+        started = time.monotonic()
+        operations = sorted(fuzzer.operations(), key=lambda op: op.method.upper() == "DELETE")
+        for operation in operations:
+            fuzzer.cover(operation)
+            fuzzer.fuzz(operation, EXAMPLES)
+            path_parameters, query = known_inputs(operation.path, exec_id)
+            if path_parameters is not None or query is not None:
+                fuzzer.fuzz(operation, KNOWN_EXAMPLES, path_parameters=path_parameters, query=query)
+        took = time.monotonic() - started
+    print(fuzzer.table())
+    assert not fuzzer.failures, "\n\n".join(fuzzer.failures)
+    assert fuzzer.server_errors == fuzzer.violations == 0
+    assert not unexpected_logs(server.output), "\n\n".join(unexpected_logs(server.output))
+    assert fuzzer.cases >= TARGET, fuzzer.figure()
+    report(record_property, f"dataplane: {fuzzer.figure()} ({took:.0f} s)")
+
+
+def test_document_lists_every_http_route() -> None:
+    """The document and the routes cannot drift apart (WebSocket routes are not in it)."""
+
+    async def jwks() -> dict[str, object]:
+        return {"keys": []}
+
+    host = DataplaneHost(verifier=TokenVerifier(jwks, issuer="https://broker.test"))
+    mount = next(r for r in host.app.routes if getattr(r, "path", "") == "/{sandbox_id}/v1")
+    served: dict[str, set[str]] = {}
+    for route in mount.routes:  # type: ignore[attr-defined]
+        if isinstance(route, Route) and route.path != "/openapi.json":
+            served.setdefault(route.path, set()).update(m.lower() for m in route.methods or ())
+    documented = {path: set(ops) for path, ops in openapi.document()["paths"].items()}
+    # Starlette answers HEAD wherever GET is served.
+    assert {p: m - {"head"} for p, m in served.items()} == {
+        p: m - {"head"} for p, m in documented.items()
+    }
+    assert all("head" in documented[p] for p in ("/files/download", "/download"))
