@@ -215,7 +215,10 @@ def _paths() -> dict[str, dict[str, Any]]:
             "get": _operation(
                 "The sandbox's events after the cursor, then live",
                 event_stream("Events as Server-Sent Events"),
-                parameters=[_query("after", {"type": "integer", "minimum": 0})],
+                parameters=[
+                    _query("after", {"type": "integer", "minimum": 0}),
+                    _header("Last-Event-ID"),
+                ],
             )
         },
         "/files/upload": {"post": upload, "put": upload},
