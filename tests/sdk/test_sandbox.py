@@ -210,6 +210,18 @@ async def test_events(sandbox: AsyncSandbox, transport: str) -> None:
     assert nxt.sequence == seen[-1].sequence
 
 
+@pytest.mark.parametrize("transport", ["sse", "ws"])
+async def test_event_stream_deadline_raises_timeout_error(
+    sandbox: AsyncSandbox, transport: str
+) -> None:
+    # Nothing new after the cursor: the deadline ends the stream, no reconnection loop.
+    async with sandbox.events(after=10**12, transport=transport, timeout=1.0) as events:
+        started = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await events.__anext__()
+    assert time.monotonic() - started < 2.5
+
+
 async def test_bootstrap_grant(
     pair: tuple[AsyncSandlot, AsyncSandbox], server: SandlotServer, agent_key: str
 ) -> None:

@@ -85,6 +85,9 @@ class AsyncEventStream:
                     # Close the connection now, not when the generator is collected.
                     await source.aclose()
                 return
+            except TimeoutError:
+                # A deadline, not a broken connection (TimeoutError is an OSError).
+                raise
             except (httpx.TransportError, ConnectionClosed, OSError) as exc:
                 if isinstance(exc, httpx.TimeoutException):
                     raise TimeoutError("event stream: deadline exceeded") from exc
