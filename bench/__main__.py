@@ -13,10 +13,14 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import targets  # noqa: E402
 
 #: (module, arguments for a full run, arguments for a quick run, what it measures)
 BENCHES = [
@@ -73,6 +77,9 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "docs" / "BENCHMARKS.md"))
     args = ap.parse_args()
     sections = []
+    scratch = tempfile.TemporaryDirectory(prefix="sandlot-bench-")
+    targets_file = Path(scratch.name) / "targets.jsonl"
+    env = {**os.environ, targets.ENV: str(targets_file)}
     for module, full, quick, what in BENCHES:
         if args.only and module not in args.only:
             continue
@@ -83,7 +90,7 @@ def main() -> None:
         ]
         print(f"== {module}: {what}", file=sys.stderr, flush=True)
         started = time.monotonic()
-        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, check=False)
+        proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
         took = time.monotonic() - started
         body = proc.stdout.strip() or "(no output)"
         if proc.returncode != 0:
@@ -99,9 +106,15 @@ def main() -> None:
         f"Machine: {machine()}.\n\n"
         "Every figure is measured in the same run as the operation it is compared with "
         "(the direct operation on this machine, or a peer), interleaved so that drift "
-        "cancels. Targets are the issues' own; a missed one is reported as measured.\n"
+        "cancels. Targets are the issues' own; a missed one is reported as measured, "
+        "with what limits it.\n"
     )
-    Path(args.out).write_text(header + "\n" + "\n".join(sections))
+    found = targets.load(targets_file)
+    scratch.cleanup()
+    summary = f"## Targets\n\n{targets.table(found)}\n" if found else ""
+    if summary:
+        print(summary, flush=True)
+    Path(args.out).write_text(header + "\n" + summary + "\n" + "\n".join(sections))
     print(f"wrote {args.out}", file=sys.stderr)
 
 

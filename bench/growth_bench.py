@@ -1,6 +1,6 @@
 """Cost growth: a few operations at 1, 10, 100 (1,000) times the work, dataplane and direct.
 
-Run: ``/tmp/venv/bin/python bench/growth_bench.py [--quick] [--svg docs/cost-growth.svg]``
+Run: ``.venv/bin/python bench/growth_bench.py [--quick] [--svg docs/cost-growth.svg]``
 
 Starts a dataplane (uvicorn, one sandbox, direct runtime; the same server as
 ``bench/dataplane_bench.py``) and times each operation at each size through

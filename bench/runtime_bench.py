@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from targets import report
+
 from sandlot.protocol.sessions import Template
 from sandlot.runtime.base import ProcessSpec, SandboxRuntime
 from sandlot.runtime.local import IsolatedRuntime, LocalRuntimeManager, RuntimeSettings
@@ -111,6 +113,13 @@ async def main(quick: bool) -> None:
             ("create → ready (p50 / p95)", f"{ms(pct(creates, 0.5))} / {ms(pct(creates, 0.95))}")
         )
         rows.append(("destroy (p50)", ms(pct(destroys, 0.5))))
+        report(
+            "runtime",
+            "create → ready: p50 ≤ 15 ms",
+            ms(pct(creates, 0.5)),
+            pct(creates, 0.5) <= 0.015,
+            "bubblewrap start, cgroup setup and the init's ready message",
+        )
 
         rt = await mgr.create("exec", 1, template, {})
         sandboxed, direct = [], []
@@ -126,6 +135,13 @@ async def main(quick: bool) -> None:
                 f"{ms(pct(sandboxed, 0.5))} vs {ms(pct(direct, 0.5))} ({ratio:.2f}x)",
             )
         )
+        report(
+            "runtime",
+            "one-shot `true` in the sandbox: within 1.5\u00d7 of `subprocess.run(['true'])`",
+            f"{ratio:.2f}\u00d7 ({ms(pct(sandboxed, 0.5))} vs {ms(pct(direct, 0.5))})",
+            ratio <= 1.5,
+            "entering the sandbox's namespaces and cgroup through its init",
+        )
         rows.append(
             (
                 "one-shot `true`: sandbox vs subprocess.run (p95)",
@@ -138,6 +154,13 @@ async def main(quick: bool) -> None:
                 "PTY shell start → prompt (p50 / p95)",
                 f"{ms(pct(ptys, 0.5))} / {ms(pct(ptys, 0.95))}",
             )
+        )
+        report(
+            "runtime",
+            "PTY shell start → first prompt: ≤ 3 ms",
+            ms(pct(ptys, 0.5)),
+            pct(ptys, 0.5) <= 0.003,
+            "PTY allocation and the shell's start inside the sandbox",
         )
         await mgr.destroy("exec")
 
@@ -152,6 +175,13 @@ async def main(quick: bool) -> None:
                 "idle memory per sandbox (PSS, median of 20)",
                 f"{statistics.median(per_sandbox) / 1024:.2f} MiB",
             )
+        )
+        report(
+            "runtime",
+            "idle memory per sandbox: ≤ 2 MiB",
+            f"{statistics.median(per_sandbox) / 1024:.2f} MiB (PSS)",
+            statistics.median(per_sandbox) <= 2048,
+            "the sandbox's init process",
         )
         for rt in idle:
             await mgr.destroy(rt.sandbox_id)
@@ -172,6 +202,14 @@ async def main(quick: bool) -> None:
                     f"{ms(pct(latencies, 0.5))} / {ms(max(latencies))} / {ms(wall)}",
                 )
             )
+            if batch == 200:
+                report(
+                    "runtime",
+                    "200 concurrent sandboxes (2 cores, 24 GiB): all ready within 2 s",
+                    f"all ready in {ms(wall)} (p50 {ms(pct(latencies, 0.5))})",
+                    wall <= 2.0,
+                    "two cores starting 200 bubblewrap sandboxes",
+                )
             for i in range(batch):
                 await mgr.destroy(f"b{batch}-{i}")
     finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from targets import report
 from tests.servers import SandlotServer, isolation_mode
 
 
@@ -50,14 +51,21 @@ def main() -> None:
             env = {**os.environ, "SANDLOT_URL": srv.url, "SANDLOT_API_KEY": srv.key("bench")}
             cli = [sys.executable, "-m", "sandlot.cli.main"]
             subprocess.run([*cli, "exec", "bench", "--", "true"], env=env, check=True)
-            sync_t, tar_t = [], []
+            sync_t, tar_t, durable_t = [], [], []
             for r in range(args.rounds):
-                dest = tmp / f"copy{r}"
-                dest.mkdir()
-                t0 = time.perf_counter()
-                subprocess.run(f"tar cf - -C {src} . | tar xf - -C {dest}", shell=True, check=True)
-                tar_t.append(time.perf_counter() - t0)
-                shutil.rmtree(dest)
+                for cmd, times in (
+                    (f"tar cf - -C {src} . | tar xf - -C {{dest}}", tar_t),
+                    # As durable as `sandlot sync`, which flushes the files it wrote.
+                    (f"tar cf - -C {src} . | tar xf - -C {{dest}} && sync -f {{dest}}", durable_t),
+                ):
+                    dest = tmp / f"copy{r}"
+                    dest.mkdir()
+                    subprocess.run("sync", check=True)  # start from a clean page cache
+                    t0 = time.perf_counter()
+                    subprocess.run(cmd.format(dest=dest), shell=True, check=True)
+                    times.append(time.perf_counter() - t0)
+                    shutil.rmtree(dest)
+                subprocess.run("sync", check=True)
                 t0 = time.perf_counter()
                 subprocess.run(
                     [*cli, "sync", str(src), f"bench:/workspace/r{r}"],
@@ -71,13 +79,27 @@ def main() -> None:
             srv.cleanup()
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    s, t = statistics.median(sync_t), statistics.median(tar_t)
+    s, t, d = statistics.median(sync_t), statistics.median(tar_t), statistics.median(durable_t)
     print(f"\n### sync of {args.files} files ({size / 1e6:.1f} MB), {args.mode} sandbox\n")
     print("| operation | median s | min s | ratio | target |")
     print("|---|---|---|---|---|")
     print(f"| local `tar c \\| tar x` | {t:.3f} | {min(tar_t):.3f} | 1.0x | |")
     print(
+        f"| local `tar c \\| tar x` then `sync -f` (durable) | {d:.3f} | {min(durable_t):.3f} "
+        f"| {d / t:.1f}x | |"
+    )
+    print(
         f"| `sandlot sync` (CLI, end to end) | {s:.3f} | {min(sync_t):.3f} | {s / t:.1f}x | <= 3x |"
+    )
+    report(
+        "CLI",
+        "`sandlot sync` of a 10,000-file tree: within 3\u00d7 of a local `tar c | tar x`",
+        f"{s / t:.1f}\u00d7 ({s:.2f} s vs {t:.2f} s; {s / d:.1f}\u00d7 a durable tar + sync)",
+        s / t <= 3,
+        f"sync is durable (the server flushes what it wrote: tar + `sync -f` alone takes "
+        f"{d:.2f} s here) and goes through the CLI's start, a .gitignore-aware scan, one "
+        "HTTP upload and the sandbox's path rules; file creation on this VM varies "
+        f"{min(tar_t):.2f} to {max(tar_t):.2f} s for the same tar",
     )
 
 
