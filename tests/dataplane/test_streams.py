@@ -90,3 +90,33 @@ def test_binary_output_over_the_wire(server: Server) -> None:
             assert sum(f.get("replaced", 0) for f in frames) == 2
 
     asyncio.run(run())
+
+
+def test_pacing_follows_the_most_advanced_cursor() -> None:
+    async def run() -> None:
+        s = OutputStream("stdout", 1000, headroom=200)
+        woken: list[int] = []
+        ahead, behind = Cursor([s], [0]), Cursor([s], [0])
+        s.feed(b"x" * 900)
+        assert s.full  # 900 unsent + 200 of headroom would trim
+        s.when_room(lambda: woken.append(s.end))
+        frames: list[dict[str, Any]] = []
+
+        async def send(frame: dict[str, Any]) -> None:
+            frames.append(frame)
+
+        await ahead.flush(send, 100)
+        assert woken == [900] and not s.full  # the leader caught up; the other one lags
+        s.feed(b"y" * 900)
+        s.when_room(lambda: woken.append(-1))
+        ahead.close()  # the pacer leaves: the lagging cursor now paces
+        assert s.full and woken == [900]
+        behind.close()  # nobody attached: never held back
+        assert woken == [900, -1] and not s.full
+        paced = Cursor([s], [0])
+        assert s.full
+        s.stop_pacing()  # the process exited
+        assert not s.full
+        paced.close()
+
+    asyncio.run(run())

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sandlot.dataplane.procio import FdReader, close_fd, write_all
+from sandlot.dataplane.procio import PACING_HEADROOM, FdReader, close_fd, write_all
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.dataplane.streams import OutputStream
 from sandlot.protocol.common import Actor, new_id, rfc3339
@@ -80,8 +80,11 @@ class Exec:
         self.process: SandboxProcess | None = None
         limit = settings.max_output_bytes if collect else None
         cap = settings.stream_buffer_bytes
-        self.stdout = OutputStream("stdout", cap, collect_limit=limit)
-        self.stderr = OutputStream("stderr", cap, collect_limit=limit)
+        # Streamed commands are paced by their leading client; a collected one (POST /exec)
+        # keeps everything anyway, and a client watching it must not slow its answer.
+        headroom = None if collect else PACING_HEADROOM
+        self.stdout = OutputStream("stdout", cap, collect_limit=limit, headroom=headroom)
+        self.stderr = OutputStream("stderr", cap, collect_limit=limit, headroom=headroom)
         self.streams = [self.stdout] if pty else [self.stdout, self.stderr]
         self.done = asyncio.Event()
         self._watchers: set[asyncio.Event] = set()
@@ -207,6 +210,9 @@ class Exec:
             raise
         if self._timeout_handle is not None:
             self._timeout_handle.cancel()
+        # Exit is never held back by a client: read what the pipes still hold at full speed.
+        for s in self.streams:
+            s.stop_pacing()
         waiter = asyncio.Event()
         for s in self.streams:
             s.listen(waiter)

@@ -11,10 +11,18 @@ from collections.abc import Callable
 from sandlot.dataplane.streams import OutputStream
 
 READ_SIZE = 65536
+#: What a paced stream keeps free ahead of its leading client: one read, plus a default
+#: (64 KiB) pipe full of output drained at once when the process exits.
+PACING_HEADROOM = 2 * READ_SIZE
 
 
 class FdReader:
-    """Feeds everything read from ``fd`` into ``stream``; closes both at EOF."""
+    """Feeds everything read from ``fd`` into ``stream``; closes both at EOF.
+
+    When the stream is paced and becomes :attr:`~OutputStream.full`, the reader stops
+    watching the fd until the stream has room again: the writer then blocks on a full pipe
+    (back-pressure) instead of its output being trimmed before a client could get it.
+    """
 
     def __init__(
         self, fd: int, stream: OutputStream, *, on_eof: Callable[[], None] | None = None
@@ -24,6 +32,7 @@ class FdReader:
         self._on_eof = on_eof
         self._loop = asyncio.get_running_loop()
         self.closed = False
+        self.paused = False
         self._loop.add_reader(fd, self._readable)
 
     def _readable(self) -> None:
@@ -38,14 +47,29 @@ class FdReader:
             data = b""
         if data:
             self.stream.feed(data)
+            if self.stream.full:
+                self._pause()
         else:
             self.close()
+
+    def _pause(self) -> None:
+        self.paused = True
+        self._loop.remove_reader(self.fd)
+        self.stream.when_room(self._resume)
+
+    def _resume(self) -> None:
+        # Closed meanwhile (exit, or given up): the fd may be closed, its number reused.
+        if self.closed or not self.paused:
+            return
+        self.paused = False
+        self._loop.add_reader(self.fd, self._readable)
 
     def close(self) -> None:
         """Stop reading (EOF, or giving up on grandchildren that keep the pipe open)."""
         if self.closed:
             return
         self.closed = True
+        self.paused = False
         self._loop.remove_reader(self.fd)
         self.stream.close()
         if self._on_eof is not None:

@@ -6,6 +6,17 @@ and copies from the shared buffer when it can send. So a slow client costs
 no memory, never slows the others, and when it falls behind the buffer it
 gets a ``gap`` frame saying exactly which bytes it lost, then continues.
 
+Exec streams are also *paced* (``headroom`` set): while a client is attached,
+the stream is :attr:`~OutputStream.full` once ``headroom`` more bytes could
+trim bytes that the most advanced client has not been sent, and the reader of
+the process's fd stops reading until that client advances or leaves. The
+process then blocks on a full pipe, so a client that keeps up loses nothing
+however fast the producer is. Only the leading client paces: the others fall
+behind and get gaps as before, and with no client attached the command runs
+at full speed (the buffer keeps the tail). Pacing stops when the process
+exits, so exit is never delayed and what is left in the pipe is read at once.
+Shells are not paced.
+
 Only complete UTF-8 sequences enter the buffer (an incomplete tail waits for
 the next read), so chunks decode on their own and offsets stay byte offsets;
 an invalid byte is sent as one ``?`` (see :mod:`sandlot.protocol.frames`).
@@ -65,9 +76,22 @@ def _boundary_forward(buf: bytearray, pos: int) -> int:
 class OutputStream:
     """One output stream (stdout, stderr, or a PTY) of a command or shell."""
 
-    def __init__(self, name: str, capacity: int, *, collect_limit: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        capacity: int,
+        *,
+        collect_limit: int | None = None,
+        headroom: int | None = None,
+    ) -> None:
         self.name = name
         self.capacity = capacity
+        #: Room kept free ahead of the leading client for what one more read and, at exit,
+        #: the pipe's leftovers may add (see :attr:`full`); ``None``: never paced.
+        self.headroom = headroom
+        #: Attached cursors, with the index of this stream in each one's offsets.
+        self._cursors: dict[Cursor, int] = {}
+        self._on_room: Callable[[], None] | None = None
         self._buf = bytearray()
         self._start = 0
         self._pending = b""
@@ -95,6 +119,47 @@ class OutputStream:
     def _notify(self) -> None:
         for event in self._listeners:
             event.set()
+
+    # --- pacing -------------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        """Whether reading on could trim bytes the most advanced attached client still needs.
+
+        A client that has everything never holds the reader back, whatever the capacity.
+        """
+        if self.headroom is None or self.eof or not self._cursors:
+            return False
+        lead = max(c.offsets[i] for c, i in self._cursors.items())
+        unsent = self.end - lead
+        # Bytes held back as an incomplete character are already out of the pipe, and a
+        # trim cuts up to 3 bytes more than asked to land on a character boundary.
+        return unsent > 0 and unsent + len(self._pending) + 3 + self.headroom > self.capacity
+
+    def when_room(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once, when the stream stops being :attr:`full`."""
+        self._on_room = callback
+        self.check_room()
+
+    def stop_pacing(self) -> None:
+        """Never hold the reader back again (the process exited: drain its pipes now)."""
+        self.headroom = None
+        self.check_room()
+
+    def check_room(self) -> None:
+        """Wake the waiting reader if a cursor moved (or left) far enough for it to go on."""
+        if self._on_room is not None and not self.full:
+            callback, self._on_room = self._on_room, None
+            callback()
+
+    def add_cursor(self, cursor: Cursor, index: int) -> None:
+        """``cursor`` reads this stream as its ``index``-th; from now on it may pace it."""
+        self._cursors[cursor] = index
+
+    def remove_cursor(self, cursor: Cursor) -> None:
+        """The client left: the reader it held back goes on (free if it was the last)."""
+        self._cursors.pop(cursor, None)
+        self.check_room()
 
     def feed(self, data: bytes) -> None:
         if self._pending:
@@ -129,6 +194,7 @@ class OutputStream:
             pending, self._pending = self._pending, b""
             self._append(pending)
         self.eof = True
+        self._on_room = None  # nothing left to read: no reader to wake
         self._notify()
 
     def read(self, offset: int, max_bytes: int) -> tuple[int, bytes]:
@@ -171,17 +237,21 @@ class Cursor:
         self.streams = list(streams)
         self.offsets = list(offsets)
         self.event = asyncio.Event()
-        for s in self.streams:
+        for i, s in enumerate(self.streams):
             s.listen(self.event)
+            s.add_cursor(self, i)
         self.event.set()
 
     def close(self) -> None:
         for s in self.streams:
             s.unlisten(self.event)
+            s.remove_cursor(self)
 
     def seek(self, offsets: Sequence[int]) -> None:
         check_offsets(self.streams, offsets)
         self.offsets = list(offsets)
+        for s in self.streams:
+            s.check_room()
         self.event.set()
 
     @property
@@ -201,9 +271,11 @@ class Cursor:
                     await send(gap_frame(s.name, want, got))
                 if not chunk:
                     self.offsets[i] = got
+                    s.check_room()
                     break
                 text, replaced = decode(chunk)
                 await send(output_frame(s.name, text, got, replaced))
                 # The stream may have been trimmed while we were sending: only our
                 # own bookkeeping moves the cursor, and a later read reports the gap.
                 self.offsets[i] = got + len(chunk)
+                s.check_room()

@@ -299,21 +299,27 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
         ex, offsets = await _start_or_attach(sock, first, langsmith=langsmith)
         check_offsets(ex.streams, offsets)
         ex.clients += 1
-        if langsmith:
-            await sock.send(
-                {
-                    "type": "started",
-                    "command_id": ex.command_id or ex.exec_id,
-                    "pid": ex.pid,
-                    "exec_id": ex.exec_id,
-                }
-            )
-        else:
-            await sock.send(
-                {"type": "ready", "exec_id": ex.exec_id, "command_id": ex.command_id, "pid": ex.pid}
-            )
+        # The cursor exists before ``ready`` is sent: it paces the command from its first byte.
         cursor = Cursor(ex.streams, offsets[: len(ex.streams)])
         try:
+            if langsmith:
+                await sock.send(
+                    {
+                        "type": "started",
+                        "command_id": ex.command_id or ex.exec_id,
+                        "pid": ex.pid,
+                        "exec_id": ex.exec_id,
+                    }
+                )
+            else:
+                await sock.send(
+                    {
+                        "type": "ready",
+                        "exec_id": ex.exec_id,
+                        "command_id": ex.command_id,
+                        "pid": ex.pid,
+                    }
+                )
             await run_until_closed(
                 sock,
                 _exec_reader(sock, ex, cursor),
