@@ -600,28 +600,50 @@ async def shell_rows(
 
     # Open to first prompt (each shell closed and removed outside the timing).
     opens = Row("shell open to first prompt (`/shell/ws`; jupyter: POST /api/terminals + socket)")
-    for i in range(max(20, n // 5)):
+
+    async def open_sandlot(i: int) -> float:
         t0 = time.perf_counter()
         st = await SandlotTerm.open(dp, f"open{i}")
         await st.prompt()
-        opens.sandlot.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
         await st.close()
         checked(await c.delete(f"{dp.base}/shells/open{i}"))
+        return took
+
+    async def open_local(i: int) -> float:
         t0 = time.perf_counter()
         lt = LocalTerm()
         await lt.prompt()
-        opens.direct.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
         await lt.close()
-        for srv, cl, out in ((jup, jc, opens.jupyter), (jup_nd, jnc, opens.jupyter_nodelay)):
-            if srv is None or cl is None:
-                continue
+        return took
+
+    def open_jupyter(srv: JupyterServer, cl: Any) -> Callable[[int], Any]:
+        async def run(i: int) -> float:
             t0 = time.perf_counter()
             name = await srv.new_terminal(cl)
             jt = await JupyterTerm.open(srv, name)
             await jt.prompt()
-            out.append(time.perf_counter() - t0)
+            took = time.perf_counter() - t0
             await jt.close()
             await srv.delete_terminal(cl, name)
+            return took
+
+        return run
+
+    openers: list[tuple[list[float], Callable[[int], Any]]] = [
+        (opens.sandlot, open_sandlot),
+        (opens.direct, open_local),
+    ]
+    for srv, cl, out in ((jup, jc, opens.jupyter), (jup_nd, jnc, opens.jupyter_nodelay)):
+        if srv is not None and cl is not None:
+            openers.append((out, open_jupyter(srv, cl)))
+    order = random.Random(20261123)
+    for i in range(max(40, n // 5)):
+        # A new order each round: a terminal's teardown lingers into whatever comes next.
+        order.shuffle(openers)
+        for out, opener in openers:
+            out.append(await opener(i))
     rows.append(opens)
 
     # Keystroke echo and command round trip, one session of each kind, interleaved.
