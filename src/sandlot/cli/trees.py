@@ -10,10 +10,8 @@ the last sync or pull, so ``pull`` can tell a file changed locally since then
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
-import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,76 +123,149 @@ def scan(root: Path) -> LocalTree:
     return tree
 
 
-class _Pipe(io.RawIOBase):
-    """A write-only file whose bytes are handed out in chunks by a generator."""
+BLOCK = 512
+RECORD = 20 * BLOCK  #: what tar(1) pads an archive to
+#: The largest size a ustar header holds (11 octal digits); beyond, a PAX record says it.
+USTAR_MAX_SIZE = 8**11 - 1
 
-    def __init__(self) -> None:
-        self.chunks: list[bytes] = []
 
-    def writable(self) -> bool:
-        return True
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
 
-    def write(self, b: bytes) -> int:  # type: ignore[override]
-        self.chunks.append(bytes(b))
-        return len(b)
 
-    def take(self) -> bytes:
-        data = b"".join(self.chunks)
-        self.chunks.clear()
-        return data
+def _split_ustar(name: bytes) -> tuple[bytes, bytes] | None:
+    """``(prefix, name)`` fitting the ustar fields (155 + 100 bytes), or ``None``."""
+    if len(name) <= 100:
+        return b"", name
+    for i in range(len(name) - 1, 0, -1):
+        if name[i : i + 1] == b"/" and i <= 155 and 0 < len(name) - i - 1 <= 100:
+            return name[:i], name[i + 1 :]
+    return None
+
+
+def _header(
+    name: bytes, *, mode: int, size: int, mtime: int, kind: bytes, link: bytes = b""
+) -> bytes:
+    """One ustar header block; the caller makes sure every field fits."""
+    prefix, short = _split_ustar(name) or (b"", name[:100])
+    fields = [
+        short.ljust(100, b"\0"),
+        _octal(mode, 8),
+        _octal(0, 8),  # uid: the sandbox owns what it receives
+        _octal(0, 8),  # gid
+        _octal(size, 12),
+        _octal(mtime, 12),
+        b" " * 8,  # checksum, computed over the block with these spaces
+        kind,
+        link[:100].ljust(100, b"\0"),
+        b"ustar\x0000",
+        b"\0" * 32,  # uname
+        b"\0" * 32,  # gname
+        _octal(0, 8),
+        _octal(0, 8),
+        prefix.ljust(155, b"\0"),
+        b"\0" * 12,
+    ]
+    block = bytearray(b"".join(fields))
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def _pax_record(key: str, value: bytes) -> bytes:
+    body = key.encode() + b"=" + value + b"\n"
+    size = len(body) + 2
+    while len(b"%d " % size) + len(body) != size:
+        size += 1
+    return b"%d " % size + body
+
+
+def _entry(rel: str, *, mode: int, size: int, mtime: int, kind: bytes, link: str = "") -> bytes:
+    """The header blocks of one member: ustar, preceded by a PAX header when a name is not
+    plain ASCII, does not fit, or the size is beyond ustar's 8 GiB."""
+    name = rel.encode("utf-8", "surrogateescape")
+    target = link.encode("utf-8", "surrogateescape")
+    records = b""
+    if not name.isascii() or _split_ustar(name) is None:
+        records += _pax_record("path", name)
+    if not target.isascii() or len(target) > 100:
+        records += _pax_record("linkpath", target)
+    if size > USTAR_MAX_SIZE:
+        records += _pax_record("size", b"%d" % size)
+    out = b""
+    if records:
+        out += _header(b"././@PaxHeader", mode=0o644, size=len(records), mtime=mtime, kind=b"x")
+        out += records + b"\0" * (-len(records) % BLOCK)
+    return out + _header(
+        name if name.isascii() else b"pax-path",
+        mode=mode,
+        size=min(size, USTAR_MAX_SIZE),
+        mtime=mtime,
+        kind=kind,
+        link=target if target.isascii() else b"pax-linkpath",
+    )
 
 
 def tar_stream(
     tree: LocalTree, *, progress: Callable[[int], None] | None = None, chunk: int = 1 << 20
 ) -> Iterator[bytes]:
-    """The tree as one uncompressed tar stream, produced while it is read (bounded memory)."""
-    pipe = _Pipe()
-    with tarfile.open(fileobj=pipe, mode="w|", format=tarfile.PAX_FORMAT) as tar:
-        for rel in tree.dirs:
-            info = tarfile.TarInfo(rel)
-            info.type = tarfile.DIRTYPE
-            info.mode = 0o755
-            tar.addfile(info)
-        for rel, target in tree.symlinks:
-            info = tarfile.TarInfo(rel)
-            info.type = tarfile.SYMTYPE
-            info.linkname = target
-            tar.addfile(info)
-        for f in tree.files:
-            info = tarfile.TarInfo(f.rel)
-            info.size = f.size
-            info.mode = f.mode & 0o777
-            info.mtime = int(f.mtime)
-            try:
-                with open(f.path, "rb") as fh:
-                    tar.addfile(info, _Counting(fh, progress))
-            except OSError:
-                continue  # vanished or unreadable since the scan
-            if sum(map(len, pipe.chunks)) >= chunk:
-                yield pipe.take()
-    rest = pipe.take()
-    if rest:
-        yield rest
+    """The tree as one uncompressed tar stream, produced while it is read (bounded memory).
 
+    A plain ustar writer (PAX records only where a name or size needs them): the
+    standard library's writer spends more time on header objects than on the files.
+    A file that shrank since the scan is padded with zeros and one that grew is cut
+    at its scanned size, as tar(1) does, so the stream stays well-formed.
+    """
+    parts: list[bytes] = []
+    pending = 0
+    written = 0
 
-class _Counting(io.RawIOBase):
-    def __init__(self, fh: io.BufferedReader, progress: Callable[[int], None] | None) -> None:
-        self.fh = fh
-        self.progress = progress
+    def put(data: bytes) -> None:
+        nonlocal pending, written
+        parts.append(data)
+        pending += len(data)
+        written += len(data)
 
-    def readable(self) -> bool:
-        return True
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.fh.read(size)
-        if self.progress is not None and data:
-            self.progress(len(data))
+    def take() -> bytes:
+        nonlocal pending
+        data = b"".join(parts)
+        parts.clear()
+        pending = 0
         return data
 
-    def readinto(self, b: bytearray) -> int:  # type: ignore[override]
-        data = self.read(len(b))
-        b[: len(data)] = data
-        return len(data)
+    for rel in tree.dirs:
+        put(_entry(rel.rstrip("/") + "/", mode=0o755, size=0, mtime=0, kind=b"5"))
+    for rel, target in tree.symlinks:
+        put(_entry(rel, mode=0o777, size=0, mtime=0, kind=b"2", link=target))
+    for f in tree.files:
+        try:
+            fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # vanished or unreadable since the scan
+        try:
+            put(_entry(f.rel, mode=f.mode & 0o777, size=f.size, mtime=int(f.mtime), kind=b"0"))
+            left = f.size
+            while left > 0:
+                try:
+                    data = os.read(fd, min(left, 1 << 20))
+                except OSError:
+                    data = b""
+                if not data:
+                    put(b"\0" * left)  # shrank (or unreadable) since the scan
+                    break
+                put(data)
+                left -= len(data)
+                if progress is not None:
+                    progress(len(data))
+                if pending >= chunk:
+                    yield take()
+            put(b"\0" * (-f.size % BLOCK))
+        finally:
+            os.close(fd)
+        if pending >= chunk:
+            yield take()
+    put(b"\0" * (2 * BLOCK))
+    put(b"\0" * (-written % RECORD))
+    yield take()
 
 
 def file_hash(path: Path) -> str | None:
