@@ -41,7 +41,11 @@ async def _two_starts(server: Server) -> list[dict[str, Any]]:
         await a.send(frame)
         await asyncio.sleep(0.05)  # the first spawn is under way
         await b.send(frame)
-        return [json.loads(await a.recv()), json.loads(await b.recv())]
+        ready = [json.loads(await a.recv()), json.loads(await b.recv())]
+        # `ready` means spawned, not run: wait for the exit before looking at the file.
+        while json.loads(await a.recv())["type"] != "exit":
+            pass
+        return ready
 
 
 def test_start_during_spawn_attaches(server: Server, slow_spawn: None) -> None:
