@@ -94,6 +94,25 @@ def test_large_trees_and_binary_files_go_to_ripgrep(tree: Path, monkeypatch: Any
         assert grep_mod._search_small(res, b"needle", None, 10) is None
 
 
+def test_a_large_tree_is_told_apart_without_reading_a_file(tree: Path, monkeypatch: Any) -> None:
+    # Counting directory entries decides; no file is opened before handing over to ripgrep.
+    def never(*_: Any) -> None:
+        raise AssertionError("a file was read")
+
+    monkeypatch.setattr(grep_mod, "_read_small", never)
+    monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 8)  # the tree holds 9 regular files
+    resolver = PathResolver([Mount("/workspace", tree, True)])
+    with resolver.resolve("/workspace") as res:
+        assert grep_mod._search_small(res, b"needle", None, 10) is None
+    monkeypatch.setattr(grep_mod, "_read_small", _real_read_small)
+    monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 9)
+    with resolver.resolve("/workspace") as res:
+        assert grep_mod._search_small(res, b"needle", None, 10) is not None
+
+
+_real_read_small = grep_mod._read_small
+
+
 @pytest.mark.parametrize(
     ("glob", "simple"),
     [(None, True), ("*.py", True), ("src/*.py", False), ("*.{py,txt}", False), ("!x", False)],

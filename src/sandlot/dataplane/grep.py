@@ -219,14 +219,43 @@ def _search_small(
             if data is None or b"\x00" in data:
                 return None  # ripgrep's own handling of an explicitly named binary file
             _scan(data, pattern, res.sandbox_path, matches, cap)
-        else:
+        elif _few_files(fd, [SMALL_TREE_FILES]):
             _walk(fd, base, pattern, glob, matches, cap, budget)
+        else:
+            return None
     except _TooBig:
         return None
     finally:
         os.close(fd)
     truncated = len(matches) > cap
     return {"matches": matches[:cap], "truncated": truncated}
+
+
+def _few_files(dfd: int, left: list[int]) -> bool:
+    """Whether the tree holds at most ``left[0]`` regular files, from directory entries
+    alone (nothing opened or read): a large tree goes to ripgrep without a wasted start."""
+    try:
+        entries = list(os.scandir(dfd))
+    except OSError:
+        return True  # unreadable: the walk skips it too
+    for entry in entries:
+        if entry.name == ".git":
+            continue
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
+                try:
+                    if not _few_files(sub, left):
+                        return False
+                finally:
+                    os.close(sub)
+            elif entry.is_file(follow_symlinks=False):
+                left[0] -= 1
+                if left[0] < 0:
+                    return False
+        except OSError:
+            continue
+    return True
 
 
 def _walk(
