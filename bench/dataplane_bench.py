@@ -5,10 +5,12 @@ Run: ``.venv/bin/python bench/dataplane_bench.py [--n 300] [--no-jupyter]``
 Starts a dataplane (uvicorn, one sandbox, direct runtime) in a subprocess on
 127.0.0.1, and jupyter_server twice on loopback (stock, and with TCP_NODELAY
 forced on its sockets; root directory = a copy of the same workspace, see
-``bench/jupyter_peer.py``). Each operation is sampled round-robin: through the
+``bench/jupyter_peer.py``). Each operation is sampled in rounds: through the
 dataplane (httpx, and a raw keep-alive socket client), directly in this
 process, and through jupyter_server's equivalent (contents API, terminals,
-a kernel), so that drift on a shared machine hits every column alike.
+a kernel), each taking ``BLOCK`` samples in turn, in a new order every round,
+so that drift on a shared machine hits every column alike and a peer's
+background work after a reply is not charged to the side that follows it.
 
 Shell figures: a keystroke echo (``stty raw -echo; cat``), a command round
 trip (``echo`` through the shell, to its output), open to the first prompt,
@@ -139,6 +141,10 @@ class Dataplane:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
+
+
+#: Samples a contender takes in a row before the next one's turn (HTTP rows).
+BLOCK = 10
 
 
 class RawHttp:
@@ -362,20 +368,22 @@ def http_rows(
             every = max(1, math.ceil(n * warm / budget))
             if every > 1:
                 notes.append(
-                    f"{name}: jupyter sampled in 1 of every {every} rounds "
-                    f"({math.ceil(n / every)} samples) to bound the run time."
+                    f"{name}: jupyter sampled in 1 of every {every} rounds of {BLOCK} "
+                    f"({math.ceil(n / BLOCK / every) * BLOCK} samples) to bound the run time."
                 )
-        for i in range(n):
-            # A new order every round: no contender always runs right after the
-            # peer's background work (a kernel's IOPub traffic lingers after a reply).
-            round_ = [(row.sandlot, via), (row.direct, direct), (row.raw, via_raw)]
-            if peer and i % every == 0:
-                round_.append((row.jupyter, peer))
-            if peer_nd and i % every == 0:
-                round_.append((row.jupyter_nodelay, peer_nd))
+        for i in range(0, n, BLOCK):
+            # Blocks of samples per contender, in a new order every round: drift
+            # cancels, and a peer's background work (a kernel's IOPub traffic lingers
+            # after its reply) lands on its own samples rather than on the next side's.
+            k = min(BLOCK, n - i)
+            round_ = [(row.sandlot, via, k), (row.direct, direct, k), (row.raw, via_raw, k)]
+            if peer and (i // BLOCK) % every == 0:
+                round_.append((row.jupyter, peer, k))
+            if peer_nd and (i // BLOCK) % every == 0:
+                round_.append((row.jupyter_nodelay, peer_nd, k))
             order.shuffle(round_)
-            for samples, op in round_:
-                samples.append(timed(op))
+            for samples, op, count in round_:
+                samples.extend(timed(op) for _ in range(count))
         rows.append(row)
     for k, kc in ((kernel, jc), (kernel_nd, jnc)):
         if k is not None and kc is not None:
