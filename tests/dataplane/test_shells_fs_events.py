@@ -375,3 +375,50 @@ def test_dropped_event_streams_leave_no_task_behind(
     assert len(waits()) == before, waits()
     gc.collect()
     assert not [r for r in caplog.records if "destroyed but it is pending" in r.getMessage()]
+
+
+def _fs_events(server: Server, client: httpx.Client, after: int, until: Any) -> list[Any]:
+    """The ``fs`` events after ``after``, read until ``until(events)`` holds (at most 10 s)."""
+    deadline = time.time() + 10
+    events: list[dict[str, Any]] = []
+    while time.time() < deadline:
+        head = server.call(lambda: server.host.status("sb_test")[1])
+        events = []
+        if head > after:
+            with client.stream("GET", server.url("/events"), params={"after": after}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(json.loads(line[6:]))
+                        if events[-1]["sequence"] >= head:
+                            break
+        fs = [e["details"]["fs"] for e in events if "fs" in e["details"]]
+        if until(fs):
+            return fs
+        time.sleep(0.1)
+    return fs
+
+
+def test_archive_is_one_event_and_its_new_directories_are_watched(
+    server: Server, client: httpx.Client
+) -> None:
+    u = server.url
+    start = server.call(lambda: server.host.status("sb_test")[1])
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        for i in range(300):
+            info = tarfile.TarInfo(f"d{i % 7}/f{i}.txt")
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"hi"))
+    r = client.post(u("/files/archive"), params={"path": "arch"}, content=buf.getvalue())
+    assert r.status_code == 200, r.text
+    # Past the window in which the archive hides the watcher's reports under it.
+    time.sleep(3.5)
+    client.post(u("/exec"), json={"command": "echo later > arch/d3/by-command.txt"})
+    fs = _fs_events(
+        server, client, start, lambda fs: any(f["path"].endswith("by-command.txt") for f in fs)
+    )
+    under = [f for f in fs if f["path"].startswith("/workspace/arch")]
+    # The archive itself is one event from the API; the only report of the watcher under
+    # it is the command's file, in a directory the archive created.
+    assert [f["source"] for f in under] == ["api", "watch"], under
+    assert under[1]["path"] == "/workspace/arch/d3/by-command.txt"

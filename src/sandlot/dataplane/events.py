@@ -122,6 +122,27 @@ class WorkspaceWatcher:
         watcher's reports under it until a moment after it is ``done``."""
         until = time.monotonic() + self.ECHO_WINDOW if done else float("inf")
         self._trees[sandbox_path.rstrip("/") or "/"] = until
+        # Drop the watcher's events under it as they are read (tens of thousands for a
+        # large archive); what is read after ``done`` is still hidden by ``_trees``.
+        host = self._to_host(sandbox_path)
+        if self._tree is not None and host is not None:
+            if done:
+                self._tree.muted.discard(host)
+            else:
+                self._tree.muted.add(host)
+
+    def _to_host(self, sandbox_path: str) -> str | None:
+        """The host path of ``sandbox_path`` when it lies in the watched directory."""
+        root = self.to_sandbox(str(self.host_dir))
+        if root is None:
+            return None
+        root = root.rstrip("/")
+        path = sandbox_path.rstrip("/") or "/"
+        if path == root:
+            return str(self.host_dir)
+        if root and not path.startswith(root + "/"):
+            return None
+        return str(self.host_dir).rstrip("/") + path[len(root) :]
 
     def _in_api_tree(self, spath: str, now: float) -> bool:
         for prefix, until in list(self._trees.items()):

@@ -402,6 +402,7 @@ class _QueueReader(io.RawIOBase):
     def __init__(self) -> None:
         self.q: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
         self.buf = b""
+        self.pos = 0  # in ``buf``: a chunk is consumed in place, never copied down
         self.eof = False
 
     def readable(self) -> bool:
@@ -410,20 +411,20 @@ class _QueueReader(io.RawIOBase):
     def abort(self) -> None:
         """Make the extractor stop at its next read (the request failed)."""
         self.eof = True
-        self.buf = b""
+        self.buf, self.pos = b"", 0
         with contextlib.suppress(queue.Full):
             self.q.put_nowait(None)
 
     def readinto(self, b: Any) -> int:
-        while not self.buf and not self.eof:
+        while self.pos >= len(self.buf) and not self.eof:
             item = self.q.get()
             if item is None:
                 self.eof = True
             else:
-                self.buf = item
-        n = min(len(b), len(self.buf))
-        b[:n] = self.buf[:n]
-        self.buf = self.buf[n:]
+                self.buf, self.pos = item, 0
+        n = min(len(b), len(self.buf) - self.pos)
+        b[:n] = memoryview(self.buf)[self.pos : self.pos + n]
+        self.pos += n
         return n
 
 

@@ -73,6 +73,12 @@ class Tree:
     wds: set[int] = field(default_factory=set)
     pending: dict[str, str] = field(default_factory=dict)
     flush: asyncio.TimerHandle | None = None
+    #: Host directories being written through the API, which reports them itself: events
+    #: under them are dropped as they are read (new directories still get their watch).
+    muted: set[str] = field(default_factory=set)
+
+    def is_muted(self, path: str) -> bool:
+        return any(path == m or path.startswith(m + "/") for m in self.muted)
 
 
 def _coalesce(previous: str | None, op: str) -> str | None:
@@ -196,6 +202,10 @@ class Inotify:
             if name.startswith(b".sandlot-") and name.endswith(b".tmp"):
                 continue  # the dataplane's own temp files: only their final names matter
             path = os.path.join(directory, os.fsdecode(name))
+            if tree.muted and tree.is_muted(path):
+                if mask & IN_CREATE and mask & IN_ISDIR:
+                    self._add_tree(tree, path)  # watched for what commands do there later
+                continue
             if mask & (IN_CREATE | IN_MOVED_TO):
                 self._queue(tree, path, "created")
                 if mask & IN_ISDIR:
