@@ -54,6 +54,11 @@ def row(name: str, samples: list[float], floor: list[float] | None = None, extra
     )
 
 
+def ms(samples: list[float]) -> float:
+    """Median of samples in seconds, in ms."""
+    return statistics.median(samples) * 1000
+
+
 def wait_active(client: httpx.Client, headers: dict, grant: dict) -> None:
     if grant["binding"]["state"] == "active":
         return
@@ -185,7 +190,6 @@ def main() -> None:
     print(row("cold ensure -> active", cold, floor, "target p50 <= 30 ms"))
     print(row("ensure from a warm pool -> active", pooled, floor, "target p50 <= 8 ms"))
 
-    ms = lambda xs: statistics.median(xs) * 1000  # noqa: E731
     floor_ms = ms(floor)
     report(
         "broker",

@@ -46,7 +46,7 @@ def load(path: Path) -> list[Target]:
 
 
 def table(targets: list[Target]) -> str:
-    """The Markdown summary: one row per target, missed ones first within nothing else."""
+    """The Markdown summary: one row per target, in the order the benchmarks reported them."""
     met = sum(t.met for t in targets)
     lines = [
         f"{met} of {len(targets)} targets met in this run.\n",

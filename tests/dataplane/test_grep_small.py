@@ -99,18 +99,17 @@ def test_a_large_tree_is_told_apart_without_reading_a_file(tree: Path, monkeypat
     def never(*_: Any) -> None:
         raise AssertionError("a file was read")
 
-    monkeypatch.setattr(grep_mod, "_read_small", never)
-    monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 8)  # the tree holds 9 regular files
     resolver = PathResolver([Mount("/workspace", tree, True)])
-    with resolver.resolve("/workspace") as res:
+    with monkeypatch.context() as m, resolver.resolve("/workspace") as res:
+        m.setattr(grep_mod, "_read_small", never)
+        m.setattr(grep_mod, "SMALL_TREE_FILES", 8)  # the tree holds 9 regular files
+        fds = len(os.listdir("/proc/self/fd"))
         assert grep_mod._search_small(res, b"needle", None, 10) is None
-    monkeypatch.setattr(grep_mod, "_read_small", _real_read_small)
+        # Stopping the count early leaves no directory open.
+        assert len(os.listdir("/proc/self/fd")) == fds
     monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 9)
     with resolver.resolve("/workspace") as res:
         assert grep_mod._search_small(res, b"needle", None, 10) is not None
-
-
-_real_read_small = grep_mod._read_small
 
 
 @pytest.mark.parametrize(

@@ -89,11 +89,13 @@ class WorkspaceWatcher:
         self,
         host_dir: Path,
         to_sandbox: Callable[[str], str | None],
+        to_host: Callable[[str], str | None],
         log: EventLog,
         debounce_ms: int,
     ) -> None:
         self.host_dir = host_dir
         self.to_sandbox = to_sandbox
+        self.to_host = to_host
         self.log = log
         self.debounce_ms = debounce_ms
         self._recent: dict[str, float] = {}
@@ -124,25 +126,13 @@ class WorkspaceWatcher:
         self._trees[sandbox_path.rstrip("/") or "/"] = until
         # Drop the watcher's events under it as they are read (tens of thousands for a
         # large archive); what is read after ``done`` is still hidden by ``_trees``.
-        host = self._to_host(sandbox_path)
-        if self._tree is not None and host is not None:
-            if done:
-                self._tree.muted.discard(host)
-            else:
-                self._tree.muted.add(host)
-
-    def _to_host(self, sandbox_path: str) -> str | None:
-        """The host path of ``sandbox_path`` when it lies in the watched directory."""
-        root = self.to_sandbox(str(self.host_dir))
-        if root is None:
-            return None
-        root = root.rstrip("/")
-        path = sandbox_path.rstrip("/") or "/"
-        if path == root:
-            return str(self.host_dir)
-        if root and not path.startswith(root + "/"):
-            return None
-        return str(self.host_dir).rstrip("/") + path[len(root) :]
+        host = self.to_host(sandbox_path)
+        if self._tree is None or host is None:
+            return
+        if done:
+            self._tree.muted.discard(host)
+        else:
+            self._tree.muted.add(host)
 
     def _in_api_tree(self, spath: str, now: float) -> bool:
         for prefix, until in list(self._trees.items()):

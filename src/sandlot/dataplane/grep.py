@@ -23,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
+import itertools
 import os
 import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -219,7 +221,7 @@ def _search_small(
             if data is None or b"\x00" in data:
                 return None  # ripgrep's own handling of an explicitly named binary file
             _scan(data, pattern, res.sandbox_path, matches, cap)
-        elif _few_files(fd, [SMALL_TREE_FILES]):
+        elif _few_files(fd, base):
             _walk(fd, base, pattern, glob, matches, cap, budget)
         else:
             return None
@@ -231,31 +233,42 @@ def _search_small(
     return {"matches": matches[:cap], "truncated": truncated}
 
 
-def _few_files(dfd: int, left: list[int]) -> bool:
-    """Whether the tree holds at most ``left[0]`` regular files, from directory entries
-    alone (nothing opened or read): a large tree goes to ripgrep without a wasted start."""
+def _tree_files(dfd: int, spath: str) -> Generator[tuple[int, str, str], None, None]:
+    """``(directory fd, name, sandbox path)`` of every regular file below ``dfd``, by name,
+    from directory entries alone: ``.git`` skipped, symlinks not followed, FIFOs, sockets,
+    devices and unreadable directories left out, as ripgrep does with ``--no-messages``.
+    A directory's fd stays open until the walk moves past it (close the generator to stop).
+    """
     try:
-        entries = list(os.scandir(dfd))
+        entries = sorted(os.scandir(dfd), key=lambda e: e.name)
     except OSError:
-        return True  # unreadable: the walk skips it too
+        return
     for entry in entries:
-        if entry.name == ".git":
+        name = entry.name
+        if name == ".git":
             continue
+        child = f"{spath}/{name}"
         try:
             if entry.is_dir(follow_symlinks=False):
-                sub = os.open(entry.name, _DIR_FLAGS, dir_fd=dfd)
-                try:
-                    if not _few_files(sub, left):
-                        return False
-                finally:
-                    os.close(sub)
+                sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
             elif entry.is_file(follow_symlinks=False):
-                left[0] -= 1
-                if left[0] < 0:
-                    return False
+                yield dfd, name, child
+                continue
+            else:
+                continue
         except OSError:
-            continue
-    return True
+            continue  # raced away or unreadable: skipped
+        try:
+            yield from _tree_files(sub, child)
+        finally:
+            os.close(sub)
+
+
+def _few_files(dfd: int, spath: str) -> bool:
+    """Whether the tree holds at most ``SMALL_TREE_FILES`` regular files, counted from
+    directory entries before any file is read: a large tree goes to ripgrep at once."""
+    with contextlib.closing(_tree_files(dfd, spath)) as files:
+        return sum(1 for _ in itertools.islice(files, SMALL_TREE_FILES + 1)) <= SMALL_TREE_FILES
 
 
 def _walk(
@@ -267,42 +280,26 @@ def _walk(
     cap: int,
     budget: list[int],
 ) -> None:
-    try:
-        entries = sorted(os.scandir(dfd), key=lambda e: e.name)
-    except OSError:
-        return  # unreadable directory: skipped, as ripgrep does with --no-messages
-    for entry in entries:
-        if len(matches) > cap:
-            return
-        name = entry.name
-        if name == ".git":
-            continue
-        child = f"{spath}/{name}"
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                sub = os.open(name, _DIR_FLAGS, dir_fd=dfd)
-                try:
-                    _walk(sub, child, pattern, glob, matches, cap, budget)
-                finally:
-                    os.close(sub)
-                continue
-            if not entry.is_file(follow_symlinks=False):
-                continue  # symlinks are not followed; FIFOs, sockets and devices not read
+    with contextlib.closing(_tree_files(dfd, spath)) as files:
+        for parent, name, child in files:
+            if len(matches) > cap:
+                return
             if glob is not None and not fnmatch.fnmatchcase(name, glob):
                 continue
-            fd = os.open(name, _FILE_FLAGS, dir_fd=dfd)
-        except OSError:
-            continue  # raced away or unreadable: skipped
-        try:
-            data = _read_small(fd, budget)
-        finally:
-            os.close(fd)
-        if data is None:
-            continue
-        if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
-            raise _TooBig  # UTF-16 with a BOM: ripgrep transcodes it
-        if b"\x00" not in data:
-            _scan(data, pattern, child, matches, cap)
+            try:
+                fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
+            except OSError:
+                continue  # raced away or unreadable: skipped
+            try:
+                data = _read_small(fd, budget)
+            finally:
+                os.close(fd)
+            if data is None:
+                continue
+            if data[:2] in (b"\xff\xfe", b"\xfe\xff"):
+                raise _TooBig  # UTF-16 with a BOM: ripgrep transcodes it
+            if b"\x00" not in data:
+                _scan(data, pattern, child, matches, cap)
 
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -214,6 +214,23 @@ class PathResolver:
                 return f"{prefix}/{rest}" if rest else (prefix or "/")
         return None
 
+    def sandbox_to_host(self, sandbox_path: str) -> str | None:
+        """The host path a sandbox path names through its mount, lexically (no link is
+        followed: for bookkeeping such as the watcher's, never to open anything)."""
+        path = sandbox_path.rstrip("/") or "/"
+        holding = [
+            m
+            for m in self.mounts
+            if path == m.sandbox_path.rstrip("/")
+            or path.startswith(m.sandbox_path.rstrip("/") + "/")
+        ]
+        if not holding:
+            return None
+        mount = max(holding, key=lambda m: len(m.sandbox_path))  # the innermost mount
+        rest = path[len(mount.sandbox_path.rstrip("/")) :].lstrip("/")
+        base = str(mount.host_path).rstrip("/")
+        return f"{base}/{rest}" if rest else (base or "/")
+
     def _enter(self, spath: str, parent: _Level) -> _Level | None:
         """The level for ``spath`` when a mount decides it (mount point or virtual dir)."""
         m = self._by_path.get(spath)

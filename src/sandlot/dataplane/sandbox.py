@@ -98,6 +98,7 @@ class SandboxEntry:
                 self.watcher = WorkspaceWatcher(
                     runtime.workspace,
                     self.resolver.host_to_sandbox,
+                    self.resolver.sandbox_to_host,
                     self.events,
                     s.watch_debounce_ms,
                 )
