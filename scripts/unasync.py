@@ -32,6 +32,7 @@ SUBS: list[tuple[str, str]] = [
     (r"\basync with\b", "with"),
     (r"\basync for\b", "for"),
     (r"\bawait ", ""),
+    (r"\basynccontextmanager\b", "contextmanager"),
     (r"\b__aenter__\b", "__enter__"),
     (r"\b__aexit__\b", "__exit__"),
     (r"\b__aiter__\b", "__iter__"),

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-import httpx
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -16,7 +15,7 @@ from rich.table import Table
 from sandlot.cli.context import ClientSettings, load_client_settings
 from sandlot.cli.errors import fail
 from sandlot.protocol.errors import SandlotError
-from sandlot.sdk import AsyncSandbox, AsyncSandlot
+from sandlot.sdk import AsyncSandbox, AsyncSandlot, ConnectError
 
 T = TypeVar("T")
 console = Console(highlight=False)
@@ -45,14 +44,14 @@ def run(
         return asyncio.run(main())
     except SandlotError as exc:
         raise fail(f"{exc.message} ({exc.wire_code})") from None
-    except httpx.ConnectError:
+    except ConnectError:
         raise fail(
             f"cannot reach the server at {settings.url} (is `sandlot serve` running?)"
         ) from None
-    except httpx.HTTPError as exc:
-        raise fail(f"connection to {settings.url} failed: {type(exc).__name__}") from None
     except TimeoutError as exc:
         raise fail(f"timed out: {exc}") from None
+    except OSError as exc:
+        raise fail(f"connection to {settings.url} failed: {exc}") from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 

@@ -33,6 +33,7 @@ from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk._sync.shells import Shell
 from sandlot.sdk.types import (
     CommandResult,
+    ConnectError,
     Event,
     FileEntry,
     Grant,
@@ -51,6 +52,7 @@ __all__ = [
     "Command",
     "CommandExitError",
     "CommandResult",
+    "ConnectError",
     "Event",
     "EventStream",
     "FileEntry",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -16,6 +17,9 @@ from websockets.asyncio.client import connect as _connect
 
 #: Seconds a closing handshake may take (less when pings are more frequent).
 CLOSE_TIMEOUT = 10.0
+
+#: Bytes asked of the socket per read (a large download arrives in few reads).
+READ_SIZE = 1 << 18
 
 
 async def sleep(seconds: float) -> None:
@@ -102,3 +106,43 @@ def ws_close_code(ws: Any) -> int | None:
     """The close code the server sent, if any."""
     rcvd = getattr(ws, "close_rcvd", None)
     return getattr(rcvd, "code", None)
+
+
+class Stream:
+    """One TCP (or TLS) connection of the HTTP wire: bytes out, bytes in, with timeouts."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._reader = reader
+        self._writer = writer
+
+    @classmethod
+    async def open(
+        cls, host: str, port: int, tls: ssl.SSLContext | None, timeout: float | None
+    ) -> Stream:
+        """Connect within ``timeout`` seconds (asyncio sets TCP_NODELAY on TCP sockets)."""
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection(
+                host, port, ssl=tls, server_hostname=host if tls else None, limit=READ_SIZE
+            )
+        return cls(reader, writer)
+
+    async def send(self, data: bytes, timeout: float | None) -> None:
+        """Write ``data``; wait (at most ``timeout``) only while the socket's buffer is full."""
+        self._writer.write(data)
+        transport = self._writer.transport
+        if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+            async with asyncio.timeout(timeout):
+                await self._writer.drain()
+
+    async def receive(self, timeout: float | None) -> bytes:
+        """The next bytes that arrive (``b""`` at the end of the stream)."""
+        async with asyncio.timeout(timeout):
+            return await self._reader.read(READ_SIZE)
+
+    def is_stale(self) -> bool:
+        """Whether an idle connection was closed by the other side (not to be reused)."""
+        return self._reader.at_eof() or self._writer.is_closing()
+
+    async def close(self) -> None:
+        """Close the connection without waiting for the other side."""
+        self._writer.close()

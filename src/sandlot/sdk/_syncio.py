@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import select
+import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -13,6 +16,9 @@ from websockets.sync.client import connect as _connect
 
 #: Seconds a closing handshake may take (less when pings are more frequent).
 CLOSE_TIMEOUT = 10.0
+
+#: Bytes asked of the socket per read (a large download arrives in few reads).
+READ_SIZE = 1 << 18
 
 
 def sleep(seconds: float) -> None:
@@ -108,3 +114,50 @@ def ws_close_code(ws: Any) -> int | None:
     """The close code the server sent, if any."""
     rcvd = getattr(ws, "close_rcvd", None)
     return getattr(rcvd, "code", None)
+
+
+class Stream:
+    """One TCP (or TLS) connection of the HTTP wire: bytes out, bytes in, with timeouts."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    @classmethod
+    def open(
+        cls, host: str, port: int, tls: ssl.SSLContext | None, timeout: float | None
+    ) -> Stream:
+        """Connect within ``timeout`` seconds, with TCP_NODELAY (a request is one write)."""
+        sock = socket.create_connection((host, port), timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(sock)
+
+    def send(self, data: bytes, timeout: float | None) -> None:
+        """Write ``data`` within ``timeout`` seconds."""
+        self._sock.settimeout(timeout)
+        self._sock.sendall(data)
+
+    def receive(self, timeout: float | None) -> bytes:
+        """The next bytes that arrive (``b""`` at the end of the stream)."""
+        self._sock.settimeout(timeout)
+        return self._sock.recv(READ_SIZE)
+
+    def is_stale(self) -> bool:
+        """Whether an idle connection was closed by the other side (not to be reused).
+
+        An idle connection has nothing to read: readable means closed (or garbage).
+        """
+        try:
+            return bool(select.select([self._sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return True
+
+    def close(self) -> None:
+        """Close the connection without waiting for the other side."""
+        with contextlib.suppress(OSError):
+            self._sock.close()

@@ -7,6 +7,7 @@ answers (PROTOCOL.md 3) as frozen dataclasses.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -247,6 +248,23 @@ class Event:
             state=body.get("sandbox_state") or body.get("state"),
             raw=dict(body),
         )
+
+
+class ConnectError(ConnectionError):
+    """The server could not be reached: nothing was sent."""
+
+
+@dataclass(frozen=True)
+class Response:
+    """A whole HTTP answer: status, headers (names in lower case) and body."""
+
+    status_code: int
+    headers: Mapping[str, str]
+    content: bytes
+
+    def json(self) -> Any:
+        """The body parsed as JSON (``ValueError`` if it is not)."""
+        return json.loads(self.content)
 
 
 class Deadline:

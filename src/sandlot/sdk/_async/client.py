@@ -20,11 +20,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
-
 from sandlot.protocol.errors import Gone, SandlotError, Unauthenticated
 from sandlot.sdk import _aio
-from sandlot.sdk._async._http import KEEPALIVE, NO_TIMEOUT, AsyncHTTP
+from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP
+from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._async.events import AsyncEventStream, wait_for_state
 from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk.types import Event, Grant
@@ -125,7 +124,8 @@ class AsyncSandlot:
     ``timeout`` is the default client-side deadline of every call; each method
     takes its own ``timeout`` too. ``on_behalf_of`` lets a service key act for
     a user. ``auto_refresh=False`` turns the background refresh and heartbeats off.
-    ``keepalive`` is handed to the sandboxes (see :class:`AsyncSandbox`).
+    ``keepalive`` is handed to the sandboxes (see :class:`AsyncSandbox`), and so
+    is the client's connection pool (``wire``: one to share, else its own).
     """
 
     def __init__(
@@ -136,7 +136,7 @@ class AsyncSandlot:
         timeout: float | None = 30.0,
         on_behalf_of: str | None = None,
         auto_refresh: bool = True,
-        http_client: httpx.AsyncClient | None = None,
+        wire: AsyncWire | None = None,
         keepalive: float | None = KEEPALIVE,
     ) -> None:
         url = url or os.environ.get("SANDLOT_URL")
@@ -151,8 +151,9 @@ class AsyncSandlot:
         self.keepalive = keepalive
         self._api_key = api_key
         self._on_behalf_of = on_behalf_of
-        self._client = http_client or httpx.AsyncClient(timeout=NO_TIMEOUT)
-        self._http = AsyncHTTP(self.url, self._auth, timeout=timeout, client=self._client)
+        self._wire = wire or AsyncWire()
+        self._owns_wire = wire is None
+        self._http = AsyncHTTP(self.url, self._auth, timeout=timeout, wire=self._wire)
         self._leases: dict[tuple[str, str, str], _Lease] = {}
 
     def _auth(self) -> dict[str, str]:
@@ -222,7 +223,7 @@ class AsyncSandlot:
         return AsyncSandbox(
             lease.grant,
             timeout=self.timeout,
-            http_client=self._client,
+            wire=self._wire,
             renew=lease.renew,
             keepalive=self.keepalive,
         )
@@ -298,9 +299,7 @@ class AsyncSandlot:
 
     def sandbox(self, grant: Grant | Mapping[str, Any]) -> AsyncSandbox:
         """An :class:`AsyncSandbox` for a grant in hand (e.g. a bootstrap object)."""
-        return AsyncSandbox(
-            grant, timeout=self.timeout, http_client=self._client, keepalive=self.keepalive
-        )
+        return AsyncSandbox(grant, timeout=self.timeout, wire=self._wire, keepalive=self.keepalive)
 
     # --- sandboxes -----------------------------------------------------------------
 
@@ -468,7 +467,8 @@ class AsyncSandlot:
         for lease in list(self._leases.values()):
             await lease.stop()
         self._leases.clear()
-        await self._client.aclose()
+        if self._owns_wire:
+            await self._wire.aclose()
 
     async def __aenter__(self) -> AsyncSandlot:
         return self

@@ -11,7 +11,6 @@ import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-import httpx
 from websockets.exceptions import ConnectionClosed
 
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
@@ -88,9 +87,7 @@ class AsyncEventStream:
             except TimeoutError:
                 # A deadline, not a broken connection (TimeoutError is an OSError).
                 raise
-            except (httpx.TransportError, ConnectionClosed, OSError) as exc:
-                if isinstance(exc, httpx.TimeoutException):
-                    raise TimeoutError("event stream: deadline exceeded") from exc
+            except (ConnectionClosed, OSError):
                 failures += 1
                 if failures > RECONNECT_BUDGET:
                     raise

@@ -18,11 +18,10 @@ from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, M
 from typing import Any
 from urllib.parse import urlencode
 
-import httpx
-
 from sandlot.protocol.errors import CommandExitError, SandboxStarting, SandlotError
 from sandlot.sdk import _aio
-from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, http_timeout, raise_for_error
+from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP
+from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._async.commands import AsyncCommand
 from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.shells import AsyncShell
@@ -48,7 +47,8 @@ class AsyncSandbox:
     :meth:`Grant.from_response <sandlot.sdk.types.Grant.from_response>` accepts.
     ``timeout`` is the default deadline of every call (each method also takes
     its own). ``renew`` (given by the broker client) obtains a fresh token after
-    a 401; a bootstrap grant has none. ``keepalive`` is the interval of the pings
+    a 401; a bootstrap grant has none. ``wire`` is a connection pool to share
+    (the broker client passes its own). ``keepalive`` is the interval of the pings
     that detect a dead WebSocket (commands, shells, events): a socket is taken
     as dead after about twice that without an answer (``None``: no pings).
     """
@@ -58,7 +58,7 @@ class AsyncSandbox:
         grant: Grant | Mapping[str, Any],
         *,
         timeout: float | None = 60.0,
-        http_client: httpx.AsyncClient | None = None,
+        wire: AsyncWire | None = None,
         renew: Callable[[], Awaitable[bool]] | None = None,
         keepalive: float | None = KEEPALIVE,
     ) -> None:
@@ -70,7 +70,7 @@ class AsyncSandbox:
             self.grant.http_base_url,
             self._auth,
             timeout=timeout,
-            client=http_client,
+            wire=wire,
             on_unauthenticated=self._renew_token if renew else None,
         )
 
@@ -381,16 +381,9 @@ class AsyncSandbox:
     ) -> AsyncIterator[bytes]:
         """A file's bytes, chunk by chunk as they arrive."""
         deadline = self._http.deadline(timeout)
-        async with self._http.client.stream(
-            "GET",
-            self._http.url("/files/download"),
-            params={"path": path},
-            headers=self._auth(),
-            timeout=http_timeout(deadline),
+        async with self._http.stream(
+            "/files/download", deadline=deadline, params={"path": path}
         ) as resp:
-            if resp.status_code >= 400:
-                await resp.aread()
-                raise_for_error(resp)
             async for chunk in resp.aiter_bytes():
                 yield chunk
 

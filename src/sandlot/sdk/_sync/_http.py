@@ -3,14 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
-
-import httpx
+from urllib.parse import urlencode
 
 from sandlot.protocol.errors import SandlotError, error_from_wire
-from sandlot.sdk.types import Deadline
+from sandlot.sdk._sync._wire import Body, StreamedResponse, Wire
+from sandlot.sdk.types import Deadline, Response
 
 #: Seconds a connection may take to open, whatever the call's deadline.
 CONNECT_TIMEOUT = 10.0
@@ -19,11 +20,8 @@ CONNECT_TIMEOUT = 10.0
 #: again means the connection is dead (a command then resumes on a new one).
 KEEPALIVE = 20.0
 
-#: Connection pools carry no timeout of their own: each call sets its deadline.
-NO_TIMEOUT = httpx.Timeout(None)
 
-
-def raise_for_error(resp: httpx.Response) -> None:
+def raise_for_error(resp: Response) -> None:
     """Turn an error answer into the typed exception of the one error table."""
     if resp.status_code < 400:
         return
@@ -52,12 +50,6 @@ def open_timeout(deadline: Deadline, keepalive: float | None = None) -> float:
     return limit if left is None else min(limit, left)
 
 
-def http_timeout(deadline: Deadline) -> httpx.Timeout:
-    """An httpx timeout that ends with the call's deadline."""
-    left = deadline.remaining()
-    return httpx.Timeout(left, connect=min(CONNECT_TIMEOUT, left) if left else CONNECT_TIMEOUT)
-
-
 class HTTP:
     """One base URL, one credential source, one error table.
 
@@ -72,19 +64,20 @@ class HTTP:
         auth: Callable[[], dict[str, str]],
         *,
         timeout: float | None,
-        client: httpx.Client | None = None,
+        wire: Wire | None = None,
         on_unauthenticated: Callable[[], bool] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.auth = auth
         self.timeout = timeout
-        self.client = client or httpx.Client(timeout=NO_TIMEOUT)
-        self._owns_client = client is None
+        self.wire = wire or Wire()
+        self._owns_wire = wire is None
         self.on_unauthenticated = on_unauthenticated
 
-    def url(self, path: str) -> str:
+    def url(self, path: str, params: dict[str, Any] | None = None) -> str:
         """The absolute URL of ``path`` (base URLs are opaque: only appended to)."""
-        return self.base_url + path
+        query = _query(params)
+        return self.base_url + path + (f"?{query}" if query else "")
 
     def deadline(self, timeout: float | None) -> Deadline:
         """The deadline of one call: its own ``timeout``, else the client's default."""
@@ -98,25 +91,24 @@ class HTTP:
         deadline: Deadline,
         json_body: Any = None,
         params: dict[str, Any] | None = None,
-        content: Any = None,
+        content: Body = None,
         headers: dict[str, str] | None = None,
-    ) -> httpx.Response:
+    ) -> Response:
         """Send a request; return the answer or raise its typed error."""
+        url = self.url(path, params)
+        extra = list((headers or {}).items())
+        if json_body is not None:
+            content = json.dumps(json_body, separators=(",", ":")).encode()
+            extra.append(("Content-Type", "application/json"))
         retried = False
         while True:
-            hdrs = {**self.auth(), **(headers or {})}
-            try:
-                resp = self.client.request(
-                    method,
-                    self.url(path),
-                    json=json_body,
-                    params=_clean(params),
-                    content=content,
-                    headers=hdrs,
-                    timeout=http_timeout(deadline),
-                )
-            except httpx.TimeoutException as exc:
-                raise TimeoutError(f"{method} {path}: deadline exceeded") from exc
+            resp = self.wire.request(
+                method,
+                url,
+                headers=[*self.auth().items(), *extra],
+                body=content,
+                deadline=deadline,
+            )
             if resp.status_code == 401 and not retried and self.on_unauthenticated is not None:
                 retried = True
                 if self.on_unauthenticated():
@@ -131,15 +123,16 @@ class HTTP:
             return None
         return resp.json()
 
-    def sse(
+    @contextlib.contextmanager
+    def stream(
         self, path: str, *, deadline: Deadline, params: dict[str, Any] | None = None
-    ) -> Generator[dict[str, Any], None, None]:
-        """Yield the JSON ``data`` of each Server-Sent Event of ``path``."""
+    ) -> Iterator[StreamedResponse]:
+        """``GET path`` with its answer's body read as it arrives (errors raised first)."""
+        url = self.url(path, params)
         retried = False
         while True:
-            timeout = http_timeout(deadline)
-            with self.client.stream(
-                "GET", self.url(path), params=_clean(params), headers=self.auth(), timeout=timeout
+            with self.wire.stream(
+                "GET", url, headers=list(self.auth().items()), deadline=deadline
             ) as resp:
                 if resp.status_code == 401 and not retried and self.on_unauthenticated:
                     retried = True
@@ -147,42 +140,48 @@ class HTTP:
                     if self.on_unauthenticated():
                         continue
                 if resp.status_code >= 400:
-                    resp.read()
-                    raise_for_error(resp)
-                data: list[str] = []
-                event = ""
-                for line in resp.iter_lines():
-                    if line:
-                        field, _, value = line.partition(":")
-                        value = value.removeprefix(" ")
-                        if field == "data":
-                            data.append(value)
-                        elif field == "event":
-                            event = value
-                        continue
-                    if data:
-                        body = json.loads("\n".join(data))
-                        if event == "error" and "sequence" not in body:
-                            raise error_from_wire({"error": body}, 410)
-                        yield body
-                    data, event = [], ""
+                    raise_for_error(Response(resp.status_code, resp.headers, resp.read()))
+                yield resp
                 return
+
+    def sse(
+        self, path: str, *, deadline: Deadline, params: dict[str, Any] | None = None
+    ) -> Generator[dict[str, Any], None, None]:
+        """Yield the JSON ``data`` of each Server-Sent Event of ``path``."""
+        with self.stream(path, deadline=deadline, params=params) as resp:
+            data: list[str] = []
+            event = ""
+            for line in resp.iter_lines():
+                if line:
+                    field, _, value = line.partition(":")
+                    value = value.removeprefix(" ")
+                    if field == "data":
+                        data.append(value)
+                    elif field == "event":
+                        event = value
+                    continue
+                if data:
+                    body = json.loads("\n".join(data))
+                    if event == "error" and "sequence" not in body:
+                        raise error_from_wire({"error": body}, 410)
+                    yield body
+                data, event = [], ""
 
     def close(self) -> None:
         """Close the connection pool if this object made it."""
-        if self._owns_client:
-            self.client.close()
+        if self._owns_wire:
+            self.wire.close()
 
 
-def _clean(params: dict[str, Any] | None) -> dict[str, Any] | None:
-    if params is None:
-        return None
+def _query(params: dict[str, Any] | None) -> str:
+    if not params:
+        return ""
     out: dict[str, Any] = {}
     for key, value in params.items():
         if value is None:
             continue
         out[key] = ("true" if value else "false") if isinstance(value, bool) else value
-    return out
+    return urlencode(out)
 
 
-__all__ = ["HTTP", "SandlotError", "http_timeout", "open_timeout", "raise_for_error"]
+__all__ = ["HTTP", "SandlotError", "open_timeout", "raise_for_error"]

@@ -21,11 +21,10 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
-
 from sandlot.protocol.errors import Gone, SandlotError, Unauthenticated
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk._sync._http import HTTP, KEEPALIVE, NO_TIMEOUT
+from sandlot.sdk._sync._http import HTTP, KEEPALIVE
+from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.events import EventStream, wait_for_state
 from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk.types import Event, Grant
@@ -126,7 +125,8 @@ class Sandlot:
     ``timeout`` is the default client-side deadline of every call; each method
     takes its own ``timeout`` too. ``on_behalf_of`` lets a service key act for
     a user. ``auto_refresh=False`` turns the background refresh and heartbeats off.
-    ``keepalive`` is handed to the sandboxes (see :class:`Sandbox`).
+    ``keepalive`` is handed to the sandboxes (see :class:`Sandbox`), and so
+    is the client's connection pool (``wire``: one to share, else its own).
     """
 
     def __init__(
@@ -137,7 +137,7 @@ class Sandlot:
         timeout: float | None = 30.0,
         on_behalf_of: str | None = None,
         auto_refresh: bool = True,
-        http_client: httpx.Client | None = None,
+        wire: Wire | None = None,
         keepalive: float | None = KEEPALIVE,
     ) -> None:
         url = url or os.environ.get("SANDLOT_URL")
@@ -152,8 +152,9 @@ class Sandlot:
         self.keepalive = keepalive
         self._api_key = api_key
         self._on_behalf_of = on_behalf_of
-        self._client = http_client or httpx.Client(timeout=NO_TIMEOUT)
-        self._http = HTTP(self.url, self._auth, timeout=timeout, client=self._client)
+        self._wire = wire or Wire()
+        self._owns_wire = wire is None
+        self._http = HTTP(self.url, self._auth, timeout=timeout, wire=self._wire)
         self._leases: dict[tuple[str, str, str], _Lease] = {}
 
     def _auth(self) -> dict[str, str]:
@@ -223,7 +224,7 @@ class Sandlot:
         return Sandbox(
             lease.grant,
             timeout=self.timeout,
-            http_client=self._client,
+            wire=self._wire,
             renew=lease.renew,
             keepalive=self.keepalive,
         )
@@ -299,9 +300,7 @@ class Sandlot:
 
     def sandbox(self, grant: Grant | Mapping[str, Any]) -> Sandbox:
         """An :class:`Sandbox` for a grant in hand (e.g. a bootstrap object)."""
-        return Sandbox(
-            grant, timeout=self.timeout, http_client=self._client, keepalive=self.keepalive
-        )
+        return Sandbox(grant, timeout=self.timeout, wire=self._wire, keepalive=self.keepalive)
 
     # --- sandboxes -----------------------------------------------------------------
 
@@ -469,7 +468,8 @@ class Sandlot:
         for lease in list(self._leases.values()):
             lease.stop()
         self._leases.clear()
-        self._client.close()
+        if self._owns_wire:
+            self._wire.close()
 
     def __enter__(self) -> Sandlot:
         return self

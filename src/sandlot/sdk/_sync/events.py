@@ -12,7 +12,6 @@ import json
 from collections.abc import Callable, Generator
 from typing import Any
 
-import httpx
 from websockets.exceptions import ConnectionClosed
 
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
@@ -89,9 +88,7 @@ class EventStream:
             except TimeoutError:
                 # A deadline, not a broken connection (TimeoutError is an OSError).
                 raise
-            except (httpx.TransportError, ConnectionClosed, OSError) as exc:
-                if isinstance(exc, httpx.TimeoutException):
-                    raise TimeoutError("event stream: deadline exceeded") from exc
+            except (ConnectionClosed, OSError):
                 failures += 1
                 if failures > RECONNECT_BUDGET:
                     raise

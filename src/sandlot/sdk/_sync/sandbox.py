@@ -19,11 +19,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 from urllib.parse import urlencode
 
-import httpx
-
 from sandlot.protocol.errors import CommandExitError, SandboxStarting, SandlotError
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk._sync._http import HTTP, KEEPALIVE, http_timeout, raise_for_error
+from sandlot.sdk._sync._http import HTTP, KEEPALIVE
+from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.commands import Command
 from sandlot.sdk._sync.events import EventStream
 from sandlot.sdk._sync.shells import Shell
@@ -49,7 +48,8 @@ class Sandbox:
     :meth:`Grant.from_response <sandlot.sdk.types.Grant.from_response>` accepts.
     ``timeout`` is the default deadline of every call (each method also takes
     its own). ``renew`` (given by the broker client) obtains a fresh token after
-    a 401; a bootstrap grant has none. ``keepalive`` is the interval of the pings
+    a 401; a bootstrap grant has none. ``wire`` is a connection pool to share
+    (the broker client passes its own). ``keepalive`` is the interval of the pings
     that detect a dead WebSocket (commands, shells, events): a socket is taken
     as dead after about twice that without an answer (``None``: no pings).
     """
@@ -59,7 +59,7 @@ class Sandbox:
         grant: Grant | Mapping[str, Any],
         *,
         timeout: float | None = 60.0,
-        http_client: httpx.Client | None = None,
+        wire: Wire | None = None,
         renew: Callable[[], bool] | None = None,
         keepalive: float | None = KEEPALIVE,
     ) -> None:
@@ -71,7 +71,7 @@ class Sandbox:
             self.grant.http_base_url,
             self._auth,
             timeout=timeout,
-            client=http_client,
+            wire=wire,
             on_unauthenticated=self._renew_token if renew else None,
         )
 
@@ -376,16 +376,7 @@ class Sandbox:
     def download_stream(self, path: str, *, timeout: float | None = None) -> Iterator[bytes]:
         """A file's bytes, chunk by chunk as they arrive."""
         deadline = self._http.deadline(timeout)
-        with self._http.client.stream(
-            "GET",
-            self._http.url("/files/download"),
-            params={"path": path},
-            headers=self._auth(),
-            timeout=http_timeout(deadline),
-        ) as resp:
-            if resp.status_code >= 400:
-                resp.read()
-                raise_for_error(resp)
+        with self._http.stream("/files/download", deadline=deadline, params={"path": path}) as resp:
             yield from resp.iter_bytes()
 
     def download_to(self, path: str, dest: str, *, timeout: float | None = None) -> int:
