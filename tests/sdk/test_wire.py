@@ -207,27 +207,34 @@ def test_idle_connection_closed_by_the_server_is_not_reused(scripted) -> None:
     wire.close()
 
 
-@pytest.mark.parametrize("kind", twins())
-def test_request_swallowed_by_a_closing_connection_is_sent_again(scripted, kind) -> None:
-    # The keep-alive race: the server closes an idle connection just as a request
-    # goes out on it. The request got no byte of an answer: it goes once more on a
-    # new connection, when its body can be sent again.
-    def flaky(number: int, head: bytes, body: bytes, sock: socket.socket) -> bool:
-        if number == 1 and head.startswith(b"POST /second"):
+def swallow(path: bytes) -> Handler:
+    """Answers every request, except that the second request of the first connection,
+    if it is for ``path``, is read and then the connection closed without an answer."""
+
+    def handler(number: int, head: bytes, body: bytes, sock: socket.socket) -> bool:
+        if number == 1 and head.split(b" ")[1] == path:
             sock.shutdown(socket.SHUT_RDWR)
             return False
         answer(sock, head.split(b" ")[1] + b"|" + body)
         return True
 
-    srv = scripted(flaky)
+    return handler
+
+
+@pytest.mark.parametrize("kind", twins())
+def test_idempotent_request_swallowed_by_a_closing_connection_is_sent_again(scripted, kind) -> None:
+    # The keep-alive race: the server closes an idle connection just as a request
+    # goes out on it. No byte of an answer came back and the request is idempotent
+    # with a body that can be sent again: it goes once more on a new connection.
+    srv = scripted(swallow(b"/second"))
     wire = kind()
 
     async def go() -> tuple[bytes, bytes]:
         first = await wire.request(
-            "POST", srv.url + "/first", headers=[], body=b"1", deadline=Deadline(5)
+            "PUT", srv.url + "/first", headers=[], body=b"1", deadline=Deadline(5)
         )
         second = await wire.request(
-            "POST", srv.url + "/second", headers=[], body=b"2", deadline=Deadline(5)
+            "PUT", srv.url + "/second", headers=[], body=b"2", deadline=Deadline(5)
         )
         await wire.aclose()
         return first.content, second.content
@@ -236,8 +243,8 @@ def test_request_swallowed_by_a_closing_connection_is_sent_again(scripted, kind)
         got = asyncio.run(go())
     else:
         got = (
-            run(wire, "POST", srv.url + "/first", b"1", keep=True).content,
-            run(wire, "POST", srv.url + "/second", b"2").content,
+            run(wire, "PUT", srv.url + "/first", b"1", keep=True).content,
+            run(wire, "PUT", srv.url + "/second", b"2").content,
         )
     assert got == (b"/first|1", b"/second|2")
     assert srv.connections == 2
@@ -248,21 +255,35 @@ def test_request_swallowed_by_a_closing_connection_is_sent_again(scripted, kind)
     ]
 
 
-def test_streamed_body_is_never_sent_twice(scripted) -> None:
-    def flaky(number: int, head: bytes, body: bytes, sock: socket.socket) -> bool:
-        if head.startswith(b"POST /stream"):
-            sock.shutdown(socket.SHUT_RDWR)
-            return False
-        answer(sock, b"ok")
-        return True
-
-    srv = scripted(flaky)
+@pytest.mark.parametrize(
+    ("method", "body"),
+    [
+        pytest.param("POST", b"edit", id="not idempotent"),
+        pytest.param("PUT", iter([b"a" * 10, b"b" * 5]), id="streamed body"),
+    ],
+)
+def test_request_that_cannot_be_replayed_is_never_sent_twice(scripted, method, body) -> None:
+    srv = scripted(swallow(b"/once"))
     wire = Wire()
     run(wire, "GET", srv.url + "/warm", keep=True)
     with pytest.raises(ConnectionError):
-        run(wire, "POST", srv.url + "/stream", iter([b"a" * 10, b"b" * 5]))
-    assert [b for _, h, b in srv.requests if h.startswith(b"POST")] == [b"a" * 10 + b"b" * 5]
+        run(wire, method, srv.url + "/once", body)
+    assert [h.split(b" ")[1] for _, h, _ in srv.requests] == [b"/warm", b"/once"]
+    assert srv.requests[1][2] in (b"edit", b"a" * 10 + b"b" * 5)
     assert srv.connections == 1
+
+
+def test_connection_idle_too_long_is_not_reused(scripted, monkeypatch) -> None:
+    from sandlot.sdk._sync import _wire
+
+    monkeypatch.setattr(_wire, "KEEPALIVE_EXPIRY", 0.2)
+    srv = scripted(echo)
+    wire = Wire()
+    assert run(wire, "GET", srv.url + "/", keep=True).content == b"1:"
+    assert run(wire, "GET", srv.url + "/", keep=True).content == b"1:"
+    time.sleep(0.3)
+    assert run(wire, "GET", srv.url + "/").content == b"2:"
+    assert srv.connections == 2
 
 
 @pytest.mark.parametrize("kind", twins())

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import ssl
+import time
 from collections.abc import AsyncIterable, AsyncIterator
 from urllib.parse import urlsplit
 
@@ -35,6 +36,12 @@ MAX_IDLE = 16
 
 #: Seconds a connection may take to open, whatever the call's deadline.
 CONNECT_TIMEOUT = 10.0
+
+#: Seconds an idle connection stays reusable (below the servers' usual keep-alive).
+KEEPALIVE_EXPIRY = 4.0
+
+#: Methods whose request may be sent twice with the effect of once (RFC 9110 9.2.2).
+IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 
 Body = bytes | AsyncIterable[bytes] | None
 Origin = tuple[str, str, int]
@@ -98,7 +105,7 @@ class AsyncWire:
     ) -> AsyncStreamedResponse:
         origin, host, target = self._split(url)
         head = [("Host", host), *headers]
-        replayable = body is None or isinstance(body, bytes)
+        replayable = method in IDEMPOTENT and (body is None or isinstance(body, bytes))
         if isinstance(body, bytes):
             head.append(("Content-Length", str(len(body))))
         elif body is not None:
@@ -114,7 +121,7 @@ class AsyncWire:
             except BaseException as exc:
                 await conn.stream.close()
                 if isinstance(exc, ConnectionError) and reused and replayable and not conn.answered:
-                    continue  # closed by the server while idle: once more on a new connection
+                    continue  # the server closed it meanwhile, unread: once more on a new one
                 raise
             return AsyncStreamedResponse(self, origin, conn, status, answer_headers, deadline)
 
@@ -134,7 +141,7 @@ class AsyncWire:
                 conn = idle.pop()
             except IndexError:  # taken meanwhile by another thread (sync client)
                 break
-            if not conn.stream.is_stale():
+            if time.monotonic() - conn.idle_since < KEEPALIVE_EXPIRY and not conn.stream.is_stale():
                 return conn, True
             await conn.stream.close()
         scheme, host, port = origin
@@ -159,6 +166,7 @@ class AsyncWire:
         idle = self._idle.setdefault(origin, [])
         if len(idle) >= MAX_IDLE:
             return False
+        conn.idle_since = time.monotonic()
         idle.append(conn)
         return True
 
@@ -172,6 +180,7 @@ class _Connection:
         #: Whether any byte of an answer to the current request arrived (it is then
         #: not sent again).
         self.answered = False
+        self.idle_since = 0.0
 
     async def send_request(self, request: h11.Request, body: Body, deadline: Deadline) -> None:
         self.answered = False
