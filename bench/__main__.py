@@ -70,6 +70,14 @@ def machine() -> str:
     )
 
 
+def settle(seconds: float = 3.0) -> None:
+    """Flush what the previous benchmark wrote and let the disk go quiet: its
+    writeback (hundreds of MiB of transfers, thousands of files) would otherwise
+    land on the next one's fsyncs and file creations."""
+    os.sync()
+    time.sleep(seconds)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer repetitions (minutes, not tens)")
@@ -89,6 +97,7 @@ def main() -> None:
             *(quick if args.quick else full),
         ]
         print(f"== {module}: {what}", file=sys.stderr, flush=True)
+        settle()
         started = time.monotonic()
         proc = subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, check=False)
         took = time.monotonic() - started
