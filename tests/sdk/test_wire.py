@@ -407,3 +407,14 @@ def test_https(scripted, tmp_path: Path) -> None:
 def test_not_an_http_url() -> None:
     with pytest.raises(ValueError, match="not an http"):
         run(Wire(), "GET", "ftp://127.0.0.1/x")
+
+
+def test_call_past_its_deadline_names_the_request(scripted) -> None:
+    from sandlot.sdk._sync._http import HTTP
+
+    srv = scripted(lambda n, h, b, s: True)  # never answers
+    http = HTTP(srv.url + "/v1", dict, timeout=0.3)
+    with pytest.raises(TimeoutError, match=r"^GET /fs/stat: deadline exceeded$"):
+        http.json("GET", "/fs/stat", deadline=http.deadline(None), params={"path": "/"})
+    http.close()
+    assert srv.requests[0][1].startswith(b"GET /v1/fs/stat?path=%2F HTTP/1.1")

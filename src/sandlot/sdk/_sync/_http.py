@@ -10,11 +10,8 @@ from typing import Any
 from urllib.parse import urlencode
 
 from sandlot.protocol.errors import SandlotError, error_from_wire
-from sandlot.sdk._sync._wire import Body, StreamedResponse, Wire
+from sandlot.sdk._sync._wire import CONNECT_TIMEOUT, Body, StreamedResponse, Wire
 from sandlot.sdk.types import Deadline, Response
-
-#: Seconds a connection may take to open, whatever the call's deadline.
-CONNECT_TIMEOUT = 10.0
 
 #: Seconds between keepalive pings on WebSockets; a ping unanswered for as long
 #: again means the connection is dead (a command then resumes on a new one).
@@ -102,13 +99,16 @@ class HTTP:
             extra.append(("Content-Type", "application/json"))
         retried = False
         while True:
-            resp = self.wire.request(
-                method,
-                url,
-                headers=[*self.auth().items(), *extra],
-                body=content,
-                deadline=deadline,
-            )
+            try:
+                resp = self.wire.request(
+                    method,
+                    url,
+                    headers=[*self.auth().items(), *extra],
+                    body=content,
+                    deadline=deadline,
+                )
+            except TimeoutError as exc:
+                raise TimeoutError(f"{method} {path}: deadline exceeded") from exc
             if resp.status_code == 401 and not retried and self.on_unauthenticated is not None:
                 retried = True
                 if self.on_unauthenticated():
