@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import ssl
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Generator
 from urllib.parse import urlsplit
 
 import h11
@@ -171,6 +171,19 @@ class AsyncWire:
         return True
 
 
+@contextlib.contextmanager
+def _broken(doing: str) -> Generator[None, None, None]:
+    """Broken HTTP or a lost connection as ``ConnectionError`` (deadlines stay ``TimeoutError``)."""
+    try:
+        yield
+    except h11.ProtocolError as exc:
+        raise ConnectionError(f"HTTP: {exc}") from exc
+    except TimeoutError:
+        raise
+    except OSError as exc:
+        raise ConnectionError(f"connection lost while {doing}: {exc}") from exc
+
+
 class _Connection:
     """One connection and its HTTP/1.1 state machine."""
 
@@ -184,7 +197,7 @@ class _Connection:
 
     async def send_request(self, request: h11.Request, body: Body, deadline: Deadline) -> None:
         self.answered = False
-        try:
+        with _broken("sending"):
             if body is None or isinstance(body, bytes):
                 data = self.h11.send(request) or b""
                 if body:
@@ -198,15 +211,9 @@ class _Connection:
                     for piece in self.h11.send_with_data_passthrough(h11.Data(data=chunk)) or ():
                         await self.stream.send(bytes(piece), deadline.remaining())
             await self.stream.send(self.h11.send(h11.EndOfMessage()) or b"", deadline.remaining())
-        except h11.ProtocolError as exc:
-            raise ConnectionError(f"HTTP: {exc}") from exc
-        except TimeoutError:
-            raise
-        except OSError as exc:
-            raise ConnectionError(f"connection lost while sending: {exc}") from exc
 
     async def next_event(self, deadline: Deadline) -> h11.Event | type[h11.PAUSED]:
-        try:
+        with _broken("reading"):
             while True:
                 event = self.h11.next_event()
                 if event is not h11.NEED_DATA:
@@ -214,12 +221,6 @@ class _Connection:
                 data = await self.stream.receive(deadline.remaining())
                 self.answered = self.answered or bool(data)
                 self.h11.receive_data(data)
-        except h11.ProtocolError as exc:
-            raise ConnectionError(f"HTTP: {exc}") from exc
-        except TimeoutError:
-            raise
-        except OSError as exc:
-            raise ConnectionError(f"connection lost while reading: {exc}") from exc
 
     async def read_head(self, deadline: Deadline) -> tuple[int, dict[str, str]]:
         while True:
