@@ -21,7 +21,6 @@ from sandlot.cli.errors import err_console, fail
 from sandlot.cli.trees import (
     LocalTree,
     load_manifest,
-    manifest_of,
     plan_pull,
     save_manifest,
     scan,
@@ -39,11 +38,20 @@ async def _aiter(chunks: Any) -> AsyncIterator[bytes]:
 
 
 async def push(
-    sandbox: AsyncSandbox, tree: LocalTree, remote: str, *, delete: bool, show: bool
+    sandbox: AsyncSandbox,
+    tree: LocalTree,
+    remote: str,
+    *,
+    delete: bool,
+    show: bool,
+    digests: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Send ``tree`` as one tar stream into ``remote`` (with a progress bar when ``show``)."""
+    """Send ``tree`` as one tar stream into ``remote`` (with a progress bar when ``show``).
+
+    ``digests`` receives the SHA-256 of every file sent, for the sync manifest.
+    """
     if not show:
-        stream = tar_stream(tree)
+        stream = tar_stream(tree, digests=digests)
         return await _upload(sandbox, remote, stream, delete)
     with Progress(
         "[progress.description]{task.description}",
@@ -54,7 +62,7 @@ async def push(
         transient=False,
     ) as progress:
         task = progress.add_task(f"sync {len(tree.files)} files", total=tree.total_bytes)
-        stream = tar_stream(tree, progress=lambda n: progress.advance(task, n))
+        stream = tar_stream(tree, progress=lambda n: progress.advance(task, n), digests=digests)
         return await _upload(sandbox, remote, stream, delete)
 
 
@@ -92,8 +100,9 @@ def sync_command(
         sandbox = await client.ensure(thread)
         started = time.monotonic()
         tree = scan(root)
-        result = await push(sandbox, tree, remote, delete=delete, show=True)
-        save_manifest(root, manifest_of(tree))
+        digests: dict[str, str] = {}
+        result = await push(sandbox, tree, remote, delete=delete, show=True, digests=digests)
+        save_manifest(root, digests)
         err_console.print(
             f"synced {len(tree.files)} files ({tree.total_bytes} bytes) to {thread}:{remote} "
             f"in {time.monotonic() - started:.2f} s"
@@ -118,6 +127,7 @@ async def _watch_and_push(sandbox: AsyncSandbox, root: Path, remote: str) -> Non
         return {f.rel: (f.size, f.mtime) for f in tree.files}
 
     sent = index(scan(root))
+    manifest = load_manifest(root)
     err_console.print(f"[dim]watching {root} (Ctrl-C to stop)[/]")
     async for _changes in awatch(root, debounce=200, yield_on_timeout=True, rust_timeout=1000):
         tree = scan(root)
@@ -127,13 +137,15 @@ async def _watch_and_push(sandbox: AsyncSandbox, root: Path, remote: str) -> Non
         gone = sorted(set(sent) - set(now))
         if changed:
             subset = LocalTree(root, files=changed, dirs=_parents([f.rel for f in changed]))
-            await push(sandbox, subset, remote, delete=False, show=False)
+            await push(sandbox, subset, remote, delete=False, show=False, digests=manifest)
         for rel in gone:
             with contextlib.suppress(FileNotFound):
                 await sandbox.delete(str(PurePosixPath(remote) / rel), recursive=True)
+        for rel in gone:
+            manifest.pop(rel, None)
         if changed or gone:
             sent = now
-            save_manifest(root, manifest_of(tree))
+            save_manifest(root, manifest)
             stamp = time.strftime("%H:%M:%S")
             console.print(f"[dim]{stamp}[/] pushed {len(changed)} changed, {len(gone)} removed")
 

@@ -206,7 +206,11 @@ def _entry(rel: str, *, mode: int, size: int, mtime: int, kind: bytes, link: str
 
 
 def tar_stream(
-    tree: LocalTree, *, progress: Callable[[int], None] | None = None, chunk: int = 1 << 20
+    tree: LocalTree,
+    *,
+    progress: Callable[[int], None] | None = None,
+    chunk: int = 1 << 20,
+    digests: dict[str, str] | None = None,
 ) -> Iterator[bytes]:
     """The tree as one uncompressed tar stream, produced while it is read (bounded memory).
 
@@ -214,6 +218,8 @@ def tar_stream(
     standard library's writer spends more time on header objects than on the files.
     A file that shrank since the scan is padded with zeros and one that grew is cut
     at its scanned size, as tar(1) does, so the stream stays well-formed.
+    ``digests``, when given, receives the SHA-256 of every file as sent (the
+    manifest of :func:`save_manifest`), computed as the files are read.
     """
     parts: list[bytes] = []
     pending = 0
@@ -241,6 +247,7 @@ def tar_stream(
             fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue  # vanished or unreadable since the scan
+        h = hashlib.sha256() if digests is not None else None
         try:
             put(_entry(f.rel, mode=f.mode & 0o777, size=f.size, mtime=int(f.mtime), kind=b"0"))
             left = f.size
@@ -250,15 +257,20 @@ def tar_stream(
                 except OSError:
                     data = b""
                 if not data:
-                    put(b"\0" * left)  # shrank (or unreadable) since the scan
-                    break
+                    data = b"\0" * left  # shrank (or unreadable) since the scan
+                    left = 0
+                else:
+                    left -= len(data)
                 put(data)
-                left -= len(data)
+                if h is not None:
+                    h.update(data)
                 if progress is not None:
                     progress(len(data))
                 if pending >= chunk:
                     yield take()
             put(b"\0" * (-f.size % BLOCK))
+            if h is not None and digests is not None:
+                digests[f.rel] = h.hexdigest()
         finally:
             os.close(fd)
         if pending >= chunk:
@@ -292,15 +304,6 @@ def save_manifest(root: Path, files: dict[str, str]) -> None:
     tmp = root / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"version": 1, "files": files}, sort_keys=True))
     os.replace(tmp, root / MANIFEST)
-
-
-def manifest_of(tree: LocalTree) -> dict[str, str]:
-    out = {}
-    for f in tree.files:
-        digest = file_hash(f.path)
-        if digest is not None:
-            out[f.rel] = digest
-    return out
 
 
 @dataclass

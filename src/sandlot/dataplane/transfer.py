@@ -8,6 +8,7 @@ Archive members go through the same resolver one by one: absolute names,
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import os
@@ -15,7 +16,7 @@ import queue
 import secrets
 import stat
 import tarfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from email.utils import formatdate
 from typing import Any
 
@@ -32,6 +33,7 @@ from sandlot.dataplane.fsops import (
     sync_filesystem,
 )
 from sandlot.dataplane.paths import PathResolver, normalize, os_error
+from sandlot.dataplane.tarstream import TarError, TarStream
 from sandlot.dataplane.web import Api, endpoint, json_response, query_bool, query_path
 from sandlot.protocol.common import Capability
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge
@@ -206,26 +208,28 @@ def _quote(path: str) -> str:
 
 
 def _extract(
-    resolver: PathResolver, base: str, fileobj: Any, delete_missing: bool, limits: tuple[int, int]
+    resolver: PathResolver,
+    base: str,
+    chunks: Iterable[bytes],
+    delete_missing: bool,
+    limits: tuple[int, int],
 ) -> dict[str, Any]:
     max_bytes, max_members = limits
     files = dirs = total = 0
     seen: set[str] = set()
     base = normalize(base)
+    top = base.rstrip("/")
     with resolver.resolve(base, create_parents=True, for_write=True) as root:
         if root.name is not None:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(root.name, 0o755, dir_fd=root.dir_fd)
-    try:
-        tar = tarfile.open(fileobj=fileobj, mode="r|*")  # noqa: SIM115 (closed by the with below)
-    except tarfile.TarError:
-        raise InvalidRequest("body is not a tar archive") from None
+    umask = _umask()
     # Members land in directories pinned by fd (resolved once per directory, not
     # once per file), so a symlink swapped in meanwhile cannot redirect them.
-    parents = _DirCache(resolver)
-    with tar, parents:
-        count = 0
+    with _DirCache(resolver) as parents:
         try:
+            tar = TarStream(chunks)
+            count = 0
             for member in tar:
                 count += 1
                 if count > max_members:
@@ -238,42 +242,34 @@ def _extract(
                     raise InvalidRequest(f"archive member climbs out: {name!r}")
                 if not parts:
                     continue
-                target = base.rstrip("/") + "/" + "/".join(parts)
+                rel = "/".join(parts)
+                target = f"{top}/{rel}"
                 # Directories implied by a member's name are part of the tree too.
-                for i in range(1, len(parts) + 1):
-                    seen.add(base.rstrip("/") + "/" + "/".join(parts[:i]))
-                if member.isdir():
+                if target not in seen:
+                    seen.add(target)
+                    parent = target.rsplit("/", 1)[0]
+                    while parent != top and parent not in seen:
+                        seen.add(parent)
+                        parent = parent.rsplit("/", 1)[0]
+                kind = member.kind
+                if kind == "file":
+                    total += member.size
+                    if total > max_bytes:
+                        raise PayloadTooLarge("archive too large")
+                    if resolver.is_mount_point(target):
+                        raise InvalidRequest(f"archive member replaces a mount: {name!r}")
+                    mode = stat.S_IMODE(member.mode) & 0o777 or 0o644
+                    dir_fd = parents.get(target.rsplit("/", 1)[0] or "/")
+                    _write_member(dir_fd, parts[-1], tar.data(), mode, umask)
+                    files += 1
+                elif kind == "dir":
                     with resolver.resolve(target, create_parents=True, for_write=True) as res:
                         if res.name is not None:
                             with contextlib.suppress(FileExistsError):
                                 os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
                     dirs += 1
-                elif member.isfile():
-                    total += member.size
-                    if total > max_bytes:
-                        raise PayloadTooLarge("archive too large")
-                    src = tar.extractfile(member)
-                    assert src is not None
-                    if resolver.is_mount_point(target):
-                        raise InvalidRequest(f"archive member replaces a mount: {name!r}")
-                    parent = target.rsplit("/", 1)[0] or "/"
-                    mode = stat.S_IMODE(member.mode) & 0o777 or 0o644
-                    _write_member(parents.get(parent), parts[-1], src, mode)
-                    files += 1
-                elif member.issym():
-                    # Links are kept only when they stay inside the extracted tree.
-                    link = member.linkname
-                    if link.startswith("/") or "\x00" in link:
-                        raise InvalidRequest(f"archive link points out: {name!r}")
-                    depth = len(parts) - 1
-                    level = depth
-                    for p in link.split("/"):
-                        if p == "..":
-                            level -= 1
-                            if level < 0:
-                                raise InvalidRequest(f"archive link points out: {name!r}")
-                        elif p and p != ".":
-                            level += 1
+                elif kind == "symlink":
+                    _check_link(name, member.linkname, len(parts) - 1)
                     with resolver.resolve(
                         target, follow_final=False, create_parents=True, for_write=True
                     ) as res:
@@ -281,17 +277,48 @@ def _extract(
                             raise InvalidRequest("archive member replaces a mount")
                         with contextlib.suppress(FileNotFoundError):
                             os.unlink(res.name, dir_fd=res.dir_fd)
-                        os.symlink(link, res.name, dir_fd=res.dir_fd)
+                        os.symlink(member.linkname, res.name, dir_fd=res.dir_fd)
                     files += 1
                 else:
-                    # Hard links, devices, FIFOs: refused.
+                    # Hard links, devices, FIFOs, sparse files: refused.
                     raise InvalidRequest(f"archive member type not allowed: {name!r}")
-        except tarfile.TarError:
-            raise InvalidRequest("corrupt tar archive") from None
+        except TarError as exc:
+            raise InvalidRequest(
+                "body is not a tar archive" if str(exc) in _NOT_TAR else f"corrupt archive: {exc}"
+            ) from None
     deleted = _delete_missing(resolver, base, seen) if delete_missing else 0
-    with resolver.resolve(base) as top:
-        sync_filesystem(top.dir_fd)
+    with resolver.resolve(base) as root:
+        sync_filesystem(root.dir_fd)
     return {"path": base, "files": files, "directories": dirs, "deleted": deleted, "bytes": total}
+
+
+_NOT_TAR = ("not a tar archive", "empty body")
+
+
+def _check_link(name: str, link: str, depth: int) -> None:
+    """Links are kept only when they stay inside the extracted tree."""
+    if link.startswith("/") or "\x00" in link:
+        raise InvalidRequest(f"archive link points out: {name!r}")
+    level = depth
+    for p in link.split("/"):
+        if p == "..":
+            level -= 1
+            if level < 0:
+                raise InvalidRequest(f"archive link points out: {name!r}")
+        elif p and p != ".":
+            level += 1
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` would, for every thread)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o777  # unknown: every file gets its mode set explicitly
 
 
 class _DirCache:
@@ -332,25 +359,30 @@ class _DirCache:
         self.close()
 
 
-def _write_member(dir_fd: int, name: str, src: Any, mode: int) -> None:
+def _write_member(
+    dir_fd: int, name: str, data: Iterable[memoryview], mode: int, umask: int
+) -> None:
     """Write one archive member.
 
     A new file is created under its own name (``O_EXCL``: nothing is replaced, as
     ``tar x`` does); a file that exists already is written beside it and renamed
     over it, so its readers see the old content or the new, never a mix. The
-    per-file fsync is skipped: the extraction ends with one syncfs.
+    mode is given at creation, and set again only when the umask takes bits
+    away. The per-file fsync is skipped: the extraction ends with one syncfs.
     """
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     tmp: str | None = None
     try:
-        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        fd = os.open(name, flags, mode, dir_fd=dir_fd)
     except FileExistsError:
         tmp = f".sandlot-{secrets.token_hex(8)}.tmp"
-        fd = os.open(tmp, flags, 0o600, dir_fd=dir_fd)
+        fd = os.open(tmp, flags, mode, dir_fd=dir_fd)
     try:
-        while chunk := src.read(CHUNK):
-            _write(fd, chunk)
-        os.fchmod(fd, mode)
+        for view in data:
+            while view:
+                view = view[os.write(fd, view) :]
+        if mode & umask:
+            os.fchmod(fd, mode)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -396,41 +428,51 @@ def _delete_missing(resolver: PathResolver, base: str, seen: set[str]) -> int:
     return deleted
 
 
-class _QueueReader(io.RawIOBase):
-    """A blocking file object fed from the event loop (the tar reader runs in a thread)."""
+class _ChunkQueue:
+    """Request chunks handed from the event loop to the extracting thread.
 
-    def __init__(self) -> None:
-        self.q: queue.Queue[bytes | None] = queue.Queue(maxsize=8)
-        self.buf = b""
-        self.pos = 0  # in ``buf``: a chunk is consumed in place, never copied down
-        self.eof = False
+    A few chunks at most are held (bounded memory); the event loop waits for
+    room without polling, woken by the thread as it takes a chunk.
+    """
 
-    def readable(self) -> bool:
-        return True
+    DEPTH = 8
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._q: queue.Queue[bytes | None] = queue.Queue(maxsize=self.DEPTH)
+        self._room = asyncio.Event()
+        self._aborted = False
+
+    async def put(self, item: bytes | None, consumer: asyncio.Future[Any]) -> bool:
+        """Queue ``item`` (``None``: the end); ``False`` when the consumer has finished."""
+        while not consumer.done():
+            try:
+                self._q.put_nowait(item)
+                return True
+            except queue.Full:
+                self._room.clear()
+            if self._q.full():
+                waiter = asyncio.ensure_future(self._room.wait())
+                await asyncio.wait((waiter, consumer), return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+        return False
 
     def abort(self) -> None:
-        """Make the extractor stop at its next read (the request failed)."""
-        self.eof = True
-        self.buf, self.pos = b"", 0
+        """Make the extractor stop at its next chunk (the request failed)."""
+        self._aborted = True
         with contextlib.suppress(queue.Full):
-            self.q.put_nowait(None)
+            self._q.put_nowait(None)
 
-    def readinto(self, b: Any) -> int:
-        while self.pos >= len(self.buf) and not self.eof:
-            item = self.q.get()
+    def __iter__(self) -> Iterator[bytes]:
+        while not self._aborted:
+            item = self._q.get()
+            self._loop.call_soon_threadsafe(self._room.set)
             if item is None:
-                self.eof = True
-            else:
-                self.buf, self.pos = item, 0
-        n = min(len(b), len(self.buf) - self.pos)
-        b[:n] = memoryview(self.buf)[self.pos : self.pos + n]
-        self.pos += n
-        return n
+                return
+            yield item
 
 
 def build_transfer_routes(api: Api) -> list[Route]:
-    import asyncio
-
     settings = api.host.settings
 
     @endpoint
@@ -447,14 +489,14 @@ def build_transfer_routes(api: Api) -> list[Route]:
         _, resolver, executor, _ = entry.ready()
         path = query_path(request, default="/workspace")
         delete_missing = query_bool(request, "delete_missing", False)
-        reader = _QueueReader()
         loop = asyncio.get_running_loop()
+        chunks = _ChunkQueue(loop)
         if entry.watcher is not None:
             # One summary event for the archive, not one per member from the watcher.
             entry.watcher.api_tree(normalize(path))
         job = loop.run_in_executor(
             None,
-            lambda: _extract_as(executor, resolver, path, reader, delete_missing),
+            lambda: _extract_as(executor, resolver, path, chunks, delete_missing),
         )
         received = 0
         try:
@@ -462,26 +504,14 @@ def build_transfer_routes(api: Api) -> list[Route]:
                 received += len(chunk)
                 if received > settings.max_archive_bytes:
                     raise PayloadTooLarge("archive too large")
-                # The queue is small (bounded memory): wait while the extractor catches up.
-                while not job.done():
-                    try:
-                        reader.q.put_nowait(chunk)
-                        break
-                    except queue.Full:
-                        await asyncio.sleep(0.002)
-                if job.done():
-                    break
+                if not await chunks.put(chunk, job):
+                    break  # the extractor stopped (an error): its answer is the request's
         except BaseException:
-            reader.abort()
+            chunks.abort()
             with contextlib.suppress(BaseException):
                 await job
             raise
-        while not job.done():
-            try:
-                reader.q.put_nowait(None)
-                break
-            except queue.Full:
-                await asyncio.sleep(0.002)
+        await chunks.put(None, job)
         try:
             result = await job
         finally:
@@ -490,11 +520,13 @@ def build_transfer_routes(api: Api) -> list[Route]:
         entry.changed((result["path"], "modified", {"archive": True, **result}), ctx.actor)
         return json_response(result)
 
-    def _extract_as(executor: Any, resolver: PathResolver, path: str, reader: Any, dm: bool) -> Any:
+    def _extract_as(
+        executor: Any, resolver: PathResolver, path: str, chunks: Iterable[bytes], dm: bool
+    ) -> Any:
         limits = (settings.max_archive_bytes, settings.max_archive_members)
         if executor.fs_ids is None:
-            return _extract(resolver, path, io.BufferedReader(reader), dm, limits)
-        fut = executor._pool.submit(_extract, resolver, path, io.BufferedReader(reader), dm, limits)
+            return _extract(resolver, path, chunks, dm, limits)
+        fut = executor._pool.submit(_extract, resolver, path, chunks, dm, limits)
         return fut.result()
 
     @endpoint

@@ -1,17 +1,45 @@
-"""The wire contract: models, states, events, token claims and the error table. No I/O."""
+"""The wire contract: models, states, events, token claims and the error table. No I/O.
 
-from sandlot.protocol.common import (
-    API_VERSION,
-    PROTOCOL_VERSION,
-    Actor,
-    ActorType,
-    Capability,
-    PrincipalType,
-    Scope,
-    ScopeType,
-)
-from sandlot.protocol.errors import ERROR_TABLE, SandlotError, error_from_wire, exception_for
-from sandlot.protocol.states import ExecState, SandboxState, ShellState
+The names below are loaded on first use: a client that only needs the error
+table (the SDK, the CLI) does not pay for building the pydantic models.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sandlot.protocol.common import (
+        API_VERSION,
+        PROTOCOL_VERSION,
+        Actor,
+        ActorType,
+        Capability,
+        PrincipalType,
+        Scope,
+        ScopeType,
+    )
+    from sandlot.protocol.errors import ERROR_TABLE, SandlotError, error_from_wire, exception_for
+    from sandlot.protocol.states import ExecState, SandboxState, ShellState
+
+_HOME = {
+    "API_VERSION": "common",
+    "PROTOCOL_VERSION": "common",
+    "Actor": "common",
+    "ActorType": "common",
+    "Capability": "common",
+    "PrincipalType": "common",
+    "Scope": "common",
+    "ScopeType": "common",
+    "ERROR_TABLE": "errors",
+    "SandlotError": "errors",
+    "error_from_wire": "errors",
+    "exception_for": "errors",
+    "ExecState": "states",
+    "SandboxState": "states",
+    "ShellState": "states",
+}
 
 __all__ = [
     "API_VERSION",
@@ -30,3 +58,12 @@ __all__ = [
     "error_from_wire",
     "exception_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

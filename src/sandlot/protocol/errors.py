@@ -39,8 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from pydantic import BaseModel
-
 
 class SandlotError(Exception):
     """Root of every sandlot error, on the server and in the SDK.
@@ -86,21 +84,6 @@ class SandlotError(Exception):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.wire_code}: {self.message!r})"
-
-
-class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    retryable: bool
-    request_id: str | None
-    domain: str
-    metadata: dict[str, Any]
-
-
-class ErrorEnvelope(BaseModel):
-    """What :meth:`SandlotError.to_wire` produces: the body of every error response."""
-
-    error: ErrorDetail
 
 
 class InvalidRequest(SandlotError):

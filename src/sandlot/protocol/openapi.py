@@ -12,7 +12,21 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from sandlot.protocol.errors import ErrorEnvelope
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+    retryable: bool
+    request_id: str | None
+    domain: str
+    metadata: dict[str, Any]
+
+
+class ErrorEnvelope(BaseModel):
+    """The body of every error response (what ``SandlotError.to_wire`` produces)."""
+
+    error: ErrorDetail
+
 
 #: An operation's ``responses``, by status (``200``, ``"4XX"``).
 Responses = dict[int | str, dict[str, Any]]

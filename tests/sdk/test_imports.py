@@ -1,0 +1,25 @@
+"""The SDK's own dependency set: importing it loads neither pydantic nor any server library."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+SERVER_ONLY = ("pydantic", "starlette", "fastapi", "sqlalchemy", "httpx", "jwt", "uvicorn")
+
+
+def test_sdk_import_stays_light() -> None:
+    code = (
+        "import sys, sandlot.sdk, sandlot.integrations\n"
+        f"print(','.join(m for m in {SERVER_ONLY!r} if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_protocol_names_load_on_first_use() -> None:
+    import sandlot.protocol as protocol
+
+    assert protocol.Capability.FS_READ.value == "fs_read"
+    assert protocol.SandlotError.__name__ == "SandlotError"
+    assert sorted(protocol.__all__) == sorted(protocol._HOME)
