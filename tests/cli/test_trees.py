@@ -9,7 +9,7 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-from sandlot.cli.trees import RECORD, TreeFile, scan, tar_stream
+from sandlot.cli.trees import RECORD, LocalTree, TreeFile, scan, tar_stream, walk
 
 NAMES = [
     "a.txt",
@@ -108,3 +108,34 @@ def test_progress_counts_every_byte(tmp_path: Path) -> None:
     seen: list[int] = []
     list(tar_stream(scan(tmp_path), progress=seen.append))
     assert sum(seen) == sum(len(v) for v in contents.values())
+
+
+def test_streaming_walk_sends_what_a_scan_does(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    contents = _make(src)
+    (src / ".gitignore").write_text("*.log\n")
+    (src / "skip.log").write_text("no")
+    tree = LocalTree(src)
+    digests: dict[str, str] = {}
+    data = b"".join(tar_stream(walk(src, tree), chunk=4096, digests=digests))
+    scanned = scan(src)
+    assert (tree.dirs, tree.symlinks, tree.files) == (
+        scanned.dirs,
+        scanned.symlinks,
+        scanned.files,
+    )
+    seen_dirs: set[str] = set()
+    got: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(data), mode="r|*") as tar:
+        for member in tar:
+            parent = member.name.rsplit("/", 1)[0] if "/" in member.name else ""
+            assert parent == "" or parent in seen_dirs  # a directory comes before its entries
+            if member.isdir():
+                seen_dirs.add(member.name)
+            elif member.isfile():
+                f = tar.extractfile(member)
+                assert f is not None
+                got[member.name] = f.read()
+    assert got == {**contents, ".gitignore": b"*.log\n"}
+    assert set(digests) == set(got)

@@ -8,7 +8,7 @@ import hashlib
 import io
 import tarfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -19,12 +19,14 @@ from sandlot.cli.client import console, run, split_target
 from sandlot.cli.context import KeyOption, UrlOption
 from sandlot.cli.errors import err_console, fail
 from sandlot.cli.trees import (
+    Entry,
     LocalTree,
     load_manifest,
     plan_pull,
     save_manifest,
     scan,
     tar_stream,
+    walk,
 )
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, FileNotFound
 
@@ -39,20 +41,23 @@ async def _aiter(chunks: Any) -> AsyncIterator[bytes]:
 
 async def push(
     sandbox: AsyncSandbox,
-    tree: LocalTree,
+    source: LocalTree | Iterable[Entry],
     remote: str,
     *,
     delete: bool,
     show: bool,
     digests: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Send ``tree`` as one tar stream into ``remote`` (with a progress bar when ``show``).
+    """Send a tree as one tar stream into ``remote`` (with a progress bar when ``show``).
 
-    ``digests`` receives the SHA-256 of every file sent, for the sync manifest.
+    ``source`` is a scanned tree or the entries of a walk still going on (the
+    upload then starts with the first entry, and the bar counts bytes without a
+    total). ``digests`` receives the SHA-256 of every file sent, for the manifest.
     """
     if not show:
-        stream = tar_stream(tree, digests=digests)
+        stream = tar_stream(source, digests=digests)
         return await _upload(sandbox, remote, stream, delete)
+    total = source.total_bytes if isinstance(source, LocalTree) else None
     with Progress(
         "[progress.description]{task.description}",
         BarColumn(),
@@ -61,8 +66,8 @@ async def push(
         console=err_console,
         transient=False,
     ) as progress:
-        task = progress.add_task(f"sync {len(tree.files)} files", total=tree.total_bytes)
-        stream = tar_stream(tree, progress=lambda n: progress.advance(task, n), digests=digests)
+        task = progress.add_task("sync", total=total)
+        stream = tar_stream(source, progress=lambda n: progress.advance(task, n), digests=digests)
         return await _upload(sandbox, remote, stream, delete)
 
 
@@ -99,9 +104,11 @@ def sync_command(
     async def body(client: AsyncSandlot, _: Any) -> None:
         sandbox = await client.ensure(thread)
         started = time.monotonic()
-        tree = scan(root)
+        tree = LocalTree(root)
         digests: dict[str, str] = {}
-        result = await push(sandbox, tree, remote, delete=delete, show=True, digests=digests)
+        # The tree is walked while it is sent: the sandbox starts on the first files.
+        entries = walk(root, tree)
+        result = await push(sandbox, entries, remote, delete=delete, show=True, digests=digests)
         save_manifest(root, digests)
         err_console.print(
             f"synced {len(tree.files)} files ({tree.total_bytes} bytes) to {thread}:{remote} "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +43,11 @@ class LocalTree:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    def entries(self) -> Iterator[Entry]:
+        yield from self.dirs
+        yield from self.symlinks
+        yield from self.files
+
 
 def _ignore_spec(directory: Path, rel_dir: str) -> pathspec.PathSpec[Any] | None:
     gi = directory / ".gitignore"
@@ -65,12 +70,24 @@ def _ignore_spec(directory: Path, rel_dir: str) -> pathspec.PathSpec[Any] | None
                 pat = f"{rel_dir}/**/{pat}"
             anchored.append(("!" if neg else "") + pat)
         lines = anchored
-    return pathspec.PathSpec.from_lines("gitwildmatch", lines)
+    return pathspec.PathSpec.from_lines("gitignore", lines)
+
+
+#: What a walk yields: a directory (its relative path), a symlink ``(path, target)``, a file.
+Entry = str | tuple[str, str] | TreeFile
 
 
 def scan(root: Path) -> LocalTree:
     """Walk ``root``, skipping ignored paths; symlinks are kept as links, never followed."""
     tree = LocalTree(root)
+    for _ in walk(root, tree):
+        pass
+    return tree
+
+
+def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
+    """:func:`scan` as it goes: every entry is yielded (and added to ``tree``) when found,
+    a directory before what it holds, so a tar stream can start before the walk ends."""
     specs: list[pathspec.PathSpec[Any]] = []
 
     def ignored(rel: str, is_dir: bool) -> bool:
@@ -90,7 +107,7 @@ def scan(root: Path) -> LocalTree:
                     result = bool(pattern.include)
         return result
 
-    def walk(directory: Path, rel_dir: str) -> None:
+    def visit(directory: Path, rel_dir: str) -> Iterator[Entry]:
         spec = _ignore_spec(directory, rel_dir)
         if spec is not None:
             specs.append(spec)
@@ -102,25 +119,30 @@ def scan(root: Path) -> LocalTree:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_symlink():
                 if not ignored(rel, False):
-                    tree.symlinks.append((rel, os.readlink(entry.path)))
+                    link = (rel, os.readlink(entry.path))
+                    if tree is not None:
+                        tree.symlinks.append(link)
+                    yield link
                 continue
             if entry.is_dir():
                 if ignored(rel, True):
                     continue
-                tree.dirs.append(rel)
-                walk(Path(entry.path), rel)
+                if tree is not None:
+                    tree.dirs.append(rel)
+                yield rel
+                yield from visit(Path(entry.path), rel)
             elif entry.is_file():
                 if ignored(rel, False):
                     continue
                 st = entry.stat()
-                tree.files.append(
-                    TreeFile(rel, Path(entry.path), st.st_size, st.st_mode, st.st_mtime)
-                )
+                f = TreeFile(rel, Path(entry.path), st.st_size, st.st_mode, st.st_mtime)
+                if tree is not None:
+                    tree.files.append(f)
+                yield f
         if spec is not None:
             specs.pop()
 
-    walk(root, "")
-    return tree
+    yield from visit(root, "")
 
 
 BLOCK = 512
@@ -206,7 +228,7 @@ def _entry(rel: str, *, mode: int, size: int, mtime: int, kind: bytes, link: str
 
 
 def tar_stream(
-    tree: LocalTree,
+    tree: LocalTree | Iterable[Entry],
     *,
     progress: Callable[[int], None] | None = None,
     chunk: int = 1 << 20,
@@ -220,6 +242,7 @@ def tar_stream(
     at its scanned size, as tar(1) does, so the stream stays well-formed.
     ``digests``, when given, receives the SHA-256 of every file as sent (the
     manifest of :func:`save_manifest`), computed as the files are read.
+    ``tree`` is a scanned tree or the entries of a :func:`walk` still going on.
     """
     parts: list[bytes] = []
     pending = 0
@@ -238,11 +261,15 @@ def tar_stream(
         pending = 0
         return data
 
-    for rel in tree.dirs:
-        put(_entry(rel.rstrip("/") + "/", mode=0o755, size=0, mtime=0, kind=b"5"))
-    for rel, target in tree.symlinks:
-        put(_entry(rel, mode=0o777, size=0, mtime=0, kind=b"2", link=target))
-    for f in tree.files:
+    entries = tree.entries() if isinstance(tree, LocalTree) else tree
+    for entry in entries:
+        if isinstance(entry, str):
+            put(_entry(entry.rstrip("/") + "/", mode=0o755, size=0, mtime=0, kind=b"5"))
+            continue
+        if isinstance(entry, tuple):
+            put(_entry(entry[0], mode=0o777, size=0, mtime=0, kind=b"2", link=entry[1]))
+            continue
+        f = entry
         try:
             fd = os.open(f.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:

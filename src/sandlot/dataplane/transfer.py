@@ -263,10 +263,7 @@ def _extract(
                     _write_member(dir_fd, parts[-1], tar.data(), mode, umask)
                     files += 1
                 elif kind == "dir":
-                    with resolver.resolve(target, create_parents=True, for_write=True) as res:
-                        if res.name is not None:
-                            with contextlib.suppress(FileExistsError):
-                                os.mkdir(res.name, 0o755, dir_fd=res.dir_fd)
+                    parents.get(target)  # made now, and pinned for the files that follow
                     dirs += 1
                 elif kind == "symlink":
                     _check_link(name, member.linkname, len(parts) - 1)
