@@ -212,3 +212,11 @@ def test_corrupt_pax_header() -> None:
     data[at - 2 : at] = b"99"  # a record length beyond the header
     with pytest.raises(TarError, match="PAX"):
         read_all([bytes(data)])
+
+
+def test_byte_sum_is_exact() -> None:
+    from sandlot.dataplane.tarstream import _byte_sum
+
+    rng = random.Random(1)
+    for block in (bytes(BLOCK), b"\xff" * BLOCK, *(rng.randbytes(BLOCK) for _ in range(200))):
+        assert _byte_sum(block) == sum(block)

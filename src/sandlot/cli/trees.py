@@ -26,7 +26,8 @@ ALWAYS_IGNORED = {".git", MANIFEST}
 @dataclass
 class TreeFile:
     rel: str
-    path: Path
+    #: Where it is on this machine (a string: a ``Path`` per file costs more than the read).
+    path: str | os.PathLike[str]
     size: int
     mode: int
     mtime: float
@@ -49,10 +50,10 @@ class LocalTree:
         yield from self.files
 
 
-def _ignore_spec(directory: Path, rel_dir: str) -> pathspec.PathSpec[Any] | None:
-    gi = directory / ".gitignore"
+def _ignore_spec(directory: str | Path, rel_dir: str) -> pathspec.PathSpec[Any] | None:
     try:
-        lines = gi.read_text(errors="replace").splitlines()
+        with open(os.path.join(directory, ".gitignore"), errors="replace") as f:
+            lines = f.read().splitlines()
     except OSError:
         return None
     if rel_dir:
@@ -107,14 +108,15 @@ def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
                     result = bool(pattern.include)
         return result
 
-    def visit(directory: Path, rel_dir: str) -> Iterator[Entry]:
-        spec = _ignore_spec(directory, rel_dir)
-        if spec is not None:
-            specs.append(spec)
+    def visit(directory: str | Path, rel_dir: str) -> Iterator[Entry]:
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
         except OSError:
             entries = []
+        has_ignore = any(e.name == ".gitignore" for e in entries)
+        spec = _ignore_spec(directory, rel_dir) if has_ignore else None
+        if spec is not None:
+            specs.append(spec)
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_symlink():
@@ -130,12 +132,12 @@ def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
                 if tree is not None:
                     tree.dirs.append(rel)
                 yield rel
-                yield from visit(Path(entry.path), rel)
+                yield from visit(entry.path, rel)
             elif entry.is_file():
                 if ignored(rel, False):
                     continue
                 st = entry.stat()
-                f = TreeFile(rel, Path(entry.path), st.st_size, st.st_mode, st.st_mtime)
+                f = TreeFile(rel, entry.path, st.st_size, st.st_mode, st.st_mtime)
                 if tree is not None:
                     tree.files.append(f)
                 yield f

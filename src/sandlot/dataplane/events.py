@@ -130,9 +130,9 @@ class WorkspaceWatcher:
         if self._tree is None or host is None:
             return
         if done:
-            self._tree.muted.discard(host)
+            self._tree.unmute(host)
         else:
-            self._tree.muted.add(host)
+            self._tree.mute(host)
 
     def _in_api_tree(self, spath: str, now: float) -> bool:
         for prefix, until in list(self._trees.items()):

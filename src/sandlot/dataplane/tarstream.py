@@ -64,6 +64,13 @@ def _number(field: bytes) -> int:
         raise TarError("invalid number in tar header") from None
 
 
+def _byte_sum(block: bytes) -> int:
+    """The sum of a block's bytes, in C: Adler-32's low half is 1 + the byte sum modulo
+    65521, exact for 256 bytes (at most 65280)."""
+    view = memoryview(block)
+    return (zlib.adler32(view[:256]) & 0xFFFF) + (zlib.adler32(view[256:]) & 0xFFFF) - 2
+
+
 def _checksum_ok(block: bytes) -> bool:
     try:
         stored = _number(block[148:156])
@@ -71,7 +78,7 @@ def _checksum_ok(block: bytes) -> bool:
         return False
     # The checksum is computed with its own field read as spaces (8 spaces sum to 256);
     # some old writers summed signed bytes.
-    unsigned = sum(block) - sum(block[148:156]) + 256
+    unsigned = _byte_sum(block) - sum(block[148:156]) + 256
     if stored == unsigned:
         return True
     signed = unsigned - 256 * sum(1 for b in block[:148] + block[156:] if b > 127)
