@@ -5,7 +5,14 @@ Dataplane of one sandbox: :class:`AsyncSandbox` / :class:`Sandbox`, built
 by ``ensure`` or from a grant in hand (the bootstrap object of PROTOCOL.md 2.10).
 Errors come from the one table of :mod:`sandlot.protocol.errors` and are
 re-exported here. See ``docs/SDK.md``.
+
+The sync twin is loaded on first use: async code (and the CLI) does not pay for it.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from sandlot.protocol.errors import (
     CapabilityDenied,
@@ -26,11 +33,6 @@ from sandlot.sdk._async.commands import AsyncCommand
 from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk._async.shells import AsyncShell
-from sandlot.sdk._sync.client import Sandlot
-from sandlot.sdk._sync.commands import Command
-from sandlot.sdk._sync.events import EventStream
-from sandlot.sdk._sync.sandbox import Sandbox
-from sandlot.sdk._sync.shells import Shell
 from sandlot.sdk.types import (
     CommandResult,
     ConnectError,
@@ -41,6 +43,30 @@ from sandlot.sdk.types import (
     OutputChunk,
     ReadResult,
 )
+
+if TYPE_CHECKING:
+    from sandlot.sdk._sync.client import Sandlot
+    from sandlot.sdk._sync.commands import Command
+    from sandlot.sdk._sync.events import EventStream
+    from sandlot.sdk._sync.sandbox import Sandbox
+    from sandlot.sdk._sync.shells import Shell
+
+_SYNC = {
+    "Sandlot": "client",
+    "Command": "commands",
+    "EventStream": "events",
+    "Sandbox": "sandbox",
+    "Shell": "shells",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _SYNC.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"sandlot.sdk._sync.{module}"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "AsyncCommand",
