@@ -130,7 +130,7 @@ class WorkspaceWatcher:
         if self._tree is None or host is None:
             return
         if done:
-            self._tree.unmute(host)
+            shared().unmute(self._tree, host)
         else:
             self._tree.mute(host)
 

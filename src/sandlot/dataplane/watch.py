@@ -74,7 +74,8 @@ class Tree:
     pending: dict[str, str] = field(default_factory=dict)
     flush: asyncio.TimerHandle | None = None
     #: Host directories being written through the API, which reports them itself: events
-    #: under them are dropped as they are read (new directories still get their watch).
+    #: under them are dropped as they are read (new directories get their watches when
+    #: the directory is unmuted: see :meth:`Inotify.unmute`).
     muted: set[str] = field(default_factory=set)
     _muted_prefixes: tuple[str, ...] = ()
 
@@ -141,6 +142,12 @@ class Inotify:
             self._loop.remove_reader(self._fd)
             os.close(self._fd)
             self._fd = -1
+
+    def unmute(self, tree: Tree, host_dir: str) -> None:
+        """Report changes under ``host_dir`` again, watching what was made there meanwhile."""
+        tree.unmute(host_dir)
+        if self._fd >= 0 and tree.wds:
+            self._add_tree(tree, host_dir)
 
     def _add_dir(self, tree: Tree, path: str) -> bool:
         if len(tree.wds) >= MAX_DIRS_PER_TREE:
@@ -213,8 +220,8 @@ class Inotify:
                 continue  # the dataplane's own temp files: only their final names matter
             path = os.path.join(directory, os.fsdecode(name))
             if tree.muted and tree.is_muted(path):
-                if mask & IN_CREATE and mask & IN_ISDIR:
-                    self._add_tree(tree, path)  # watched for what commands do there later
+                # New directories under it get their watches when it is unmuted: watched
+                # now, every file the API writes there would be one more event to drop.
                 continue
             if mask & (IN_CREATE | IN_MOVED_TO):
                 self._queue(tree, path, "created")
