@@ -435,7 +435,7 @@ class AsyncSandbox:
     ) -> list[FileEntry]:
         """Entries of a directory (``depth`` levels), with absolute paths."""
         body = await self._call("GET", "/fs/list", timeout, params={"path": path, "depth": depth})
-        return [FileEntry.from_wire(e) for e in body["entries"]]
+        return FileEntry.many_from_wire(body["entries"])
 
     async def read(
         self, path: str, *, offset: int = 0, limit: int = 2000, timeout: float | None = None
@@ -499,7 +499,7 @@ class AsyncSandbox:
         body = await self._call(
             "POST", "/fs/glob", timeout, json_body={"pattern": pattern, "path": path}
         )
-        return [FileEntry.from_wire(e) for e in body["matches"]]
+        return FileEntry.many_from_wire(body["matches"])
 
     async def grep(
         self,

@@ -425,7 +425,7 @@ class Sandbox:
     ) -> list[FileEntry]:
         """Entries of a directory (``depth`` levels), with absolute paths."""
         body = self._call("GET", "/fs/list", timeout, params={"path": path, "depth": depth})
-        return [FileEntry.from_wire(e) for e in body["entries"]]
+        return FileEntry.many_from_wire(body["entries"])
 
     def read(
         self, path: str, *, offset: int = 0, limit: int = 2000, timeout: float | None = None
@@ -487,7 +487,7 @@ class Sandbox:
     ) -> list[FileEntry]:
         """Regular files matching ``pattern`` under ``path`` (``**`` spans directories)."""
         body = self._call("POST", "/fs/glob", timeout, json_body={"pattern": pattern, "path": path})
-        return [FileEntry.from_wire(e) for e in body["matches"]]
+        return FileEntry.many_from_wire(body["matches"])
 
     def grep(
         self,
