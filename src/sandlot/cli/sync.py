@@ -148,7 +148,6 @@ async def _watch_and_push(sandbox: AsyncSandbox, root: Path, remote: str) -> Non
         for rel in gone:
             with contextlib.suppress(FileNotFound):
                 await sandbox.delete(str(PurePosixPath(remote) / rel), recursive=True)
-        for rel in gone:
             manifest.pop(rel, None)
         if changed or gone:
             sent = now

@@ -68,6 +68,7 @@ def __getattr__(name: str) -> Any:
     globals()[name] = value
     return value
 
+
 __all__ = [
     "AsyncCommand",
     "AsyncEventStream",
