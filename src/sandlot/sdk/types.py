@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 
 def parse_time(value: Any) -> float | None:
@@ -163,9 +163,12 @@ class OutputChunk:
         return self.offset + self.lost + len(self.data.encode("utf-8"))
 
 
-@dataclass(frozen=True)
-class FileEntry:
-    """One file or directory of a listing or glob (absolute sandbox path)."""
+class FileEntry(NamedTuple):
+    """One file or directory of a listing or glob (absolute sandbox path).
+
+    A named tuple rather than a dataclass: a listing makes thousands of them, and a
+    tuple is built in a third of the time and is no work for the garbage collector.
+    """
 
     path: str
     is_dir: bool
@@ -180,21 +183,11 @@ class FileEntry:
     @classmethod
     def many_from_wire(cls, bodies: Iterable[Mapping[str, Any]]) -> list[FileEntry]:
         """Parse the entries of a listing or a glob."""
-        # A listing builds thousands of these: filling each instance's dict directly
-        # skips the frozen __init__'s per-field object.__setattr__ (twice as fast),
-        # and one loop here saves a method call per entry.
-        new = object.__new__
-        out: list[FileEntry] = []
-        for body in bodies:
-            entry = new(cls)
-            entry.__dict__.update(
-                path=body["path"],
-                is_dir=body.get("is_dir") is True,
-                size=body.get("size"),
-                modified_at=body.get("modified_at"),
-            )
-            out.append(entry)
-        return out
+        new = tuple.__new__
+        return [
+            new(cls, (b["path"], b.get("is_dir") is True, b.get("size"), b.get("modified_at")))
+            for b in bodies
+        ]
 
 
 @dataclass(frozen=True)
