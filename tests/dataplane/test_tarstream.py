@@ -220,3 +220,25 @@ def test_byte_sum_is_exact() -> None:
     rng = random.Random(1)
     for block in (bytes(BLOCK), b"\xff" * BLOCK, *(rng.randbytes(BLOCK) for _ in range(200))):
         assert _byte_sum(block) == sum(block)
+
+
+def test_negative_pax_size_is_refused() -> None:
+    def padded(data: bytes) -> bytes:
+        return data + bytes(-len(data) % BLOCK)
+
+    records = b"11 size=-3\n"
+    x = tarfile.TarInfo("././@PaxHeader")
+    x.type, x.size = tarfile.XHDTYPE, len(records)
+    f = tarfile.TarInfo("f")
+    f.size = 3
+    data = (
+        x.tobuf(tarfile.USTAR_FORMAT)
+        + padded(records)
+        + f.tobuf(tarfile.USTAR_FORMAT)
+        + padded(b"abc")
+        + bytes(2 * BLOCK)
+    )
+    # A negative size must not lower the archive's byte count (the server's cap).
+    with pytest.raises(TarError, match="PAX"):
+        read_all([data])
+    assert read_all([data.replace(b"11 size=-3\n", b"11 size=03\n")])[0][5] == b"abc"

@@ -132,7 +132,7 @@ class WorkspaceWatcher:
         if done:
             shared().unmute(self._tree, host)
         else:
-            self._tree.mute(host)
+            shared().mute(self._tree, host)
 
     def _in_api_tree(self, spath: str, now: float) -> bool:
         for prefix, until in list(self._trees.items()):

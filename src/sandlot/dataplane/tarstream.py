@@ -261,7 +261,9 @@ class TarStream:
                 try:
                     size = int(pax["size"])
                 except ValueError:
-                    raise TarError("corrupt PAX header") from None
+                    size = -1
+                if size < 0:  # a negative size would also pass the server's size cap
+                    raise TarError("corrupt PAX header")
             if kind in _FILE_TYPES:
                 what = "dir" if kind == b"\0" and name.endswith("/") else "file"
             elif kind == b"5":

@@ -143,6 +143,10 @@ class Inotify:
             os.close(self._fd)
             self._fd = -1
 
+    def mute(self, tree: Tree, host_dir: str) -> None:
+        """Drop changes under ``host_dir`` as they are read (the API reports them itself)."""
+        tree.mute(host_dir)
+
     def unmute(self, tree: Tree, host_dir: str) -> None:
         """Report changes under ``host_dir`` again, watching what was made there meanwhile."""
         tree.unmute(host_dir)

@@ -64,11 +64,10 @@ class AsyncWire:
         deadline: Deadline,
     ) -> Response:
         """Send a request and read its whole answer."""
-        answer = await self._exchange(method, url, headers, body, deadline)
-        try:
+        async with self.stream(
+            method, url, headers=headers, body=body, deadline=deadline
+        ) as answer:
             content = await answer.aread()
-        finally:
-            await answer.aclose()
         return Response(answer.status_code, answer.headers, content)
 
     @contextlib.asynccontextmanager

@@ -65,11 +65,8 @@ class Wire:
         deadline: Deadline,
     ) -> Response:
         """Send a request and read its whole answer."""
-        answer = self._exchange(method, url, headers, body, deadline)
-        try:
+        with self.stream(method, url, headers=headers, body=body, deadline=deadline) as answer:
             content = answer.read()
-        finally:
-            answer.close()
         return Response(answer.status_code, answer.headers, content)
 
     @contextlib.contextmanager
