@@ -10,6 +10,8 @@
 - ``max_retained_output_bytes``: output kept by finished execs of a sandbox, all together
   (beyond it the oldest finished execs are forgotten early).
 - ``max_shells``: shells per sandbox.
+- ``spare_shells``: once a shell profile has been opened in a sandbox, keep one more of it
+  started in the background, so that the next shell opens without waiting for its program.
 - ``event_retention``: events kept per sandbox (older cursors get 410 SEQUENCE_EXPIRED).
 - ``keepalive_seconds``: SSE comment / idle interval.
 - ``max_read_bytes`` / ``max_write_bytes``: JSON file reads/writes (``/fs/read``, ``/fs/write``).
@@ -43,6 +45,7 @@ class DataplaneSettings:
     max_execs: int = 1000
     max_retained_output_bytes: int = 256 * MiB
     max_shells: int = 64
+    spare_shells: bool = True
     event_retention: int = 10_000
     keepalive_seconds: float = 15.0
     max_read_bytes: int = 16 * MiB

@@ -4,12 +4,20 @@ A shell runs one of the template's shell profiles under a PTY and outlives
 its clients. Its output goes to one bounded :class:`OutputStream`; each client
 reads it through its own cursor, so a slow client only ever loses its own
 bytes (``gap``) and costs no memory. Drivers type; observers only watch.
+
+Once a profile has been opened in a sandbox, the manager keeps one *spare*
+of it started in the background (``spare_shells``): the next shell of that
+profile is the spare, renamed and resized, so opening it costs no process
+start. A spare is not listed, emits no event and is not activity; if it
+exits unclaimed it is dropped, and an open without one starts its program
+as before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal as signals
 import time
 from typing import Any
@@ -24,10 +32,15 @@ from sandlot.protocol.states import ShellState, check_transition
 from sandlot.runtime.base import WORKSPACE, ExitStatus, ProcessSpec, SandboxProcess, SandboxRuntime
 from sandlot.runtime.direct import set_winsize
 
+log = logging.getLogger(__name__)
+
 
 class Shell:
-    def __init__(self, name: str, profile: str, settings: DataplaneSettings) -> None:
+    def __init__(
+        self, name: str, profile: str, settings: DataplaneSettings, runtime: SandboxRuntime
+    ) -> None:
         self.name = name
+        self.runtime = runtime
         self.profile = profile
         self.session_id = new_id("sh", 8)
         self.created_at = time.time()
@@ -100,6 +113,10 @@ class ShellManager:
         self._shells: dict[str, Shell] = {}
         self._starting: dict[str, asyncio.Future[Shell]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        #: profile → a started, unclaimed shell of it; profiles with a spare being started.
+        self._spares: dict[str, Shell] = {}
+        self._sparing: set[str] = set()
+        self._closed = False
 
     @property
     def clients(self) -> int:
@@ -138,20 +155,15 @@ class ShellManager:
         fut: asyncio.Future[Shell] = asyncio.get_running_loop().create_future()
         self._starting[name] = fut
         try:
-            shell = Shell(name, profile, self.settings)
-            try:
-                process = await runtime.spawn(
-                    ProcessSpec(argv=list(argv), cwd=WORKSPACE, pty=(cols, rows))
-                )
-            except OSError as exc:
-                raise InvalidRequest(f"cannot start shell: {exc.strerror}") from None
-            shell.process = process
-            assert process.pty_fd is not None
-            shell._reader = FdReader(process.pty_fd, shell.stream)
+            shell = self._claim_spare(runtime, profile, cols, rows)
+            if shell is None:
+                try:
+                    shell = await self._start(runtime, profile, argv, cols, rows)
+                except OSError as exc:
+                    raise InvalidRequest(f"cannot start shell: {exc.strerror}") from None
+            shell.name = name
+            shell.created_at = time.time()
             self._shells[name] = shell
-            task = asyncio.get_running_loop().create_task(self._supervise(shell, actor))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
             self._emit(
                 "shell.created",
                 "shell",
@@ -164,6 +176,7 @@ class ShellManager:
                 actor,
             )
             fut.set_result(shell)
+            self._replenish(runtime, profile, argv, cols, rows)
             return shell
         except BaseException as exc:
             if not fut.done():
@@ -173,7 +186,69 @@ class ShellManager:
         finally:
             self._starting.pop(name, None)
 
-    async def _supervise(self, shell: Shell, actor: Actor | None) -> None:
+    async def _start(
+        self, runtime: SandboxRuntime, profile: str, argv: list[str], cols: int, rows: int
+    ) -> Shell:
+        """Start ``argv`` under a PTY, its output read into a new (still unnamed) shell."""
+        process = await runtime.spawn(ProcessSpec(argv=list(argv), cwd=WORKSPACE, pty=(cols, rows)))
+        shell = Shell("", profile, self.settings, runtime)
+        shell.process = process
+        assert process.pty_fd is not None
+        shell._reader = FdReader(process.pty_fd, shell.stream)
+        task = asyncio.get_running_loop().create_task(self._supervise(shell))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return shell
+
+    def _claim_spare(
+        self, runtime: SandboxRuntime, profile: str, cols: int, rows: int
+    ) -> Shell | None:
+        shell = self._spares.pop(profile, None)
+        if shell is None:
+            return None
+        process = shell.process
+        if (
+            shell.runtime is not runtime
+            or shell.state is not ShellState.RUNNING
+            or process is None
+            or process.returncode is not None
+        ):
+            shell.signal(signals.SIGKILL)
+            return None
+        shell.resize(cols, rows)
+        return shell
+
+    def _replenish(
+        self, runtime: SandboxRuntime, profile: str, argv: list[str], cols: int, rows: int
+    ) -> None:
+        """Start a spare of ``profile`` in the background unless one is there or coming."""
+        if (
+            not self.settings.spare_shells
+            or self._closed
+            or profile in self._spares
+            or profile in self._sparing
+        ):
+            return
+        self._sparing.add(profile)
+
+        async def start() -> None:
+            try:
+                shell = await self._start(runtime, profile, argv, cols, rows)
+            except Exception as exc:  # the next open starts its own shell and says why
+                log.debug("no spare %s shell: %s", profile, exc)
+                return
+            finally:
+                self._sparing.discard(profile)
+            if self._closed:
+                shell.signal(signals.SIGKILL)
+            else:
+                self._spares[profile] = shell
+
+        task = asyncio.get_running_loop().create_task(start())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _supervise(self, shell: Shell) -> None:
         assert shell.process is not None
         status = await shell.process.wait()
         # Let the last output reach the buffer before telling clients.
@@ -188,6 +263,10 @@ class ShellManager:
             finally:
                 shell.stream.unlisten(waiter)
         shell.finish(status)
+        if not shell.name:  # a spare that exited unclaimed: nobody knew of it
+            if self._spares.get(shell.profile) is shell:
+                del self._spares[shell.profile]
+            return
         if self._shells.get(shell.name) is shell:
             del self._shells[shell.name]
         self._emit(
@@ -240,7 +319,8 @@ class ShellManager:
             await asyncio.wait_for(shell.done.wait(), 2.0)
 
     async def close(self) -> None:
-        shells = list(self._shells.values())
+        self._closed = True
+        shells = [*self._shells.values(), *self._spares.values()]
         for shell in shells:
             shell.signal(signals.SIGKILL)
         if shells:
