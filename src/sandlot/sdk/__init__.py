@@ -42,6 +42,7 @@ from sandlot.sdk.types import (
     GrepMatch,
     OutputChunk,
     ReadResult,
+    SocketClosed,
 )
 
 if TYPE_CHECKING:
@@ -98,6 +99,7 @@ __all__ = [
     "SessionExpired",
     "SessionNotFound",
     "Shell",
+    "SocketClosed",
     "TokenExpired",
     "Unauthenticated",
 ]

@@ -10,10 +10,12 @@ import asyncio
 import contextlib
 import ssl
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.client import ClientConnection
-from websockets.asyncio.client import connect as _connect
+from sandlot.sdk.types import SocketClosed
+
+if TYPE_CHECKING:  # the WebSocket library is imported on the first connection only
+    from websockets.asyncio.client import ClientConnection
 
 #: Seconds a closing handshake may take (less when pings are more frequent).
 CLOSE_TIMEOUT = 10.0
@@ -72,28 +74,45 @@ async def ws_connect(
     """Open a WebSocket within ``timeout`` seconds, pinged every ``keepalive`` seconds.
 
     A ping left unanswered for ``keepalive`` seconds closes the connection (its
-    ``recv`` raises ``ConnectionClosed``): a silently dead connection is noticed.
+    ``recv`` raises ``SocketClosed``): a silently dead connection is noticed. A
+    connection that breaks during the upgrade raises ``SocketClosed`` too.
     """
-    return await _connect(
-        url,
-        additional_headers=headers,
-        open_timeout=timeout,
-        max_size=None,
-        compression=None,
-        ping_interval=keepalive,
-        ping_timeout=keepalive,
-        close_timeout=min(keepalive or CLOSE_TIMEOUT, CLOSE_TIMEOUT),
-    )
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed, InvalidMessage
+
+    try:
+        return await connect(
+            url,
+            additional_headers=headers,
+            open_timeout=timeout,
+            max_size=None,
+            compression=None,
+            ping_interval=keepalive,
+            ping_timeout=keepalive,
+            close_timeout=min(keepalive or CLOSE_TIMEOUT, CLOSE_TIMEOUT),
+        )
+    except (ConnectionClosed, InvalidMessage) as exc:
+        raise SocketClosed(f"connection broken during the upgrade ({exc})") from exc
 
 
 async def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
     """Receive one frame, giving up after ``timeout`` seconds (``TimeoutError``)."""
-    return await asyncio.wait_for(ws.recv(), timeout)
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        return await asyncio.wait_for(ws.recv(), timeout)
+    except ConnectionClosed as exc:
+        raise _closed(ws, exc) from exc
 
 
 async def ws_send(ws: ClientConnection, data: str) -> None:
     """Send one text frame."""
-    await ws.send(data)
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        await ws.send(data)
+    except ConnectionClosed as exc:
+        raise _closed(ws, exc) from exc
 
 
 async def ws_close(ws: ClientConnection) -> None:
@@ -106,6 +125,10 @@ def ws_close_code(ws: Any) -> int | None:
     """The close code the server sent, if any."""
     rcvd = getattr(ws, "close_rcvd", None)
     return getattr(rcvd, "code", None)
+
+
+def _closed(ws: Any, exc: Exception) -> SocketClosed:
+    return SocketClosed(f"socket closed: {exc}", ws_close_code(ws))
 
 
 class Stream:

@@ -9,10 +9,12 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from websockets.sync.client import ClientConnection
-from websockets.sync.client import connect as _connect
+from sandlot.sdk.types import SocketClosed
+
+if TYPE_CHECKING:  # the WebSocket library is imported on the first connection only
+    from websockets.sync.client import ClientConnection
 
 #: Seconds a closing handshake may take (less when pings are more frequent).
 CLOSE_TIMEOUT = 10.0
@@ -77,18 +79,25 @@ def ws_connect(
     """Open a WebSocket within ``timeout`` seconds, pinged every ``keepalive`` seconds.
 
     A ping left unanswered for ``keepalive`` seconds closes the connection (its
-    ``recv`` raises ``ConnectionClosed``): a silently dead connection is noticed.
+    ``recv`` raises ``SocketClosed``): a silently dead connection is noticed. A
+    connection that breaks during the upgrade raises ``SocketClosed`` too.
     """
-    ws = _connect(
-        url,
-        additional_headers=headers,
-        open_timeout=timeout,
-        max_size=None,
-        compression=None,
-        ping_interval=keepalive,
-        ping_timeout=keepalive,
-        close_timeout=min(keepalive or CLOSE_TIMEOUT, CLOSE_TIMEOUT),
-    )
+    from websockets.exceptions import ConnectionClosed, InvalidMessage
+    from websockets.sync.client import connect
+
+    try:
+        ws = connect(
+            url,
+            additional_headers=headers,
+            open_timeout=timeout,
+            max_size=None,
+            compression=None,
+            ping_interval=keepalive,
+            ping_timeout=keepalive,
+            close_timeout=min(keepalive or CLOSE_TIMEOUT, CLOSE_TIMEOUT),
+        )
+    except (ConnectionClosed, InvalidMessage) as exc:
+        raise SocketClosed(f"connection broken during the upgrade ({exc})") from exc
     # The connection outlives this call (closed by ws_close), as with the async client.
     ws.__enter__()
     return ws
@@ -96,12 +105,22 @@ def ws_connect(
 
 def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
     """Receive one frame, giving up after ``timeout`` seconds (``TimeoutError``)."""
-    return ws.recv(timeout)
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        return ws.recv(timeout)
+    except ConnectionClosed as exc:
+        raise _closed(ws, exc) from exc
 
 
 def ws_send(ws: ClientConnection, data: str) -> None:
     """Send one text frame."""
-    ws.send(data)
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        ws.send(data)
+    except ConnectionClosed as exc:
+        raise _closed(ws, exc) from exc
 
 
 def ws_close(ws: ClientConnection) -> None:
@@ -114,6 +133,10 @@ def ws_close_code(ws: Any) -> int | None:
     """The close code the server sent, if any."""
     rcvd = getattr(ws, "close_rcvd", None)
     return getattr(rcvd, "code", None)
+
+
+def _closed(ws: Any, exc: Exception) -> SocketClosed:
+    return SocketClosed(f"socket closed: {exc}", ws_close_code(ws))
 
 
 class Stream:

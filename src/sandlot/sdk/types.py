@@ -261,6 +261,19 @@ class ConnectError(ConnectionError):
     """The server could not be reached: nothing was sent."""
 
 
+class SocketClosed(ConnectionError):
+    """A WebSocket to the dataplane closed or broke before its end.
+
+    ``code`` is the close code the server sent (``None`` when the connection
+    just broke). Streams and commands reattach by themselves; this reaches
+    callers only once their reconnect budget is spent.
+    """
+
+    def __init__(self, message: str, code: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 @dataclass(frozen=True)
 class Response:
     """A whole HTTP answer: status, headers (names in lower case) and body."""

@@ -17,8 +17,6 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed, InvalidMessage
-
 from sandlot.protocol.errors import (
     CommandExitError,
     ExecNotFound,
@@ -29,7 +27,7 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk
+from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, SocketClosed
 
 #: Consecutive reconnections without an acknowledgement before giving up.
 RECONNECT_BUDGET = 5
@@ -98,8 +96,7 @@ class AsyncCommand:
             try:
                 await self._open(timeout)
                 return
-            # InvalidMessage: the connection broke during the upgrade (no valid HTTP answer).
-            except (OSError, ConnectionClosed, InvalidMessage) as exc:
+            except OSError as exc:  # SocketClosed included
                 self._failures += 1
                 if self._failures > RECONNECT_BUDGET:
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
@@ -145,7 +142,7 @@ class AsyncCommand:
                 raw = await _aio.ws_recv(self._ws, self._deadline.remaining())
             except TimeoutError:
                 raise  # the deadline of this command, not a broken connection
-            except (ConnectionClosed, OSError):
+            except OSError:  # SocketClosed included
                 await self._broken()
                 continue
             chunk = self._handle(json.loads(raw))
@@ -210,7 +207,7 @@ class AsyncCommand:
             await self._connect()
         try:
             await _aio.ws_send(self._ws, json.dumps(frame))
-        except ConnectionClosed:
+        except SocketClosed:
             await self._broken()
             await _aio.ws_send(self._ws, json.dumps(frame))
 

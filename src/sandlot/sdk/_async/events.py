@@ -11,12 +11,10 @@ import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed
-
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, open_timeout
-from sandlot.sdk.types import Deadline, Event
+from sandlot.sdk.types import Deadline, Event, SocketClosed
 
 #: Consecutive failed reconnections before giving up (reset by every event).
 RECONNECT_BUDGET = 5
@@ -87,7 +85,7 @@ class AsyncEventStream:
             except TimeoutError:
                 # A deadline, not a broken connection (TimeoutError is an OSError).
                 raise
-            except (ConnectionClosed, OSError):
+            except OSError:  # SocketClosed included
                 failures += 1
                 if failures > RECONNECT_BUDGET:
                     raise
@@ -110,7 +108,7 @@ class AsyncEventStream:
             while True:
                 try:
                     raw = await _aio.ws_recv(ws, self._deadline.remaining())
-                except ConnectionClosed:
+                except SocketClosed:
                     code = _aio.ws_close_code(ws)
                     if code == 4401:
                         raise Unauthenticated("event socket closed: credential refused") from None

@@ -6,8 +6,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed
-
 from sandlot.protocol.errors import (
     CapabilityDenied,
     ResourceNotFound,
@@ -17,7 +15,7 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, OutputChunk
+from sandlot.sdk.types import Deadline, OutputChunk, SocketClosed
 
 
 class AsyncShell:
@@ -56,7 +54,7 @@ class AsyncShell:
             while shell.session_id is None or not shell._greeted:
                 frame = json.loads(await _aio.ws_recv(ws, deadline.remaining()))
                 shell._handle(frame)
-        except ConnectionClosed:
+        except SocketClosed:
             code = _aio.ws_close_code(ws)
             await _aio.ws_close(ws)
             raise _close_error(code) from None
@@ -110,7 +108,7 @@ class AsyncShell:
         while not self.exited:
             try:
                 raw = await _aio.ws_recv(self._ws, deadline.remaining())
-            except ConnectionClosed:
+            except SocketClosed:
                 self.exited = True
                 code = _aio.ws_close_code(self._ws)
                 if code is not None and code >= 4000:

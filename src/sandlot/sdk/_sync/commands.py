@@ -18,8 +18,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed, InvalidMessage
-
 from sandlot.protocol.errors import (
     CommandExitError,
     ExecNotFound,
@@ -30,7 +28,7 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk
+from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, SocketClosed
 
 #: Consecutive reconnections without an acknowledgement before giving up.
 RECONNECT_BUDGET = 5
@@ -99,8 +97,7 @@ class Command:
             try:
                 self._open(timeout)
                 return
-            # InvalidMessage: the connection broke during the upgrade (no valid HTTP answer).
-            except (OSError, ConnectionClosed, InvalidMessage) as exc:
+            except OSError as exc:  # SocketClosed included
                 self._failures += 1
                 if self._failures > RECONNECT_BUDGET:
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
@@ -146,7 +143,7 @@ class Command:
                 raw = _aio.ws_recv(self._ws, self._deadline.remaining())
             except TimeoutError:
                 raise  # the deadline of this command, not a broken connection
-            except (ConnectionClosed, OSError):
+            except OSError:  # SocketClosed included
                 self._broken()
                 continue
             chunk = self._handle(json.loads(raw))
@@ -211,7 +208,7 @@ class Command:
             self._connect()
         try:
             _aio.ws_send(self._ws, json.dumps(frame))
-        except ConnectionClosed:
+        except SocketClosed:
             self._broken()
             _aio.ws_send(self._ws, json.dumps(frame))
 

@@ -7,8 +7,6 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from websockets.exceptions import ConnectionClosed
-
 from sandlot.protocol.errors import (
     CapabilityDenied,
     ResourceNotFound,
@@ -18,7 +16,7 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, OutputChunk
+from sandlot.sdk.types import Deadline, OutputChunk, SocketClosed
 
 
 class Shell:
@@ -57,7 +55,7 @@ class Shell:
             while shell.session_id is None or not shell._greeted:
                 frame = json.loads(_aio.ws_recv(ws, deadline.remaining()))
                 shell._handle(frame)
-        except ConnectionClosed:
+        except SocketClosed:
             code = _aio.ws_close_code(ws)
             _aio.ws_close(ws)
             raise _close_error(code) from None
@@ -111,7 +109,7 @@ class Shell:
         while not self.exited:
             try:
                 raw = _aio.ws_recv(self._ws, deadline.remaining())
-            except ConnectionClosed:
+            except SocketClosed:
                 self.exited = True
                 code = _aio.ws_close_code(self._ws)
                 if code is not None and code >= 4000:
