@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
+from sandlot.dataplane import fastlist
 from sandlot.dataplane.globbing import GlobPattern, split_base
 from sandlot.dataplane.paths import PathResolver, Resolved, normalize, os_error
 from sandlot.protocol.errors import (
@@ -94,6 +95,81 @@ def read_all(fd: int, size: int) -> bytes:
         chunks.append(chunk)
         remaining -= len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class _Listing:
+    """What one listing gathered so far: JSON text and how many entries it holds."""
+
+    __slots__ = ("count", "limit", "out")
+
+    def __init__(self, out: list[str], limit: int) -> None:
+        self.out = out
+        self.limit = limit
+        self.count = 0
+
+
+def _scan_dir(acc: _Listing, fd: int, base: str, depth: int) -> bool:
+    prefix = base.rstrip("/") + "/"
+    fast = fastlist.ready()
+    subdirs: list[str]
+    if fast is None:
+        truncated, subdirs = _scan_py(acc, fd, prefix, depth)
+    else:
+        try:
+            text, count, truncated, subdirs = fast.scan(
+                fd, _jstr(prefix)[1:-1].encode("ascii"), acc.limit - acc.count, depth > 1
+            )
+        except fastlist.Unsupported:
+            os.lseek(fd, 0, os.SEEK_SET)  # scandir reads on from the shared offset
+            truncated, subdirs = _scan_py(acc, fd, prefix, depth)
+        else:
+            if count:
+                acc.out.append(text)
+                acc.count += count
+    if truncated:
+        return True
+    for name in subdirs:
+        try:
+            sub = os.open(name, _O_DIR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError:
+            continue
+        try:
+            if _scan_dir(acc, sub, prefix + name, depth - 1):
+                return True
+        finally:
+            os.close(sub)
+    return False
+
+
+def _scan_py(acc: _Listing, fd: int, prefix: str, depth: int) -> tuple[bool, list[str]]:
+    """One directory, the reference way: (truncated, the subdirectories to descend)."""
+    room = acc.limit - acc.count
+    subdirs: list[str] = []
+    parts: list[str] = []
+    try:
+        with os.scandir(fd) as it:
+            for entry in it:
+                if len(parts) >= room:
+                    return True, subdirs
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                mode = st.st_mode
+                is_dir = stat.S_ISDIR(mode)
+                link = ',"is_symlink":true' if stat.S_ISLNK(mode) else ""
+                parts.append(
+                    f'{{"path":{_jstr(prefix + entry.name)},'
+                    f'"is_dir":{"true" if is_dir else "false"},"size":{st.st_size},'
+                    f'"modified_at":"{iso(st.st_mtime)}"{link}}}'
+                )
+                if is_dir and depth > 1:
+                    subdirs.append(entry.name)
+    finally:
+        if parts:
+            acc.out.extend(parts)
+            acc.count += len(parts)
+    return False, subdirs
 
 
 @dataclass
@@ -348,38 +424,12 @@ class FileOps:
         return f'{{"entries":[{",".join(parts)}],"truncated":{tail}}}'.encode()
 
     def _scan(self, fd: int, base: str, depth: int, out: list[str]) -> bool:
-        limit = self.max_list_entries
-        prefix = base.rstrip("/") + "/"
-        subdirs: list[str] = []
-        with os.scandir(fd) as it:
-            for entry in it:
-                if len(out) >= limit:
-                    return True
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                mode = st.st_mode
-                is_dir = stat.S_ISDIR(mode)
-                link = ',"is_symlink":true' if stat.S_ISLNK(mode) else ""
-                out.append(
-                    f'{{"path":{_jstr(prefix + entry.name)},'
-                    f'"is_dir":{"true" if is_dir else "false"},"size":{st.st_size},'
-                    f'"modified_at":"{iso(st.st_mtime)}"{link}}}'
-                )
-                if is_dir and depth > 1:
-                    subdirs.append(entry.name)
-        for name in subdirs:
-            try:
-                sub = os.open(name, _O_DIR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            except OSError:
-                continue
-            try:
-                if self._scan(sub, prefix + name, depth - 1, out):
-                    return True
-            finally:
-                os.close(sub)
-        return False
+        """Append the entries under ``fd`` (``depth`` levels) to ``out``; True if truncated.
+
+        ``out`` gets JSON text: one entry per element from the Python path, a whole
+        directory's entries joined by commas from the C one (:mod:`fastlist`).
+        """
+        return _scan_dir(_Listing(out, self.max_list_entries), fd, base, depth)
 
     # --- changing the tree ------------------------------------------------------------
 

@@ -1,0 +1,171 @@
+"""The C listing scanner writes exactly what the Python path writes, entry for entry."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sandlot.dataplane import fastlist
+from sandlot.dataplane.fsops import FileOps, _jstr, _Listing, _scan_py
+from sandlot.dataplane.paths import PathResolver
+from sandlot.runtime.base import Mount
+
+
+@pytest.fixture(scope="module")
+def scanner() -> fastlist.Scanner:
+    found = fastlist.scanner()
+    assert found is not None, "the C scanner did not build (is a C compiler installed?)"
+    return found
+
+
+def _random_name(rng: random.Random) -> bytes:
+    pools = [
+        bytes(range(1, 256)),  # anything but NUL
+        b'abc.-_ "\\\t\n\x7f',
+        "é漢🙂\u2028".encode(),
+        b"\xed\xa0\x80\xc0\xaf\xf4\x90\x80\x80\xe2\x82\xff\x80\xbf",  # invalid UTF-8
+    ]
+    while True:
+        pool = rng.choice(pools)
+        raw = bytes(rng.choice(pool) for _ in range(rng.randint(1, 40))).replace(b"/", b"_")
+        if raw not in (b".", b".."):
+            return raw
+
+
+def _py_entries(fd: int, prefix: str, depth: int) -> tuple[list[str], bool, list[str]]:
+    os.lseek(fd, 0, os.SEEK_SET)  # scandir of an fd reads on from its offset
+    acc = _Listing([], 10**6)
+    truncated, subdirs = _scan_py(acc, fd, prefix, depth)
+    return acc.out, truncated, subdirs
+
+
+def _c_entries(
+    scanner: fastlist.Scanner, fd: int, prefix: str, depth: int, limit: int = 10**6
+) -> tuple[list[str], bool, list[str]]:
+    text, count, truncated, subdirs = scanner.scan(
+        fd, _jstr(prefix)[1:-1].encode("ascii"), limit, depth > 1
+    )
+    entries = [json.dumps(e, ensure_ascii=True) for e in json.loads(f"[{text}]")]
+    assert len(entries) == count
+    # Same text, entry by entry: split the C text on the entries' own boundaries.
+    out, at = [], 0
+    for e in json.loads(f"[{text}]"):
+        end = text.index('"modified_at":"', at)
+        end = text.index("}", end) + 1
+        out.append(text[at:end])
+        assert json.loads(out[-1]) == e
+        at = end + 1
+    assert at >= len(text)
+    return out, truncated, subdirs
+
+
+def test_random_byte_names_types_sizes_and_times(scanner: fastlist.Scanner, tmp_path: Path) -> None:
+    rng = random.Random(20261123)
+    root = tmp_path / "d"
+    root.mkdir()
+    rootb = os.fsencode(root)
+    names: set[bytes] = set()
+    while len(names) < 400:
+        names.add(_random_name(rng))
+    times = [0, 1, 999_999_999, 1_700_000_000_999_999_999, 1_700_000_000_000_500_000, -1,
+             -1_500_000_000, 4_102_444_800_123_456_789, 253_402_300_799_999_999_999]  # fmt: skip
+    for i, name in enumerate(sorted(names)):
+        path = os.path.join(rootb, name)
+        kind = i % 5
+        if kind == 0:
+            os.mkdir(path)
+        elif kind == 1:
+            os.symlink(b"../elsewhere", path)
+        elif kind == 2:
+            os.mkfifo(path)
+        else:
+            with open(path, "wb") as fh:
+                fh.write(b"x" * rng.randint(0, 5000))
+        if kind != 1:
+            with contextlib.suppress(OSError, OverflowError):
+                os.utime(path, ns=(0, rng.choice(times)))
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for prefix in ("/workspace/d/", '/workspace/q"uo\\te/é🙂/'):
+            py, py_trunc, py_sub = _py_entries(fd, prefix, 2)
+            c, c_trunc, c_sub = _c_entries(scanner, fd, prefix, 2)
+            assert len(py) == len(names) and not py_trunc and not c_trunc
+            assert c == py
+            assert c_sub == py_sub and len(py_sub) == len(names) // 5
+    finally:
+        os.close(fd)
+
+
+def test_limit_and_depth_through_list_json(scanner: fastlist.Scanner, tmp_path: Path) -> None:
+    ws = tmp_path / "workspace"
+    for i in range(60):
+        d = ws / f"d{i % 4}" / f"e{i % 3}"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"f{i}.txt").write_text("y" * i)
+    resolver = PathResolver([Mount("/workspace", ws, True)])
+    try:
+        for limit in (1, 5, 17, 79, 10_000):
+            ops = FileOps(resolver, 1 << 20, 1 << 20, limit, 100)
+            for depth in (1, 2, 3):
+                fastlist._scanner, saved = None, fastlist._scanner
+                try:
+                    expected = ops.list_json("/workspace", depth)
+                finally:
+                    fastlist._scanner = saved
+                assert fastlist.ready() is scanner
+                got = ops.list_json("/workspace", depth)
+                assert got == expected, (limit, depth)
+                body = json.loads(got)
+                assert len(body["entries"]) <= limit
+    finally:
+        resolver.close()
+
+
+def test_unreadable_directory_is_an_os_error(scanner: fastlist.Scanner, tmp_path: Path) -> None:
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    os.close(fd)
+    with pytest.raises(OSError):
+        scanner.scan(fd, b"/x/", 10, False)
+
+
+def test_an_entry_the_c_code_does_not_format_falls_back_to_python(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ws = tmp_path / "workspace"
+    ws.mkdir()
+    for i in range(50):
+        (ws / f"f{i}").write_text("z")
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fdopendir.restype = ctypes.c_void_p
+    libc.readdir.argtypes = libc.closedir.argtypes = [ctypes.c_void_p]
+    libc.readdir.restype = ctypes.c_void_p
+
+    class HalfWay:
+        """Reads part of the directory, as C code stopped by an odd entry would, then gives
+        up, leaving the offset it shares with ``fd`` moved on."""
+
+        def scan(self, fd: int, prefix: bytes, limit: int, want: bool) -> Any:
+            d = libc.fdopendir(os.dup(fd))
+            for _ in range(20):
+                assert libc.readdir(d)
+            libc.closedir(d)
+            raise fastlist.Unsupported()
+
+    resolver = PathResolver([Mount("/workspace", ws, True)])
+    try:
+        ops = FileOps(resolver, 1 << 20, 1 << 20, 1000, 100)
+        monkeypatch.setattr(fastlist, "_scanner", None)
+        expected = ops.list_json("/workspace", 1)
+        monkeypatch.setattr(fastlist, "_scanner", HalfWay())
+        assert ops.list_json("/workspace", 1) == expected
+        assert len(json.loads(expected)["entries"]) == 50
+    finally:
+        resolver.close()
