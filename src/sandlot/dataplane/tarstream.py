@@ -256,7 +256,9 @@ class TarStream:
                     prefix = _text(block[345:500])
                     if prefix:
                         name = f"{prefix}/{name}"
-            link = pax.get("linkpath") or long_link or _text(block[157:257])
+            link = ""
+            if kind in (b"1", b"2"):  # only links carry a target
+                link = pax.get("linkpath") or long_link or _text(block[157:257])
             if "size" in pax:
                 try:
                     size = int(pax["size"])
@@ -274,9 +276,11 @@ class TarStream:
                 what = "hardlink"
             else:
                 what = "other"
-            if any(k.startswith("GNU.sparse.") for k in pax):
-                what = "other"
-            pax, long_name, long_link = {}, None, None
+            if pax:
+                if any(k.startswith("GNU.sparse.") for k in pax):
+                    what = "other"
+                pax = {}
+            long_name = long_link = None
             # Data follows regular files and types this reader does not know
             # (as in tarfile); a directory or link header carries none.
             if what in ("file", "other"):
