@@ -169,3 +169,23 @@ def test_an_entry_the_c_code_does_not_format_falls_back_to_python(
         assert len(json.loads(expected)["entries"]) == 50
     finally:
         resolver.close()
+
+
+def test_a_cache_directory_others_can_write_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # anyone could plant a library there
+    monkeypatch.setenv("SANDLOT_CACHE_DIR", str(shared))
+    monkeypatch.setattr(fastlist, "_loaded", False)
+    monkeypatch.setattr(fastlist, "_scanner", None)
+    assert fastlist.scanner() is None
+    assert list(shared.iterdir()) == []
+    # A private one gets the library, built from the source.
+    private = tmp_path / "private"
+    monkeypatch.setenv("SANDLOT_CACHE_DIR", str(private))
+    monkeypatch.setattr(fastlist, "_loaded", False)
+    assert fastlist.scanner() is not None
+    assert [p.name.startswith("fastlist-") for p in private.iterdir()] == [True]
+    assert private.stat().st_mode & 0o777 == 0o700
