@@ -72,6 +72,8 @@ def test_random_byte_names_types_sizes_and_times(scanner: fastlist.Scanner, tmp_
     root.mkdir()
     rootb = os.fsencode(root)
     names: set[bytes] = set()
+    # The longest names, each byte at its most expensive escape (six characters).
+    names.update({b"\xff" * 255, b"\x01" * 255, "🙂".encode() * 63, b'"' * 255})
     while len(names) < 400:
         names.add(_random_name(rng))
     times = [0, 1, 999_999_999, 1_700_000_000_999_999_999, 1_700_000_000_000_500_000, -1,

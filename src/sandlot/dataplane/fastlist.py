@@ -121,9 +121,14 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.geteuid() and not (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
+#: Hardened as distributions build their libraries; part of the cache key with the source.
+CFLAGS = ("-O2", "-shared", "-fPIC", "-fstack-protector-strong", "-D_FORTIFY_SOURCE=2")
+
+
 def _build(directory: Path) -> Path | None:
     src = source()
-    lib = directory / f"fastlist-{hashlib.sha256(src).hexdigest()[:16]}.so"
+    digest = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    lib = directory / f"fastlist-{digest}.so"
     if lib.exists():
         return lib if _private(lib) else None
     compiler = shutil.which("cc") or shutil.which("gcc")
@@ -134,7 +139,7 @@ def _build(directory: Path) -> Path | None:
         c.write_bytes(src)
         out = Path(tmp) / "fastlist.so"
         result = subprocess.run(
-            [compiler, "-O2", "-shared", "-fPIC", "-o", str(out), str(c)],
+            [compiler, *CFLAGS, "-o", str(out), str(c)],
             capture_output=True,
             text=True,
             check=False,
