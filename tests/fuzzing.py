@@ -11,7 +11,7 @@ all of them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +51,8 @@ class Fuzzer:
     #: Event streams end only when their object does: they are read this long, then left.
     stream_seconds: float = 1.0
     timeout: float = 60.0
+    #: Adjusts each generated case before it is sent (e.g. bounds the commands it runs).
+    prepare: Callable[[Any], None] | None = None
     cases: int = 0
     server_errors: int = 0
     violations: int = 0
@@ -75,6 +77,8 @@ class Fuzzer:
         ok = operation.definition.raw.get("responses", {}).get("200", {})
         streams = "text/event-stream" in ok.get("content", {})
         self.cases += 1
+        if self.prepare is not None:
+            self.prepare(case)
         response = case.call(
             base_url=self.base_url,
             headers=self.headers,

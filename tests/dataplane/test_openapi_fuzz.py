@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -49,6 +50,23 @@ def active_grant(base: str, headers: dict[str, str]) -> dict[str, object]:
         time.sleep(0.05)
 
 
+def bounded_commands(case: Any) -> None:
+    """Generated commands are arbitrary programs, and one that never ends (``vi`` waiting
+    for its terminal) holds its request for good, as it should: exec has no default
+    timeout. Each generated command therefore gets a short one of its own; timeouts that
+    are invalid stay as generated."""
+    body = case.body
+    if case.operation.path not in ("/exec", "/execute") or not isinstance(body, dict):
+        return
+    given = [k for k in ("timeout_seconds", "timeout") if k in body]
+    for key in given:
+        value = body[key]
+        if isinstance(value, int | float) and not isinstance(value, bool) and 5 < value <= 86400:
+            body[key] = 5
+    if not given:
+        body["timeout_seconds"] = 5
+
+
 def known_inputs(path: str, exec_id: str) -> tuple[dict[str, str] | None, dict[str, str] | None]:
     """Path parameters and query of existing objects for ``path`` (``None``: nothing fixed)."""
     if "{exec_id}" in path:
@@ -75,6 +93,7 @@ def test_dataplane_openapi_document(tmp_path: Path, record_property: RecordPrope
             assert r.status_code == 200, r.text
             exec_id = r.json()["exec_id"]
         fuzzer = Fuzzer.load(f"{base}/openapi.json", base, token)
+        fuzzer.prepare = bounded_commands
         started = time.monotonic()
         operations = sorted(fuzzer.operations(), key=lambda op: op.method.upper() == "DELETE")
         for operation in operations:
