@@ -296,3 +296,10 @@ async def test_event_socket_drop_resumes_without_loss(
                 break
     assert len(sockets) >= 2
     assert seen == list(range(1, len(seen) + 1))  # contiguous: nothing lost or repeated
+
+
+def test_a_grant_that_is_not_one_says_what_is_expected() -> None:
+    with pytest.raises(TypeError, match="not str"):
+        Grant.from_response("thr_1")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not a sandbox grant"):
+        Grant.from_response({"token": "t"})

@@ -56,6 +56,11 @@ class Grant:
         """Parse a negotiate answer (2.1), an alias grant (2.9) or a bootstrap object (2.10)."""
         if isinstance(body, Grant):
             return body
+        if not isinstance(body, Mapping):
+            raise TypeError(
+                f"a grant is a Grant or the broker's answer as a mapping, not "
+                f"{type(body).__name__} (ensure(thread_id) returns a ready Sandbox)"
+            )
         sandbox = body.get("sandbox") or {}
         dataplane = body.get("dataplane") or sandbox or {}
         binding = body.get("binding") or {}
