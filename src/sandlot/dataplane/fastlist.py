@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import logging
 import os
-import shutil
 import stat
-import subprocess
-import tempfile
 import threading
 from importlib import resources
 from pathlib import Path
+
+from sandlot.runtime.cbuild import BuildError, build_cached
 
 log = logging.getLogger(__name__)
 
@@ -121,36 +119,19 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.geteuid() and not (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
-#: Hardened as distributions build their libraries; part of the cache key with the source.
+#: Hardened as distributions build their libraries.
 CFLAGS = ("-O2", "-shared", "-fPIC", "-fstack-protector-strong", "-D_FORTIFY_SOURCE=2")
 
 
 def _build(directory: Path) -> Path | None:
-    src = source()
-    digest = hashlib.sha256(src + " ".join(CFLAGS).encode()).hexdigest()[:16]
-    lib = directory / f"fastlist-{digest}.so"
-    if lib.exists():
-        return lib if _private(lib) else None
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    try:
+        lib = build_cached(source(), directory, "fastlist", CFLAGS)
+    except BuildError as exc:
+        log.warning("fast listings unavailable: %s", exc)
         return None
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
-        c = Path(tmp) / "fastlist.c"
-        c.write_bytes(src)
-        out = Path(tmp) / "fastlist.so"
-        result = subprocess.run(
-            [compiler, *CFLAGS, "-o", str(out), str(c)],
-            capture_output=True,
-            text=True,
-            check=False,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"},
-        )
-        if result.returncode != 0:
-            log.warning("fast listings unavailable: %s", result.stderr.strip()[-500:])
-            return None
-        out.chmod(0o755)
-        os.replace(out, lib)  # atomic: servers starting together may build it at once
-    for old in directory.glob("fastlist-*.so"):  # builds of earlier sources
+    if not _private(lib):
+        return None
+    for old in directory.glob("fastlist-*"):  # builds of earlier sources
         if old != lib:
             with contextlib.suppress(OSError):
                 old.unlink()

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 import subprocess
-import tempfile
 from importlib import resources
 from pathlib import Path
 
+from sandlot.runtime.cbuild import BuildError, build_cached
 from sandlot.runtime.preflight import RuntimeUnavailable
 
 _INSTALL_HINT = "install them with: sudo apt-get install -y gcc libc6-dev libseccomp-dev"
@@ -24,35 +21,12 @@ def ensure_init_binary(cache_dir: Path) -> Path:
 
     Statically linked so that it runs in any rootfs image, whatever its libc.
     """
-    source = init_source()
-    digest = hashlib.sha256(source).hexdigest()[:16]
-    binary = cache_dir / f"sandlot-init-{digest}"
-    if binary.exists():
-        return binary
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeUnavailable(f"no C compiler to build the sandbox init; {_INSTALL_HINT}")
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        src = Path(tmp) / "init.c"
-        src.write_bytes(source)
-        out = Path(tmp) / "init"
-        result = subprocess.run(
-            [compiler, "-O2", "-static", "-o", str(out), str(src), "-lseccomp"],
-            capture_output=True,
-            text=True,
-            check=False,
-            env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LC_ALL": "C"},
+    try:
+        return build_cached(
+            init_source(), cache_dir, "sandlot-init", ["-O2", "-static"], ["-lseccomp"]
         )
-        if result.returncode != 0:
-            raise RuntimeUnavailable(
-                "compiling the sandbox init failed "
-                f"({_INSTALL_HINT}):\n{result.stderr.strip()[-2000:]}"
-            )
-        out.chmod(0o755)
-        # Atomic: concurrent servers may race to build the same binary.
-        os.replace(out, binary)
-    return binary
+    except BuildError as exc:
+        raise RuntimeUnavailable(f"{exc}; {_INSTALL_HINT}") from None
 
 
 def export_seccomp(binary: Path) -> bytes:
