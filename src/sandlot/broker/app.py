@@ -71,7 +71,35 @@ def _validation_message(errors: list[Any]) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def create_app(broker: Broker, *, extra_mounts: dict[str, ASGIApp] | None = None) -> FastAPI:
+class MountDispatch:
+    """Requests under a mount prefix go straight to that app; everything else to ``app``.
+
+    The dataplane (``/dp``) serves every agent file operation. Sent straight to it,
+    a request skips the broker's middleware and route table, about a tenth of a
+    millisecond. The dataplane's own endpoints echo or make the request id and
+    write every error as the error envelope, as the broker does.
+    """
+
+    def __init__(self, app: ASGIApp, mounts: dict[str, ASGIApp]) -> None:
+        self.app = app
+        self.mounts = [(prefix.rstrip("/"), sub) for prefix, sub in mounts.items()]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            root = scope.get("root_path", "")
+            path: str = scope["path"]
+            route = path[len(root) :] if root and path.startswith(root) else path
+            for prefix, sub in self.mounts:
+                if route.startswith(prefix) and route[len(prefix) : len(prefix) + 1] == "/":
+                    child = dict(scope)
+                    child["root_path"] = root + prefix
+                    child.setdefault("app_root_path", root)
+                    await sub(child, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+def create_app(broker: Broker) -> FastAPI:
     app = FastAPI(
         title="sandlot",
         version=__version__,
@@ -106,7 +134,5 @@ def create_app(broker: Broker, *, extra_mounts: dict[str, ASGIApp] | None = None
 
     for module in (sessions, resources, compat, ops):
         app.include_router(module.router, responses=ERROR_RESPONSES)
-    for path, sub in (extra_mounts or {}).items():
-        app.mount(path, sub)
     app.add_middleware(RequestIdMiddleware)
     return app

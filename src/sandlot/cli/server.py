@@ -14,8 +14,9 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
-from sandlot.broker.app import create_app
+from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.principals import Principal
 from sandlot.broker.settings import BrokerSettings
@@ -85,8 +86,10 @@ def build_app(
     run_reaper: bool = True,
     dataplane_url: str | None = None,
     provider_secret: str | None = None,
-) -> tuple[FastAPI, Broker]:
+) -> tuple[ASGIApp, Broker]:
     """The whole server as one ASGI app (its lifespan starts and stops the broker).
+
+    The provider's dataplane, if it serves one, is at ``/dp``.
 
     With ``provider_secret`` the app also exposes its provider to broker worker
     processes (see :mod:`sandlot.providers.remote`).
@@ -95,8 +98,7 @@ def build_app(
     provider = build_provider(settings, ref, dataplane_url=dataplane_url)
     broker = Broker(settings, provider, run_reaper=run_reaper)
     ref.append(broker)
-    mounts = {"/dp": provider.app} if hasattr(provider, "app") else {}
-    app = create_app(broker, extra_mounts=mounts)
+    app = create_app(broker)
     if provider_secret is not None:
         from sandlot.providers.remote import provider_router
 
@@ -111,7 +113,8 @@ def build_app(
             await broker.stop()
 
     app.router.lifespan_context = lifespan
-    return app, broker
+    dataplane = getattr(provider, "app", None)
+    return (MountDispatch(app, {"/dp": dataplane}) if dataplane else app), broker
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -2,12 +2,17 @@
 
 Linux keeps the filesystem uid/gid per *thread* (``setfsuid``/``setfsgid``;
 glibc's ``setgroups`` would broadcast to every thread, the raw syscall does
-not). So file operations for a sandbox with ``fs_ids`` run on a small pool of
-threads that switched identity once at start: permission checks, and the
-owner of every file created, are the sandbox user's, while the event loop
-thread keeps the server's own identity. Without ``fs_ids`` (direct mode),
-cheap operations run inline on the event loop (no thread hop on hot paths)
-and only heavy ones (tree walks, archives) go to a plain pool.
+not), so permission checks, and the owner of every file created, can be the
+sandbox user's on one thread while the others keep the server's identity.
+
+- Cheap operations (a stat, a read, a rename, one directory listed) run
+  inline on the event loop thread: with ``fs_ids``, that thread takes the
+  sandbox user's identity for the call and gets its own back before the call
+  returns (no ``await`` in between, so no other request runs meanwhile). A
+  thread hop would cost more than most of these operations.
+- Operations that may take long (tree walks, archives, anything that waits
+  for the disk with fsync) run on a small pool of threads; with ``fs_ids``
+  they switched identity once, at start.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
+import logging
+import os
 import platform
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 T = TypeVar("T")
+
+log = logging.getLogger("sandlot.dataplane")
 
 _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}
 
@@ -44,6 +53,33 @@ def become(uid: int, gid: int) -> None:
         raise PermissionError("cannot switch filesystem identity")
 
 
+def run_as(uid: int, gid: int, fn: Callable[..., T], *args: object) -> T:
+    """``fn(*args)`` on the calling thread with the filesystem identity ``uid:gid`` and no
+    supplementary groups; the thread's own identity is back when it returns or raises."""
+    libc = _libc()
+    nr = _SYS_SETGROUPS.get(platform.machine())
+    groups = os.getgroups()
+    if groups and nr is not None:
+        libc.syscall(nr, 0, None)
+    own_gid = libc.setfsgid(gid)
+    own_uid = libc.setfsuid(uid)
+    try:
+        # setfsuid(-1) changes nothing and answers the current id.
+        if libc.setfsuid(-1) != uid or libc.setfsgid(-1) != gid:
+            raise PermissionError("cannot switch filesystem identity")
+        return fn(*args)
+    finally:
+        libc.setfsuid(own_uid)
+        libc.setfsgid(own_gid)
+        if groups and nr is not None:
+            libc.syscall(nr, len(groups), (ctypes.c_uint * len(groups))(*groups))
+        if libc.setfsuid(-1) != own_uid or libc.setfsgid(-1) != own_gid:
+            # Never happens to a server that could switch in the first place; if it did,
+            # this thread would go on serving with a sandbox user's identity.
+            log.critical("cannot restore the server's filesystem identity; exiting")
+            os._exit(70)
+
+
 class FsExecutor:
     """Runs file operations with the right identity."""
 
@@ -55,10 +91,10 @@ class FsExecutor:
         )
 
     async def light(self, fn: Callable[..., T], *args: object) -> T:
-        """A cheap operation: inline unless it must run as another identity."""
+        """A cheap operation: inline, as the sandbox user when there is one."""
         if self.fs_ids is None:
             return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return run_as(*self.fs_ids, fn, *args)
 
     async def heavy(self, fn: Callable[..., T], *args: object) -> T:
         """An operation that may take long: always off the event loop."""

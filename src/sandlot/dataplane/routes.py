@@ -166,7 +166,7 @@ def build_routes(api: Api) -> list[Route]:
                 body.path, data, if_match=body.if_match, if_none_match=body.if_none_match
             )
 
-        result, change = await executor.light(write)
+        result, change = await executor.heavy(write)
         entry.changed(change, ctx.actor)
         return json_response(result, 201 if result["created"] else 200)
 
@@ -185,7 +185,7 @@ def build_routes(api: Api) -> list[Route]:
                 if_match=body.if_match,
             )
 
-        result, change = await executor.light(edit)
+        result, change = await executor.heavy(edit)
         entry.changed(change, ctx.actor)
         return json_response(result)
 
