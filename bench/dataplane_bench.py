@@ -987,10 +987,10 @@ def main() -> None:
         "auth, same files (a copy of the "
         "workspace), `/bin/sh` terminals. Direct: the same operation in this process "
         "(`read`, tmp + fsync + rename, `scandir` + `stat`, `subprocess.run`, a local PTY). "
-        "The listing is scanned by the dataplane's C scanner (`fastlist.c`). A shell open takes "
-        "the spare shell the dataplane started in the background after the previous open "
-        "(`spare_shells`); the row after it is a second dataplane with spares off: the first "
-        "shell of a sandbox.\n"
+        "Listings and small-tree greps run in the dataplane's C library (`native.c`). "
+        "A shell open takes the spare shell the dataplane started in the background "
+        "after the previous open (`spare_shells`); the row after it is a second dataplane "
+        "with spares off: the first shell of a sandbox.\n"
     )
     nd = [r for r in rows if r.jupyter_nodelay]
     if nd:

@@ -60,6 +60,14 @@ def test_serve_keys_ensure_exec_release(tmp_path: Path) -> None:
         token = {"Authorization": f"Bearer {grant['token']}"}
         r = httpx.post(f"{dp}/exec", json={"command": "echo shared > f.txt"}, headers=token)
         assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+        # The dataplane answers on the server's port with one request id, the caller's.
+        r = httpx.get(f"{dp}/fs/stat?path=f.txt", headers={**token, "X-Request-Id": "rq-7"})
+        assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["rq-7"]
+        r = httpx.get(f"{dp}/fs/stat?path=missing", headers=token)
+        assert r.status_code == 404 and len(r.headers.get_list("x-request-id")) == 1
+        assert r.json()["error"]["request_id"] == r.headers["x-request-id"]
+        r = httpx.get(f"{srv.url}/dp", headers=token)  # the prefix alone is no dataplane route
+        assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
         # The agent ensures the same thread and sees the human's file.
         ga = httpx.post(
             f"{srv.url}/v1/sandbox/sessions",

@@ -174,6 +174,32 @@ def test_files_created_as_sandbox_user(confined: Server) -> None:
         assert r.status_code == 403 and r.json()["error"]["code"] == "PERMISSION_DENIED"
 
 
+def test_reads_and_searches_are_the_sandbox_users(confined: Server) -> None:
+    """Inline operations (stat, read, list, a small grep) check permissions as the sandbox
+    user, and the server's own identity is back after each."""
+    from sandlot.dataplane import native
+
+    assert native.library() is not None  # the small grep below is the C one
+    srv = confined
+    (srv.workspace / "g").mkdir()
+    os.chown(srv.workspace / "g", *NOBODY)
+    (srv.workspace / "g" / "open.txt").write_text("needle one\n")
+    (srv.workspace / "g" / "root-only.txt").write_text("needle two\n")
+    os.chmod(srv.workspace / "g" / "root-only.txt", 0o600)
+    with httpx.Client(headers=srv.headers(), timeout=10) as c:
+        for _ in range(3):
+            r = c.post(srv.url("/fs/grep"), json={"pattern": "needle", "path": "g"})
+            assert r.status_code == 200, r.text
+            assert [m["path"] for m in r.json()["matches"]] == ["/workspace/g/open.txt"]
+            r = c.get(srv.url("/fs/read"), params={"path": "g/root-only.txt"})
+            assert r.status_code == 403, r.text
+            assert c.get(srv.url("/fs/read"), params={"path": "g/open.txt"}).status_code == 200
+            assert c.get(srv.url("/fs/list"), params={"path": "g"}).status_code == 200
+    # The server's event loop thread is itself again: it reads what only root may.
+    own = srv.call(lambda: (srv.workspace / "g" / "root-only.txt").read_text())
+    assert own == "needle two\n"
+
+
 @pytest.mark.reliability
 def test_symlink_swap_race(confined: Server, record_property: RecordProperty) -> None:
     """A thread flips a directory and a symlink out while reads and writes run."""

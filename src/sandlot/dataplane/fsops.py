@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from sandlot.dataplane import fastlist
+from sandlot.dataplane import native
 from sandlot.dataplane.globbing import GlobPattern, split_base
 from sandlot.dataplane.paths import PathResolver, Resolved, normalize, os_error
 from sandlot.protocol.errors import (
@@ -110,7 +110,7 @@ class _Listing:
 
 def _scan_dir(acc: _Listing, fd: int, base: str, depth: int) -> bool:
     prefix = base.rstrip("/") + "/"
-    fast = fastlist.ready()
+    fast = native.ready()
     subdirs: list[str]
     if fast is None:
         truncated, subdirs = _scan_py(acc, fd, prefix, depth)
@@ -119,7 +119,7 @@ def _scan_dir(acc: _Listing, fd: int, base: str, depth: int) -> bool:
             text, count, truncated, subdirs = fast.scan(
                 fd, _jstr(prefix)[1:-1].encode("ascii"), acc.limit - acc.count, depth > 1
             )
-        except fastlist.Unsupported:
+        except native.Unsupported:
             os.lseek(fd, 0, os.SEEK_SET)  # scandir reads on from the shared offset
             truncated, subdirs = _scan_py(acc, fd, prefix, depth)
         else:
@@ -427,7 +427,7 @@ class FileOps:
         """Append the entries under ``fd`` (``depth`` levels) to ``out``; True if truncated.
 
         ``out`` gets JSON text: one entry per element from the Python path, a whole
-        directory's entries joined by commas from the C one (:mod:`fastlist`).
+        directory's entries joined by commas from the C one (:mod:`native`).
         """
         return _scan_dir(_Listing(out, self.max_list_entries), fd, base, depth)
 

@@ -6,7 +6,7 @@ swap could redirect, and it does not follow symlinks while walking. Patterns
 are literal unless ``regex`` is set. ``.git`` directories are skipped; hidden
 files and ignored files are searched (like ``grep -r``).
 
-The whole search (spawn, read, parse) runs on one worker thread: no child
+A search by ripgrep (spawn, read, parse) runs on one worker thread: no child
 watcher, no await per output line, and the event loop stays free.
 
 Starting ripgrep costs a few milliseconds, far more than searching the small
@@ -16,6 +16,12 @@ process with ripgrep's semantics, on the same confined descriptors (no
 symlink followed, hidden files searched, ``.git`` skipped, files with a NUL
 byte skipped as binary) and with the same identity as every file operation;
 anything else, or a tree found larger while walking, goes to ripgrep.
+
+The in-process search is done by the C library (:mod:`sandlot.dataplane.native`)
+when it is built, else in Python (:func:`_search_small`, the reference the C
+code is tested against). A tree of at most ``INLINE_FILES`` files and
+``INLINE_BYTES`` bytes is searched on the event loop thread, like a stat:
+that takes less time than handing it to a thread.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import contextlib
 import fnmatch
 import functools
 import itertools
+import json
 import os
 import shutil
 import stat
@@ -33,13 +40,18 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
+from sandlot.dataplane import native
 from sandlot.dataplane.fsids import FsExecutor
 from sandlot.dataplane.paths import PathResolver, Resolved, os_error
+from sandlot.dataplane.web import dumps
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
 
 MAX_LINE_CHARS = 2000
 SMALL_TREE_FILES = 256
 SMALL_TREE_BYTES = 4 << 20
+#: A tree searched on the event loop thread (by the C library) holds no more than this.
+INLINE_FILES = 64
+INLINE_BYTES = 1 << 20
 
 
 @functools.cache
@@ -61,7 +73,8 @@ async def grep(
     regex: bool,
     ignore_case: bool,
     limit: int,
-) -> dict[str, Any]:
+) -> bytes:
+    """The ``/fs/grep`` answer (JSON text)."""
     rg = ripgrep_path()
     if rg is None:
         raise ProviderUnavailable("ripgrep is not installed")
@@ -78,19 +91,84 @@ async def grep(
         not regex and not ignore_case and _simple_glob(glob) and bool(pattern)
         and "\n" not in pattern
     )  # fmt: skip
+    fast = _NativeSearch.of(pattern, glob, cap) if small else None
+    if fast is not None:
+        # A tree small enough to search in less time than a thread hop takes is searched
+        # right here (as the sandbox user); a larger one on the pool, below.
+        found = await executor.light(fast.run, resolver, path, INLINE_FILES, INLINE_BYTES)
+        if isinstance(found, bytes):
+            return found
+        if found == native.USE_PYTHON:
+            fast = None
 
-    def run() -> dict[str, Any]:
+    def run() -> bytes:
         try:
             with resolver.resolve(path) as res:
-                if small:
-                    found = _search_small(res, pattern.encode(), glob, cap)
-                    if found is not None:
-                        return found
-                return _search(rg, res, flags, pattern, cap, executor.fs_ids)
+                found: bytes | int = native.USE_PYTHON if small else native.TOO_BIG
+                if fast is not None:
+                    found = fast.search(res, SMALL_TREE_FILES, SMALL_TREE_BYTES)
+                if isinstance(found, bytes):
+                    return found
+                if found == native.USE_PYTHON:
+                    result = _search_small(res, pattern.encode(), glob, cap)
+                    if result is not None:
+                        return dumps(result)
+                return dumps(_search(rg, res, flags, pattern, cap, executor.fs_ids))
         except OSError as exc:
             raise os_error(exc) from None
 
     return await executor.heavy(run)
+
+
+class _NativeSearch:
+    """A small-tree search by the C library (:mod:`sandlot.dataplane.native`)."""
+
+    def __init__(self, lib: native.Native, pattern: bytes, glob: bytes | None, cap: int) -> None:
+        self.lib = lib
+        self.pattern = pattern
+        self.glob = glob
+        self.cap = cap
+
+    @classmethod
+    def of(cls, pattern: str, glob: str | None, cap: int) -> _NativeSearch | None:
+        """The search if the library is built and takes this pattern and glob."""
+        lib = native.ready()
+        if lib is None or (glob is not None and "[" in glob):
+            return None  # character classes: fnmatch's own syntax, left to Python
+        try:
+            return cls(lib, pattern.encode(), None if glob is None else glob.encode(), cap)
+        except UnicodeEncodeError:
+            return None
+
+    def run(self, resolver: PathResolver, path: str, files: int, nbytes: int) -> bytes | int:
+        try:
+            with resolver.resolve(path) as res:
+                return self.search(res, files, nbytes)
+        except OSError as exc:
+            raise os_error(exc) from None
+
+    def search(self, res: Resolved, files: int, nbytes: int) -> bytes | int:
+        """The answer, or :data:`~native.TOO_BIG` / :data:`~native.USE_PYTHON`."""
+        try:
+            base = json.dumps(res.sandbox_path.rstrip("/"), ensure_ascii=False)[1:-1].encode()
+        except UnicodeEncodeError:
+            return native.USE_PYTHON
+        fd, is_dir = _open_target(res)
+        try:
+            if not is_dir:
+                return native.USE_PYTHON
+            return self.lib.grep(
+                fd,
+                base,
+                self.pattern,
+                self.glob,
+                cap=self.cap,
+                count_limit=files,
+                max_files=files,
+                max_bytes=nbytes,
+            )
+        finally:
+            os.close(fd)
 
 
 def _search(

@@ -205,7 +205,7 @@ def build_routes(api: Api) -> list[Route]:
         entry, _ = await api.auth(request, Capability.FS_READ)
         _, resolver, executor, _ = entry.ready()
         body = await parse_json(request, GrepRequest)
-        result = await grep_mod.grep(
+        body_json = await grep_mod.grep(
             resolver,
             executor,
             pattern=body.pattern,
@@ -216,7 +216,7 @@ def build_routes(api: Api) -> list[Route]:
             ignore_case=body.ignore_case,
             limit=settings.max_grep_matches,
         )
-        return json_response(result)
+        return Response(body_json, media_type="application/json")
 
     @endpoint
     async def fs_stat(request: Request) -> Response:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from sandlot.dataplane import fastlist
+from sandlot.dataplane import native
 from sandlot.dataplane.events import EventLog, WorkspaceWatcher
 from sandlot.dataplane.execs import ExecManager
 from sandlot.dataplane.fsids import FsExecutor
@@ -78,7 +78,7 @@ class SandboxEntry:
         self.last_active_at = time.time()
 
     def set_runtime(self, runtime: SandboxRuntime) -> None:
-        fastlist.warm()  # the C listing scanner, built in the background once
+        native.warm()  # the C file operations, built in the background once
         old_resolver, old_executor = self.resolver, self.executor
         self.runtime = runtime
         self.resolver = PathResolver(runtime.mounts())

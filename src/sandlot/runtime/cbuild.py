@@ -1,7 +1,7 @@
 """C helpers compiled on first use with the system's compiler, cached by content.
 
-The sandbox init (``init.c``) and the dataplane's listing scanner
-(``fastlist.c``) ship as source and are built here: one build per distinct
+The sandbox init (``init.c``) and the dataplane's file operations
+(``native.c``) ship as source and are built here: one build per distinct
 source and flags, named by their hash, written atomically so that servers
 starting together may race to build the same file.
 """

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
-from sandlot.dataplane import fastlist
+from sandlot.dataplane import native
 from sandlot.dataplane.fsops import FileOps, _jstr, _Listing, _scan_py
 from sandlot.dataplane.paths import PathResolver
 from sandlot.runtime.base import Mount
 
 
 @pytest.fixture(scope="module")
-def scanner() -> fastlist.Scanner:
-    found = fastlist.scanner()
+def scanner() -> native.Native:
+    found = native.library()
     assert found is not None, "the C scanner did not build (is a C compiler installed?)"
     return found
 
@@ -47,7 +47,7 @@ def _py_entries(fd: int, prefix: str, depth: int) -> tuple[list[str], bool, list
 
 
 def _c_entries(
-    scanner: fastlist.Scanner, fd: int, prefix: str, depth: int, limit: int = 10**6
+    scanner: native.Native, fd: int, prefix: str, depth: int, limit: int = 10**6
 ) -> tuple[list[str], bool, list[str]]:
     text, count, truncated, subdirs = scanner.scan(
         fd, _jstr(prefix)[1:-1].encode("ascii"), limit, depth > 1
@@ -66,7 +66,7 @@ def _c_entries(
     return out, truncated, subdirs
 
 
-def test_random_byte_names_types_sizes_and_times(scanner: fastlist.Scanner, tmp_path: Path) -> None:
+def test_random_byte_names_types_sizes_and_times(scanner: native.Native, tmp_path: Path) -> None:
     rng = random.Random(20261123)
     root = tmp_path / "d"
     root.mkdir()
@@ -105,7 +105,7 @@ def test_random_byte_names_types_sizes_and_times(scanner: fastlist.Scanner, tmp_
         os.close(fd)
 
 
-def test_limit_and_depth_through_list_json(scanner: fastlist.Scanner, tmp_path: Path) -> None:
+def test_limit_and_depth_through_list_json(scanner: native.Native, tmp_path: Path) -> None:
     ws = tmp_path / "workspace"
     for i in range(60):
         d = ws / f"d{i % 4}" / f"e{i % 3}"
@@ -116,12 +116,12 @@ def test_limit_and_depth_through_list_json(scanner: fastlist.Scanner, tmp_path: 
         for limit in (1, 5, 17, 79, 10_000):
             ops = FileOps(resolver, 1 << 20, 1 << 20, limit, 100)
             for depth in (1, 2, 3):
-                fastlist._scanner, saved = None, fastlist._scanner
+                native._library, saved = None, native._library
                 try:
                     expected = ops.list_json("/workspace", depth)
                 finally:
-                    fastlist._scanner = saved
-                assert fastlist.ready() is scanner
+                    native._library = saved
+                assert native.ready() is scanner
                 got = ops.list_json("/workspace", depth)
                 assert got == expected, (limit, depth)
                 body = json.loads(got)
@@ -130,7 +130,7 @@ def test_limit_and_depth_through_list_json(scanner: fastlist.Scanner, tmp_path: 
         resolver.close()
 
 
-def test_unreadable_directory_is_an_os_error(scanner: fastlist.Scanner, tmp_path: Path) -> None:
+def test_unreadable_directory_is_an_os_error(scanner: native.Native, tmp_path: Path) -> None:
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     os.close(fd)
     with pytest.raises(OSError):
@@ -159,14 +159,14 @@ def test_an_entry_the_c_code_does_not_format_falls_back_to_python(
             for _ in range(20):
                 assert libc.readdir(d)
             libc.closedir(d)
-            raise fastlist.Unsupported()
+            raise native.Unsupported()
 
     resolver = PathResolver([Mount("/workspace", ws, True)])
     try:
         ops = FileOps(resolver, 1 << 20, 1 << 20, 1000, 100)
-        monkeypatch.setattr(fastlist, "_scanner", None)
+        monkeypatch.setattr(native, "_library", None)
         expected = ops.list_json("/workspace", 1)
-        monkeypatch.setattr(fastlist, "_scanner", HalfWay())
+        monkeypatch.setattr(native, "_library", HalfWay())
         assert ops.list_json("/workspace", 1) == expected
         assert len(json.loads(expected)["entries"]) == 50
     finally:
@@ -180,14 +180,14 @@ def test_a_cache_directory_others_can_write_is_not_used(
     shared.mkdir()
     shared.chmod(0o777)  # anyone could plant a library there
     monkeypatch.setenv("SANDLOT_CACHE_DIR", str(shared))
-    monkeypatch.setattr(fastlist, "_loaded", False)
-    monkeypatch.setattr(fastlist, "_scanner", None)
-    assert fastlist.scanner() is None
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_library", None)
+    assert native.library() is None
     assert list(shared.iterdir()) == []
     # A private one gets the library, built from the source.
     private = tmp_path / "private"
     monkeypatch.setenv("SANDLOT_CACHE_DIR", str(private))
-    monkeypatch.setattr(fastlist, "_loaded", False)
-    assert fastlist.scanner() is not None
-    assert [p.name.startswith("fastlist-") for p in private.iterdir()] == [True]
+    monkeypatch.setattr(native, "_loaded", False)
+    assert native.library() is not None
+    assert [p.name.startswith("native-") for p in private.iterdir()] == [True]
     assert private.stat().st_mode & 0o777 == 0o700

@@ -1,0 +1,611 @@
+/*
+ * The dataplane's file operations in C: one directory of a /fs/list answer
+ * (sandlot_scan) and the /fs/grep search of a small tree (sandlot_grep, at
+ * the end of this file).
+ *
+ * Loaded with ctypes by native.py, which keeps the Python paths as the
+ * reference and the fallback: this writes exactly the JSON text the Python
+ * paths write, so the two are interchangeable byte for byte
+ * (tests/dataplane/test_native.py compares them on names and contents of
+ * random bytes).
+ *
+ * A listing entry (fsops.FileOps._scan_py):
+ *
+ *   {"path":"<prefix><name>","is_dir":<bool>,"size":<n>,
+ *    "modified_at":"<YYYY-MM-DDTHH:MM:SS>.<ms>Z"[,"is_symlink":true]}
+ *
+ * The name is JSON-escaped as Python's encode_basestring_ascii does it after
+ * os.fsdecode: valid UTF-8 becomes \uXXXX escapes (surrogate pairs beyond the
+ * BMP), every byte outside valid UTF-8 becomes \udcXX.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+struct buf {
+    char *data;
+    size_t len, cap;
+};
+
+struct scan_result {
+    char *json;       /* entries joined by ',' (no brackets) */
+    size_t json_len;
+    char *subdirs;    /* names of the directories among them, each NUL-terminated */
+    size_t subdirs_len;
+    long count;       /* entries written */
+    int truncated;    /* 1 when `limit` entries were written and more remained */
+    int error;        /* 0, an errno, or -1: an entry this code does not format (use Python) */
+};
+
+static int reserve(struct buf *b, size_t more) {
+    if (b->len + more <= b->cap) return 0;
+    size_t cap = b->cap ? b->cap : 65536;
+    while (cap < b->len + more) cap *= 2;
+    char *p = realloc(b->data, cap);
+    if (p == NULL) return -1;
+    b->data = p;
+    b->cap = cap;
+    return 0;
+}
+
+static void put(struct buf *b, const char *s, size_t n) {
+    memcpy(b->data + b->len, s, n);
+    b->len += n;
+}
+
+/* Appends a string literal. */
+#define PUTS(b, lit) put((b), (lit), sizeof(lit) - 1)
+
+static const char HEX[] = "0123456789abcdef";
+
+static void put_u(struct buf *b, unsigned cp) {
+    char e[6] = {'\\', 'u', HEX[(cp >> 12) & 15], HEX[(cp >> 8) & 15], HEX[(cp >> 4) & 15],
+                 HEX[cp & 15]};
+    put(b, e, 6);
+}
+
+/* Length of the valid UTF-8 sequence at s (Unicode table 3-7), 0 when invalid. */
+static size_t utf8_seq(const unsigned char *s, size_t n, unsigned *cp) {
+    unsigned c = s[0];
+    if (c < 0x80) {
+        *cp = c;
+        return 1;
+    }
+    if (c >= 0xC2 && c <= 0xDF) {
+        if (n < 2 || (s[1] & 0xC0) != 0x80) return 0;
+        *cp = ((c & 0x1F) << 6) | (s[1] & 0x3F);
+        return 2;
+    }
+    if (c >= 0xE0 && c <= 0xEF) {
+        unsigned lo = c == 0xE0 ? 0xA0 : 0x80, hi = c == 0xED ? 0x9F : 0xBF;
+        if (n < 3 || s[1] < lo || s[1] > hi || (s[2] & 0xC0) != 0x80) return 0;
+        *cp = ((c & 0x0F) << 12) | ((s[1] & 0x3F) << 6) | (s[2] & 0x3F);
+        return 3;
+    }
+    if (c >= 0xF0 && c <= 0xF4) {
+        unsigned lo = c == 0xF0 ? 0x90 : 0x80, hi = c == 0xF4 ? 0x8F : 0xBF;
+        if (n < 4 || s[1] < lo || s[1] > hi || (s[2] & 0xC0) != 0x80 || (s[3] & 0xC0) != 0x80)
+            return 0;
+        *cp = ((c & 0x07) << 18) | ((s[1] & 0x3F) << 12) | ((s[2] & 0x3F) << 6) | (s[3] & 0x3F);
+        return 4;
+    }
+    return 0;
+}
+
+/* Appends the escaped name (at most 6 output bytes per input byte). */
+static void put_name(struct buf *b, const unsigned char *s, size_t n) {
+    size_t i = 0;
+    while (i < n) {
+        unsigned cp;
+        size_t k = utf8_seq(s + i, n - i, &cp);
+        if (k == 0) {
+            put_u(b, 0xDC00 | s[i]); /* surrogateescape */
+            i++;
+            continue;
+        }
+        i += k;
+        if (cp == '"') {
+            PUTS(b, "\\\"");
+        } else if (cp == '\\') {
+            PUTS(b, "\\\\");
+        } else if (cp >= 0x20 && cp <= 0x7E) {
+            b->data[b->len++] = (char)cp;
+        } else if (cp == '\n') {
+            PUTS(b, "\\n");
+        } else if (cp == '\r') {
+            PUTS(b, "\\r");
+        } else if (cp == '\t') {
+            PUTS(b, "\\t");
+        } else if (cp == '\b') {
+            PUTS(b, "\\b");
+        } else if (cp == '\f') {
+            PUTS(b, "\\f");
+        } else if (cp >= 0x10000) {
+            cp -= 0x10000;
+            put_u(b, 0xD800 | (cp >> 10));
+            put_u(b, 0xDC00 | (cp & 0x3FF));
+        } else {
+            put_u(b, cp);
+        }
+    }
+}
+
+/* Python's iso(st.st_mtime): the float st_mtime, its integer part, its milliseconds. */
+static int put_mtime(struct buf *b, const struct stat *st) {
+    double ts = (double)st->st_mtim.tv_sec + (double)st->st_mtim.tv_nsec * 1e-9;
+    if (!(ts > -9.0e18 && ts < 9.0e18)) return -1;
+    long long sec = (long long)ts; /* int(ts): toward zero */
+    long long ms = (long long)((ts - (double)sec) * 1000.0);
+    time_t t = (time_t)sec;
+    struct tm tm;
+    if (gmtime_r(&t, &tm) == NULL) return -1;
+    char when[64];
+    size_t w = strftime(when, sizeof when, "%Y-%m-%dT%H:%M:%S", &tm);
+    if (w == 0) return -1;
+    int m = snprintf(when + w, sizeof when - w, ".%03lldZ", ms);
+    if (m < 0 || (size_t)m >= sizeof when - w) return -1;
+    put(b, when, w + (size_t)m);
+    return 0;
+}
+
+int sandlot_scan(int fd, const char *prefix, size_t prefix_len, long limit, int want_subdirs,
+                 struct scan_result *out) {
+    struct buf json = {0}, subdirs = {0};
+    memset(out, 0, sizeof *out);
+    int dfd = dup(fd);
+    if (dfd < 0) {
+        out->error = errno;
+        return -1;
+    }
+    DIR *dir = fdopendir(dfd);
+    if (dir == NULL) {
+        out->error = errno;
+        close(dfd);
+        return -1;
+    }
+    rewinddir(dir);
+    long count = 0;
+    int error = 0;
+    for (;;) {
+        errno = 0;
+        struct dirent *e = readdir(dir);
+        if (e == NULL) {
+            error = errno;
+            break;
+        }
+        const char *name = e->d_name;
+        if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
+        if (count >= limit) {
+            out->truncated = 1;
+            break;
+        }
+        struct stat st;
+        if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue; /* gone: skipped */
+        size_t n = strlen(name);
+        if (reserve(&json, prefix_len + 6 * n + 200) != 0) {
+            error = ENOMEM;
+            break;
+        }
+        size_t mark = json.len;
+        if (count) PUTS(&json, ",");
+        PUTS(&json, "{\"path\":\"");
+        put(&json, prefix, prefix_len);
+        put_name(&json, (const unsigned char *)name, n);
+        int is_dir = S_ISDIR(st.st_mode);
+        if (is_dir)
+            PUTS(&json, "\",\"is_dir\":true,\"size\":");
+        else
+            PUTS(&json, "\",\"is_dir\":false,\"size\":");
+        char num[32];
+        int k = snprintf(num, sizeof num, "%lld", (long long)st.st_size);
+        put(&json, num, (size_t)k);
+        PUTS(&json, ",\"modified_at\":\"");
+        if (put_mtime(&json, &st) != 0) {
+            json.len = mark;
+            error = -1;
+            break;
+        }
+        PUTS(&json, "\"");
+        if (S_ISLNK(st.st_mode)) PUTS(&json, ",\"is_symlink\":true");
+        PUTS(&json, "}");
+        count++;
+        if (is_dir && want_subdirs) {
+            if (reserve(&subdirs, n + 1) != 0) {
+                error = ENOMEM;
+                break;
+            }
+            put(&subdirs, name, n + 1);
+        }
+    }
+    rewinddir(dir); /* the offset is shared with fd: leave it as found, like scandir */
+    closedir(dir);
+    out->json = json.data;
+    out->json_len = json.len;
+    out->subdirs = subdirs.data;
+    out->subdirs_len = subdirs.len;
+    out->count = count;
+    out->error = error;
+    return error ? -1 : 0;
+}
+
+void sandlot_scan_free(struct scan_result *r) {
+    free(r->json);
+    free(r->subdirs);
+    r->json = r->subdirs = NULL;
+}
+
+/* ---- /fs/grep of a small tree ---------------------------------------------------------
+ *
+ * The search grep.py's _search_small does in Python, with the same results in the same
+ * JSON text (json.dumps with ensure_ascii=False), for a directory:
+ *
+ *   - every regular file below it, directories in name order, ".git" skipped, symlinks
+ *     not followed (each component opened with O_NOFOLLOW relative to its parent),
+ *     FIFOs, sockets, devices and unreadable directories left out;
+ *   - files holding a NUL byte skipped as binary;
+ *   - every line holding the literal pattern, once, with its 1-based number and at
+ *     most MAX_LINE_CHARS characters of its text.
+ *
+ * Statuses: 0 done; 1 over a budget (more files than `count_limit`, more read than
+ * `max_files` / `max_bytes`) or a file with a UTF-16 byte order mark: ripgrep's job;
+ * 2 something only the Python path writes the same way (a name or a matched line that
+ * is not valid UTF-8); a negative errno when memory ran out.
+ */
+
+#define MAX_LINE_CHARS 2000
+
+struct grep_result {
+    char *json;      /* the first `cap` matches, JSON objects joined by ',' */
+    size_t json_len;
+    long count;      /* matches found, at most cap + 1 */
+    int status;
+};
+
+struct grep_job {
+    const unsigned char *pattern;
+    size_t pattern_len;
+    const unsigned char *glob; /* NULL: every file */
+    size_t glob_len;
+    long cap;
+    long files_left, count_left;
+    long long bytes_left;
+    struct buf path; /* the JSON-escaped sandbox path of the directory being walked */
+    struct buf json;
+    unsigned char *data;
+    size_t data_cap;
+    long count;
+    int status;
+};
+
+/* Appends s escaped as json.dumps(..., ensure_ascii=False) does; -1 if not valid UTF-8.
+ * Stops after `max_chars` characters. */
+static int put_text(struct buf *b, const unsigned char *s, size_t n, size_t max_chars) {
+    if (reserve(b, 6 * n + 8) != 0) return -2;
+    size_t i = 0, chars = 0;
+    while (i < n && chars < max_chars) {
+        unsigned cp;
+        size_t k = utf8_seq(s + i, n - i, &cp);
+        if (k == 0) return -1;
+        chars++;
+        if (cp >= 0x20 && cp != '"' && cp != '\\') {
+            put(b, (const char *)s + i, k);
+        } else if (cp == '"') {
+            PUTS(b, "\\\"");
+        } else if (cp == '\\') {
+            PUTS(b, "\\\\");
+        } else if (cp == '\n') {
+            PUTS(b, "\\n");
+        } else if (cp == '\r') {
+            PUTS(b, "\\r");
+        } else if (cp == '\t') {
+            PUTS(b, "\\t");
+        } else if (cp == '\b') {
+            PUTS(b, "\\b");
+        } else if (cp == '\f') {
+            PUTS(b, "\\f");
+        } else {
+            put_u(b, cp);
+        }
+        i += k;
+    }
+    return 0;
+}
+
+/* fnmatch.fnmatchcase(name, glob) for globs made of literal characters, '*' and '?'
+ * (grep.py sends no other); '?' is one character, names are valid UTF-8. */
+static int glob_match(const unsigned char *g, size_t gn, const unsigned char *s, size_t sn) {
+    size_t gi = 0, si = 0, star_g = (size_t)-1, star_s = 0;
+    while (si < sn) {
+        if (gi < gn && g[gi] == '*') {
+            star_g = ++gi;
+            star_s = si;
+            continue;
+        }
+        if (gi < gn && g[gi] == '?') {
+            unsigned cp;
+            size_t k = utf8_seq(s + si, sn - si, &cp);
+            gi++;
+            si += k ? k : 1;
+            continue;
+        }
+        if (gi < gn && g[gi] == s[si]) {
+            gi++;
+            si++;
+            continue;
+        }
+        if (star_g == (size_t)-1) return 0;
+        /* Let the last '*' take one more character. */
+        unsigned cp;
+        size_t k = utf8_seq(s + star_s, sn - star_s, &cp);
+        star_s += k ? k : 1;
+        si = star_s;
+        gi = star_g;
+    }
+    while (gi < gn && g[gi] == '*') gi++;
+    return gi == gn;
+}
+
+struct name {
+    char *s;
+    unsigned char type;
+};
+
+static int by_name(const void *a, const void *b) {
+    return strcmp(((const struct name *)a)->s, ((const struct name *)b)->s);
+}
+
+/* The entries of directory dfd but "." and "..", sorted by name; NULL with *n = 0 when
+ * it cannot be read (the walk leaves it out, as ripgrep does). */
+static struct name *entries(int dfd, size_t *n, int *oom) {
+    *n = 0;
+    int fd = dup(dfd);
+    if (fd < 0) return NULL;
+    DIR *dir = fdopendir(fd);
+    if (dir == NULL) {
+        close(fd);
+        return NULL;
+    }
+    rewinddir(dir);
+    struct name *out = NULL;
+    size_t cap = 0;
+    struct dirent *e;
+    while ((e = readdir(dir)) != NULL) {
+        const char *s = e->d_name;
+        if (s[0] == '.' && (s[1] == 0 || (s[1] == '.' && s[2] == 0))) continue;
+        if (*n == cap) {
+            cap = cap ? 2 * cap : 64;
+            struct name *p = realloc(out, cap * sizeof *out);
+            if (p == NULL) goto fail;
+            out = p;
+        }
+        out[*n].s = strdup(s);
+        if (out[*n].s == NULL) goto fail;
+        out[*n].type = e->d_type;
+        (*n)++;
+    }
+    rewinddir(dir);
+    closedir(dir);
+    qsort(out, *n, sizeof *out, by_name);
+    return out;
+fail:
+    *oom = 1;
+    for (size_t i = 0; i < *n; i++) free(out[i].s);
+    free(out);
+    *n = 0;
+    closedir(dir);
+    return NULL;
+}
+
+static void free_entries(struct name *list, size_t n) {
+    for (size_t i = 0; i < n; i++) free(list[i].s);
+    free(list);
+}
+
+/* Reads the regular file at fd whole into job->data: its length, or -1 to skip it. */
+static long long read_file(struct grep_job *job, int fd) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        job->status = 2; /* the Python path reports the error */
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) return -1;
+    if (--job->files_left < 0 || st.st_size > job->bytes_left) {
+        job->status = 1;
+        return -1;
+    }
+    size_t want = (size_t)st.st_size + 1;
+    size_t len = 0;
+    for (;;) {
+        if (len + 4096 > job->data_cap || want > job->data_cap) {
+            size_t cap = job->data_cap ? job->data_cap : 65536;
+            while (cap < len + 4096 || cap < want) cap *= 2;
+            unsigned char *p = realloc(job->data, cap);
+            if (p == NULL) {
+                job->status = -ENOMEM;
+                return -1;
+            }
+            job->data = p;
+            job->data_cap = cap;
+        }
+        ssize_t got = read(fd, job->data + len, job->data_cap - len);
+        if (got < 0) {
+            if (errno == EINTR) continue;
+            job->status = 2; /* the Python path reports the error */
+            return -1;
+        }
+        if (got == 0) break;
+        len += (size_t)got;
+        if ((long long)len > job->bytes_left) {
+            job->status = 1; /* grew while being read */
+            return -1;
+        }
+    }
+    job->bytes_left -= (long long)len;
+    return (long long)len;
+}
+
+/* Every line of data holding the pattern (grep.py's _scan). */
+static void scan(struct grep_job *job, const unsigned char *data, size_t n, size_t path_len) {
+    long line = 1;
+    size_t counted = 0;
+    const unsigned char *at = memmem(data, n, job->pattern, job->pattern_len);
+    while (at != NULL && job->count <= job->cap) {
+        size_t pos = (size_t)(at - data);
+        const unsigned char *prev = pos ? memrchr(data, '\n', pos) : NULL;
+        size_t start = prev ? (size_t)(prev - data) + 1 : 0;
+        for (size_t i = counted; i < start; i++) line += data[i] == '\n';
+        counted = start;
+        const unsigned char *nl = memchr(data + pos, '\n', n - pos);
+        size_t end = nl ? (size_t)(nl - data) : n;
+        job->count++;
+        if (job->count <= job->cap) {
+            struct buf *b = &job->json;
+            if (reserve(b, path_len + 80) != 0) {
+                job->status = -ENOMEM;
+                return;
+            }
+            size_t mark = b->len;
+            if (job->count > 1) PUTS(b, ",");
+            PUTS(b, "{\"path\":\"");
+            put(b, job->path.data, path_len);
+            char num[64];
+            int k = snprintf(num, sizeof num, "\",\"line\":%ld,\"text\":\"", line);
+            put(b, num, (size_t)k);
+            size_t text_len = end - start;
+            if (text_len > MAX_LINE_CHARS * 4) text_len = MAX_LINE_CHARS * 4;
+            int rc = put_text(b, data + start, text_len, MAX_LINE_CHARS);
+            if (rc != 0) {
+                b->len = mark;
+                job->status = rc == -1 ? 2 : -ENOMEM;
+                return;
+            }
+            if (reserve(b, 2) != 0) {
+                job->status = -ENOMEM;
+                return;
+            }
+            PUTS(b, "\"}");
+        }
+        if (end >= n) break;
+        at = memmem(data + end + 1, n - end - 1, job->pattern, job->pattern_len);
+    }
+}
+
+static int is_dir_entry(int dfd, const struct name *e, int *is_reg) {
+    unsigned char t = e->type;
+    if (t == DT_UNKNOWN) {
+        struct stat st;
+        if (fstatat(dfd, e->s, &st, AT_SYMLINK_NOFOLLOW) != 0) return -1;
+        t = S_ISDIR(st.st_mode) ? DT_DIR : S_ISREG(st.st_mode) ? DT_REG : DT_UNKNOWN;
+    }
+    *is_reg = t == DT_REG;
+    return t == DT_DIR;
+}
+
+/* Walks the tree below dfd: counts its regular files (search = 0) or searches them. */
+static void walk(struct grep_job *job, int dfd, int search) {
+    size_t n;
+    int oom = 0;
+    struct name *list = entries(dfd, &n, &oom);
+    if (oom) {
+        job->status = -ENOMEM;
+        return;
+    }
+    size_t dir_len = job->path.len;
+    for (size_t i = 0; i < n && job->status == 0 && job->count <= job->cap; i++) {
+        const char *s = list[i].s;
+        if (strcmp(s, ".git") == 0) continue;
+        int is_reg = 0;
+        int is_dir = is_dir_entry(dfd, &list[i], &is_reg);
+        if (is_dir < 0 || (!is_dir && !is_reg)) continue;
+        if (!search && is_reg) {
+            if (--job->count_left < 0) job->status = 1;
+            continue;
+        }
+        size_t sn = strlen(s);
+        if (search) {
+            job->path.len = dir_len;
+            if (reserve(&job->path, 6 * sn + 2) != 0) {
+                job->status = -ENOMEM;
+                break;
+            }
+            PUTS(&job->path, "/");
+            int rc = put_text(&job->path, (const unsigned char *)s, sn, (size_t)-1);
+            if (rc != 0) {
+                job->status = rc == -1 ? 2 : -ENOMEM;
+                break;
+            }
+        }
+        if (is_dir) {
+            int sub = openat(dfd, s, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub < 0) continue; /* raced away or unreadable: skipped */
+            walk(job, sub, search);
+            close(sub);
+            continue;
+        }
+        if (job->glob != NULL &&
+            !glob_match(job->glob, job->glob_len, (const unsigned char *)s, sn))
+            continue;
+        int fd = openat(dfd, s, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (fd < 0) continue;
+        long long len = read_file(job, fd);
+        close(fd);
+        if (len < 0) continue;
+        if (len >= 2 && ((job->data[0] == 0xFF && job->data[1] == 0xFE) ||
+                         (job->data[0] == 0xFE && job->data[1] == 0xFF))) {
+            job->status = 1; /* UTF-16 with a byte order mark: ripgrep transcodes it */
+            break;
+        }
+        if (memchr(job->data, 0, (size_t)len) != NULL) continue; /* binary */
+        scan(job, job->data, (size_t)len, job->path.len);
+    }
+    job->path.len = dir_len;
+    free_entries(list, n);
+}
+
+int sandlot_grep(int fd, const char *base, size_t base_len, const char *pattern,
+                 size_t pattern_len, const char *glob, size_t glob_len, long cap,
+                 long count_limit, long max_files, long long max_bytes,
+                 struct grep_result *out) {
+    memset(out, 0, sizeof *out);
+    struct grep_job job = {0};
+    job.pattern = (const unsigned char *)pattern;
+    job.pattern_len = pattern_len;
+    job.glob = (const unsigned char *)glob;
+    job.glob_len = glob_len;
+    job.cap = cap;
+    job.count_left = count_limit;
+    job.files_left = max_files;
+    job.bytes_left = max_bytes;
+    walk(&job, fd, 0); /* count first: a large tree goes to ripgrep before any read */
+    if (job.status == 0) {
+        if (reserve(&job.path, base_len + 1) != 0) {
+            job.status = -ENOMEM;
+        } else {
+            put(&job.path, base, base_len);
+            walk(&job, fd, 1);
+        }
+    }
+    free(job.path.data);
+    free(job.data);
+    if (job.status != 0) {
+        free(job.json.data);
+        out->status = job.status;
+        return job.status;
+    }
+    out->json = job.json.data;
+    out->json_len = job.json.len;
+    out->count = job.count;
+    return 0;
+}
+
+void sandlot_grep_free(struct grep_result *r) {
+    free(r->json);
+    r->json = NULL;
+}

@@ -1,0 +1,162 @@
+"""The C search of a small tree writes exactly what the Python search writes, byte for byte."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from sandlot.dataplane import grep as grep_mod
+from sandlot.dataplane import native
+from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.web import dumps
+from sandlot.runtime.base import Mount
+
+FULL = (grep_mod.SMALL_TREE_FILES, grep_mod.SMALL_TREE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def lib() -> native.Native:
+    found = native.library()
+    assert found is not None, "the C library did not build (is a C compiler installed?)"
+    return found
+
+
+def both(
+    lib: native.Native,
+    root: Path,
+    pattern: str,
+    glob: str | None,
+    cap: int = 1000,
+    budget: tuple[int, int] = FULL,
+    path: str = "/workspace",
+) -> tuple[bytes | None, bytes | int]:
+    """(the Python answer, None when it hands over to ripgrep; the C answer or status)."""
+    resolver = PathResolver([Mount("/workspace", root, True)])
+    with resolver.resolve(path) as res:
+        found = grep_mod._search_small(res, pattern.encode(), glob, cap)
+    search = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), cap)
+    with resolver.resolve(path) as res:
+        fast = search.search(res, *budget)
+    return (None if found is None else dumps(found)), fast
+
+
+LINES = [
+    b"plain ascii line with needle",
+    b'quotes " and \\ backslashes \\" needle',
+    b"tabs\tand\rcarriage\x01control\x1f\x7fdel needle",
+    "unicode é 漢字 🙂 \u2028 needle".encode(),
+    b"no pattern on this one",
+    b"needle needle twice on one line",
+    b"",
+]
+
+NAMES = ["a.py", "b.txt", "é.py", "漢.txt", 'q"uote.py', "back\\slash.txt", "tab\tname", " sp"]
+
+
+def random_file(rng: random.Random) -> bytes:
+    lines = [rng.choice(LINES) for _ in range(rng.randint(0, 12))]
+    roll = rng.random()
+    if roll < 0.08:
+        lines.insert(rng.randrange(len(lines) + 1), b"bad \xff\xfe utf-8 needle")
+    elif roll < 0.12:
+        lines.append(b"binary \x00 needle")
+    elif roll < 0.16:
+        # Long lines: the text is cut at 2,000 characters, multibyte ones around the cut.
+        unit = rng.choice(["x", "é", "漢", "🙂"]).encode()
+        lines.append(unit * rng.randint(1990, 2010) + b" needle " + unit * 50)
+    body = b"\n".join(lines)
+    return body + (b"\n" if rng.random() < 0.7 else b"")
+
+
+def random_tree(rng: random.Random, root: Path, depth: int = 0) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for _ in range(rng.randint(1, 6)):
+        name = rng.choice(NAMES) + str(rng.randint(0, 9))
+        if os.path.lexists(root / name):
+            continue
+        roll = rng.random()
+        if roll < 0.2 and depth < 3:
+            random_tree(rng, root / rng.choice([name, ".git", ".hidden"]), depth + 1)
+        elif roll < 0.25:
+            os.symlink("/etc/passwd", root / name)
+        elif roll < 0.27:
+            os.mkfifo(root / name)
+        elif roll < 0.29:
+            (root / os.fsdecode(b"raw\xffname" + str(rng.randint(0, 9)).encode())).write_bytes(
+                b"needle\n"
+            )
+        else:
+            (root / name).write_bytes(random_file(rng))
+
+
+def test_random_trees_same_text(lib: native.Native, tmp_path: Path) -> None:
+    rng = random.Random(20261123)
+    answered = handed = 0
+    for n in range(60):
+        root = tmp_path / f"t{n}"
+        random_tree(rng, root)
+        for _ in range(8):
+            pattern = rng.choice(["needle", "ne", "e", '"', "\\", "é", "漢字", "\t", "x" * 3])
+            glob = rng.choice([None, None, "*", "*.py", "?.txt*", "*.t?t?", "a*", "*é*", "??"])
+            cap = rng.choice([1, 2, 5, 1000])
+            python, fast = both(lib, root, pattern, glob, cap)
+            if fast == native.USE_PYTHON:
+                handed += 1
+                continue
+            answered += 1
+            if fast == native.TOO_BIG:
+                assert python is None, (pattern, glob)
+            else:
+                assert fast == python, (root, pattern, glob, cap)
+    # Most searches are answered in C; only odd names and lines are handed back.
+    assert answered > 3 * handed, (answered, handed)
+
+
+def test_globs_mean_what_fnmatch_means(lib: native.Native, tmp_path: Path) -> None:
+    names = ["a.py", "ab.py", "a.pyc", ".py", "é.py", "漢字.txt", "x.t", "abcabc", "a*b", "q?x"]
+    root = tmp_path / "ws"
+    root.mkdir()
+    for name in names:
+        (root / name).write_text("needle\n")
+    for glob in ["*.py", "a*", "*", "?.py", "??.py", "*b*c", "a*b*c*", "?", "*.?", "a?b", "x"]:
+        python, fast = both(lib, root, "needle", glob)
+        assert fast == python, glob
+
+
+def test_budgets(lib: native.Native, tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    (root / "sub").mkdir(parents=True)
+    for i in range(40):
+        (root / f"f{i}.txt").write_text("needle\n" * 10)
+        (root / "sub" / f"g{i}.txt").write_text("other\n")
+    _, inline = both(lib, root, "needle", None, budget=(grep_mod.INLINE_FILES, 1 << 20))
+    assert inline == native.TOO_BIG  # 80 files
+    python, fast = both(lib, root, "needle", None)
+    assert isinstance(fast, bytes) and fast == python
+    _, small = both(lib, root, "needle", None, budget=(256, 1000))
+    assert small == native.TOO_BIG  # 80 x 70 bytes to read
+    # Truncation: the first `cap` matches in walk order, and the flag.
+    python, fast = both(lib, root, "needle", None, cap=15)
+    assert fast == python and fast.endswith(b'"truncated":true}')  # type: ignore[union-attr]
+    # A UTF-16 file is ripgrep's (it transcodes); a single file is the Python path's.
+    (root / "utf16.txt").write_bytes("needle".encode("utf-16"))
+    python, fast = both(lib, root, "needle", None)
+    assert python is None and fast == native.TOO_BIG
+    _, single = both(lib, root, "needle", None, path="/workspace/f1.txt")
+    assert single == native.USE_PYTHON
+
+
+def test_unreadable_and_raced_entries_are_left_out(lib: native.Native, tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    (root / "locked").mkdir(parents=True)
+    (root / "locked" / "in.txt").write_text("needle\n")
+    (root / "ok.txt").write_text("needle\n")
+    os.chmod(root / "locked", 0)
+    try:
+        python, fast = both(lib, root, "needle", None)
+        assert fast == python
+    finally:
+        os.chmod(root / "locked", 0o755)
