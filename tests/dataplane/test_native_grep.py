@@ -160,3 +160,26 @@ def test_unreadable_and_raced_entries_are_left_out(lib: native.Native, tmp_path:
         assert fast == python
     finally:
         os.chmod(root / "locked", 0o755)
+
+
+def test_deep_trees_go_to_ripgrep(lib: native.Native, tmp_path: Path) -> None:
+    root = tmp_path / "ws"
+    root.mkdir()
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        # Deeper than any path name may be: built one relative step at a time.
+        for _ in range(grep_mod.MAX_DEPTH + 2):
+            os.mkdir("d", dir_fd=fd)
+            sub = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = sub
+        os.close(os.open("f.txt", os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=fd))
+    finally:
+        os.close(fd)
+    python, fast = both(lib, root, "needle", None)
+    assert python is None and fast == native.TOO_BIG
+    shallow = tmp_path / "shallow"
+    (shallow / ("d/" * grep_mod.MAX_DEPTH)).mkdir(parents=True)
+    (shallow / ("d/" * grep_mod.MAX_DEPTH) / "f.txt").write_text("needle\n")
+    python, fast = both(lib, shallow, "needle", None)
+    assert python is not None and fast == python

@@ -49,6 +49,8 @@ from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
 MAX_LINE_CHARS = 2000
 SMALL_TREE_FILES = 256
 SMALL_TREE_BYTES = 4 << 20
+#: Directories below the one searched in process; a deeper tree goes to ripgrep.
+MAX_DEPTH = 64
 #: A tree searched on the event loop thread (by the C library) holds no more than this.
 INLINE_FILES = 64
 INLINE_BYTES = 1 << 20
@@ -311,12 +313,18 @@ def _search_small(
     return {"matches": matches[:cap], "truncated": truncated}
 
 
-def _tree_files(dfd: int, spath: str) -> Generator[tuple[int, str, str], None, None]:
+def _tree_files(
+    dfd: int, spath: str, depth: int = 0
+) -> Generator[tuple[int, str, str], None, None]:
     """``(directory fd, name, sandbox path)`` of every regular file below ``dfd``, by name,
     from directory entries alone: ``.git`` skipped, symlinks not followed, FIFOs, sockets,
     devices and unreadable directories left out, as ripgrep does with ``--no-messages``.
     A directory's fd stays open until the walk moves past it (close the generator to stop).
+    A tree deeper than ``MAX_DEPTH`` raises :class:`_TooBig` (ripgrep walks it without
+    recursion).
     """
+    if depth > MAX_DEPTH:
+        raise _TooBig
     try:
         entries = sorted(os.scandir(dfd), key=lambda e: e.name)
     except OSError:
@@ -337,7 +345,7 @@ def _tree_files(dfd: int, spath: str) -> Generator[tuple[int, str, str], None, N
         except OSError:
             continue  # raced away or unreadable: skipped
         try:
-            yield from _tree_files(sub, child)
+            yield from _tree_files(sub, child, depth + 1)
         finally:
             os.close(sub)
 

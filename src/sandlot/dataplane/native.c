@@ -260,6 +260,8 @@ void sandlot_scan_free(struct scan_result *r) {
  */
 
 #define MAX_LINE_CHARS 2000
+/* Directories below the one searched; deeper trees go to ripgrep (grep.py's MAX_DEPTH). */
+#define MAX_DEPTH 64
 
 struct grep_result {
     char *json;      /* the first `cap` matches, JSON objects joined by ',' */
@@ -392,7 +394,7 @@ static struct name *entries(int dfd, size_t *n, int *oom) {
     }
     rewinddir(dir);
     closedir(dir);
-    qsort(out, *n, sizeof *out, by_name);
+    if (*n > 1) qsort(out, *n, sizeof *out, by_name);
     return out;
 fail:
     *oom = 1;
@@ -509,7 +511,11 @@ static int is_dir_entry(int dfd, const struct name *e, int *is_reg) {
 }
 
 /* Walks the tree below dfd: counts its regular files (search = 0) or searches them. */
-static void walk(struct grep_job *job, int dfd, int search) {
+static void walk(struct grep_job *job, int dfd, int search, int depth) {
+    if (depth > MAX_DEPTH) {
+        job->status = 1; /* ripgrep walks deep trees without recursion */
+        return;
+    }
     size_t n;
     int oom = 0;
     struct name *list = entries(dfd, &n, &oom);
@@ -545,7 +551,7 @@ static void walk(struct grep_job *job, int dfd, int search) {
         if (is_dir) {
             int sub = openat(dfd, s, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
             if (sub < 0) continue; /* raced away or unreadable: skipped */
-            walk(job, sub, search);
+            walk(job, sub, search, depth + 1);
             close(sub);
             continue;
         }
@@ -583,13 +589,13 @@ int sandlot_grep(int fd, const char *base, size_t base_len, const char *pattern,
     job.count_left = count_limit;
     job.files_left = max_files;
     job.bytes_left = max_bytes;
-    walk(&job, fd, 0); /* count first: a large tree goes to ripgrep before any read */
+    walk(&job, fd, 0, 0); /* count first: a large tree goes to ripgrep before any read */
     if (job.status == 0) {
         if (reserve(&job.path, base_len + 1) != 0) {
             job.status = -ENOMEM;
         } else {
             put(&job.path, base, base_len);
-            walk(&job, fd, 1);
+            walk(&job, fd, 1, 0);
         }
     }
     free(job.path.data);
