@@ -20,6 +20,9 @@ unchanged, except that, according to its :class:`Faults`:
   middlebox: the sockets stay open and silent, so only the client's own
   timeouts or keepalive pings can notice); connections opened during it are
   held, like SYNs retransmitted until the path is back, and served after.
+- **outages** (:meth:`FaultProxy.outage`): for a few seconds every connection
+  is reset, the open ones at once and new ones as they arrive (a server
+  restarting, a route flapping): each reconnection fails fast.
 
 Every decision comes from a ``random.Random`` seeded with the proxy's seed and
 the connection's number, so a failing run is replayed with the same seed.
@@ -215,12 +218,16 @@ class FaultProxy:
         self._count = 0
         self._blackholes: asyncio.Task[None] | None = None
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._refuse_until = 0.0
+        self._handlers: set[asyncio.Task[None]] = set()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def __aenter__(self) -> FaultProxy:
+        self._loop = asyncio.get_running_loop()
         self._open = asyncio.Event()
         self._open.set()
         self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
@@ -236,6 +243,10 @@ class FaultProxy:
                 await self._blackholes
         assert self._server is not None
         self._server.close()
+        # Connections still being opened (upstream connects in flight) end here too.
+        for task in list(self._handlers):
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
         for link in list(self._links):
             link.close()
             for task in link.tasks:
@@ -250,6 +261,16 @@ class FaultProxy:
         """Apply ``faults`` from now on and start counting afresh."""
         self.faults = faults
         self.stats = Stats()
+
+    def outage(self, seconds: float) -> None:
+        """Reset every connection for ``seconds`` from now (callable from any thread)."""
+        self._refuse_until = time.monotonic() + seconds
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self._reset_all)
+
+    def _reset_all(self) -> None:
+        for link in list(self._links):
+            link.reset()
 
     async def _blackhole_loop(self) -> None:
         rng = random.Random(f"{self.seed}:blackholes")
@@ -275,6 +296,18 @@ class FaultProxy:
                 self._open.set()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._handlers.add(task)
+        try:
+            await self._serve(reader, writer)
+        except asyncio.CancelledError:
+            writer.transport.abort()  # the proxy is closing
+            raise
+        finally:
+            self._handlers.discard(task)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert self._open is not None
         self._count += 1
         self.stats.connections += 1
@@ -282,6 +315,11 @@ class FaultProxy:
             self.stats.held_connections += 1
             await self._open.wait()
         if self._closing:
+            writer.transport.abort()
+            return
+        if time.monotonic() < self._refuse_until:
+            self.stats.resets += 1
+            _linger_zero(writer)
             writer.transport.abort()
             return
         link = _Link(self, self._count)
@@ -295,6 +333,10 @@ class FaultProxy:
                 link.close()
                 return
             link.writers.append(up_writer)
+            if link.closed:  # reset while the upstream connection was being opened
+                _linger_zero(up_writer)
+                up_writer.transport.abort()
+                return
             link.tasks = [
                 asyncio.ensure_future(link.pump("up", reader, up_writer)),
                 asyncio.ensure_future(link.pump("down", up_reader, writer)),
@@ -302,9 +344,11 @@ class FaultProxy:
             timer = None
             if link.lifetime is not None:
                 timer = asyncio.ensure_future(link.reset_later(link.lifetime))
-            await asyncio.gather(*link.tasks, return_exceptions=True)
-            if timer is not None:
-                timer.cancel()
+            try:
+                await asyncio.gather(*link.tasks, return_exceptions=True)
+            finally:
+                if timer is not None:
+                    timer.cancel()
         finally:
             if not link.lost:
                 link.close()

@@ -239,3 +239,30 @@ async def test_stream_through_faults_loses_and_repeats_nothing(
         f"output {stall:.1f} s: {skipped + gaps} bytes lost, {duplicated} duplicated, exit code "
         "received, 1 run",
     )
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(120)
+async def test_a_running_command_outlives_an_outage(
+    proxy: FaultProxy, server: SandlotServer, key: str, thread_id: str
+) -> None:
+    """Every reconnection refused for 8 s: many more failures in a row than the attempt
+    budget, but within the window a running command is given; nothing lost or repeated."""
+    async with AsyncSandlot(proxy.url, key, keepalive=KEEPALIVE) as client:
+        sandbox = await client.ensure(thread_id)
+        proxy.set_faults(Faults())
+        cmd = await sandbox.stream(
+            "for i in $(seq 1 40); do echo line $i; sleep 0.25; done; exit 7",
+            command_id=f"outage-{uuid.uuid4().hex[:8]}",
+        )
+        out = []
+        async with asyncio.timeout(90):
+            async for chunk in cmd:
+                out.append(chunk.data)
+                if "line 3\n" in chunk.data:
+                    proxy.outage(8.0)
+        assert "".join(out) == "".join(f"line {i}\n" for i in range(1, 41))
+        assert cmd.exit_code == 7
+        assert proxy.stats.resets > 6, proxy.stats  # more than the attempts alone allow
+        # Only one run of the command: nothing re-ran it on a reconnection.
+        assert cmd.reconnects >= 1

@@ -86,6 +86,7 @@ async def test_stream_survives_dropped_connections(sandbox: AsyncSandbox) -> Non
             cmd._ws.transport.abort()  # the network fails under the client
     assert cmd.exit_code == 0
     assert cmd.reconnects >= 3
+    assert cmd._ws is None  # read to its end, the stream let go of its socket
     expected_out = "".join(f"line-{i}\n" for i in range(1, 401))
     expected_err = "".join(f"err-{i}\n" for i in range(1, 401))
     assert (

@@ -307,3 +307,41 @@ class Deadline:
         if left <= 0:
             raise TimeoutError(f"deadline of {self.seconds} s exceeded")
         return left
+
+
+class RetryBudget:
+    """When to stop reconnecting a stream whose connection broke.
+
+    Given up after ``attempts`` consecutive failures; once the server has
+    acknowledged the stream (a command's ``ready``, an event), only when those
+    failures also span ``window`` seconds: a running command outlives a network
+    outage of that long, while a server that never answered fails fast. Every
+    acknowledgement starts a new budget.
+    """
+
+    def __init__(self, attempts: int = 5, window: float = 30.0) -> None:
+        self.attempts = attempts
+        self.window = window
+        self.failures = 0
+        self.acknowledged = False
+        self._since: float | None = None
+
+    def acknowledge(self) -> None:
+        """The server acknowledged the stream: a new budget."""
+        self.failures = 0
+        self.acknowledged = True
+        self._since = None
+
+    def fail(self) -> bool:
+        """Count one failure; whether to try again (after :meth:`backoff` seconds)."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        self.failures += 1
+        if self.failures <= self.attempts:
+            return True
+        return self.acknowledged and now - self._since < self.window
+
+    def backoff(self) -> float:
+        """Seconds to wait before the next attempt (doubling, at most 2 s)."""
+        return min(0.05 * (1 << min(self.failures, 8)), 2.0)

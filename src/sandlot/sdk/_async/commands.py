@@ -27,10 +27,12 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, SocketClosed
+from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, RetryBudget, SocketClosed
 
-#: Consecutive reconnections without an acknowledgement before giving up.
-RECONNECT_BUDGET = 5
+#: Consecutive reconnections without an acknowledgement before giving up...
+RECONNECT_ATTEMPTS = 5
+#: ...and, once the command was acknowledged, seconds they must also span.
+RECONNECT_WINDOW = 30.0
 
 
 class AsyncCommand:
@@ -72,7 +74,7 @@ class AsyncCommand:
         self.offsets = {"stdout": stdout_offset, "stderr": stderr_offset}
         self._text: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._ws: Any = None
-        self._failures = 0
+        self._budget = RetryBudget(RECONNECT_ATTEMPTS, RECONNECT_WINDOW)
 
     async def _open(self, timeout: float) -> None:
         self._ws = await _aio.ws_connect(self._url, self._auth(), timeout, self._keepalive)
@@ -97,10 +99,9 @@ class AsyncCommand:
                 await self._open(timeout)
                 return
             except OSError as exc:  # SocketClosed included
-                self._failures += 1
-                if self._failures > RECONNECT_BUDGET:
+                if not self._budget.fail():
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
-                await _aio.sleep(min(0.05 * 2**self._failures, 2.0))
+                await _aio.sleep(self._budget.backoff())
 
     async def _broken(self) -> None:
         """The socket closed before ``exit``: decide between reattaching and failing."""
@@ -108,8 +109,8 @@ class AsyncCommand:
         await _aio.ws_close(self._ws)
         self._ws = None
         if code == 4401:
-            if self._renew is not None and self._failures == 0 and await self._renew():
-                self._failures += 1
+            if self._renew is not None and self._budget.failures == 0 and await self._renew():
+                self._budget.fail()
                 await self._connect()
                 return
             raise Unauthenticated("exec socket closed: credential refused")
@@ -117,11 +118,10 @@ class AsyncCommand:
             raise Forbidden("exec socket closed: capability denied")
         if code == 4404:
             raise ExecNotFound(f"exec {self.exec_id} not found")
-        self._failures += 1
         self.reconnects += 1
-        if self._failures > RECONNECT_BUDGET:
+        if not self._budget.fail():
             raise SandlotError("exec socket: too many broken connections")
-        await _aio.sleep(min(0.02 * 2**self._failures, 1.0))
+        await _aio.sleep(self._budget.backoff() / 2)
         await self._connect()
 
     def __aiter__(self) -> AsyncCommand:
@@ -148,6 +148,7 @@ class AsyncCommand:
             chunk = self._handle(json.loads(raw))
             if chunk is not None:
                 return chunk
+        await self.aclose()  # exited: the socket is not needed any more
         return None
 
     def _handle(self, frame: dict[str, Any]) -> OutputChunk | None:
@@ -156,7 +157,7 @@ class AsyncCommand:
             self.exec_id = frame.get("exec_id") or self.exec_id
             self.command_id = frame.get("command_id") or self.command_id
             self.pid = frame.get("pid")
-            self._failures = 0
+            self._budget.acknowledge()
         elif kind in ("stdout", "stderr"):
             return self._take(kind, frame["data"], int(frame["offset"]))
         elif kind == "gap":

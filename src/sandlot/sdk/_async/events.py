@@ -14,10 +14,12 @@ from typing import Any
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, open_timeout
-from sandlot.sdk.types import Deadline, Event, SocketClosed
+from sandlot.sdk.types import Deadline, Event, RetryBudget, SocketClosed
 
-#: Consecutive failed reconnections before giving up (reset by every event).
-RECONNECT_BUDGET = 5
+#: Consecutive failed reconnections before giving up (reset by every event)...
+RECONNECT_ATTEMPTS = 5
+#: ...and, once an event came, seconds they must also span.
+RECONNECT_WINDOW = 30.0
 
 
 class AsyncEventStream:
@@ -66,7 +68,7 @@ class AsyncEventStream:
         await self._gen.aclose()
 
     async def _run(self) -> AsyncGenerator[Event, None]:
-        failures = 0
+        budget = RetryBudget(RECONNECT_ATTEMPTS, RECONNECT_WINDOW)
         while True:
             try:
                 source = self._sse() if self._transport == "sse" else self._ws()
@@ -76,7 +78,7 @@ class AsyncEventStream:
                         if event.sequence <= self.last_sequence:
                             continue
                         self.last_sequence = event.sequence
-                        failures = 0
+                        budget.acknowledge()
                         yield event
                 finally:
                     # Close the connection now, not when the generator is collected.
@@ -86,10 +88,9 @@ class AsyncEventStream:
                 # A deadline, not a broken connection (TimeoutError is an OSError).
                 raise
             except OSError:  # SocketClosed included
-                failures += 1
-                if failures > RECONNECT_BUDGET:
+                if not budget.fail():
                     raise
-                await _aio.sleep(min(0.05 * 2**failures, 2.0))
+                await _aio.sleep(budget.backoff())
 
     def _sse(self) -> AsyncGenerator[dict[str, Any], None]:
         return self._http.sse(

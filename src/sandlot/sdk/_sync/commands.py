@@ -28,10 +28,12 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, SocketClosed
+from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, RetryBudget, SocketClosed
 
-#: Consecutive reconnections without an acknowledgement before giving up.
-RECONNECT_BUDGET = 5
+#: Consecutive reconnections without an acknowledgement before giving up...
+RECONNECT_ATTEMPTS = 5
+#: ...and, once the command was acknowledged, seconds they must also span.
+RECONNECT_WINDOW = 30.0
 
 
 class Command:
@@ -73,7 +75,7 @@ class Command:
         self.offsets = {"stdout": stdout_offset, "stderr": stderr_offset}
         self._text: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._ws: Any = None
-        self._failures = 0
+        self._budget = RetryBudget(RECONNECT_ATTEMPTS, RECONNECT_WINDOW)
 
     def _open(self, timeout: float) -> None:
         self._ws = _aio.ws_connect(self._url, self._auth(), timeout, self._keepalive)
@@ -98,10 +100,9 @@ class Command:
                 self._open(timeout)
                 return
             except OSError as exc:  # SocketClosed included
-                self._failures += 1
-                if self._failures > RECONNECT_BUDGET:
+                if not self._budget.fail():
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
-                _aio.sleep(min(0.05 * 2**self._failures, 2.0))
+                _aio.sleep(self._budget.backoff())
 
     def _broken(self) -> None:
         """The socket closed before ``exit``: decide between reattaching and failing."""
@@ -109,8 +110,8 @@ class Command:
         _aio.ws_close(self._ws)
         self._ws = None
         if code == 4401:
-            if self._renew is not None and self._failures == 0 and self._renew():
-                self._failures += 1
+            if self._renew is not None and self._budget.failures == 0 and self._renew():
+                self._budget.fail()
                 self._connect()
                 return
             raise Unauthenticated("exec socket closed: credential refused")
@@ -118,11 +119,10 @@ class Command:
             raise Forbidden("exec socket closed: capability denied")
         if code == 4404:
             raise ExecNotFound(f"exec {self.exec_id} not found")
-        self._failures += 1
         self.reconnects += 1
-        if self._failures > RECONNECT_BUDGET:
+        if not self._budget.fail():
             raise SandlotError("exec socket: too many broken connections")
-        _aio.sleep(min(0.02 * 2**self._failures, 1.0))
+        _aio.sleep(self._budget.backoff() / 2)
         self._connect()
 
     def __iter__(self) -> Command:
@@ -149,6 +149,7 @@ class Command:
             chunk = self._handle(json.loads(raw))
             if chunk is not None:
                 return chunk
+        self.close()  # exited: the socket is not needed any more
         return None
 
     def _handle(self, frame: dict[str, Any]) -> OutputChunk | None:
@@ -157,7 +158,7 @@ class Command:
             self.exec_id = frame.get("exec_id") or self.exec_id
             self.command_id = frame.get("command_id") or self.command_id
             self.pid = frame.get("pid")
-            self._failures = 0
+            self._budget.acknowledge()
         elif kind in ("stdout", "stderr"):
             return self._take(kind, frame["data"], int(frame["offset"]))
         elif kind == "gap":

@@ -15,10 +15,12 @@ from typing import Any
 from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import HTTP, KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, Event, SocketClosed
+from sandlot.sdk.types import Deadline, Event, RetryBudget, SocketClosed
 
-#: Consecutive failed reconnections before giving up (reset by every event).
-RECONNECT_BUDGET = 5
+#: Consecutive failed reconnections before giving up (reset by every event)...
+RECONNECT_ATTEMPTS = 5
+#: ...and, once an event came, seconds they must also span.
+RECONNECT_WINDOW = 30.0
 
 
 class EventStream:
@@ -67,7 +69,7 @@ class EventStream:
         self._gen.close()
 
     def _run(self) -> Generator[Event, None, None]:
-        failures = 0
+        budget = RetryBudget(RECONNECT_ATTEMPTS, RECONNECT_WINDOW)
         while True:
             try:
                 source = self._sse() if self._transport == "sse" else self._ws()
@@ -77,7 +79,7 @@ class EventStream:
                         if event.sequence <= self.last_sequence:
                             continue
                         self.last_sequence = event.sequence
-                        failures = 0
+                        budget.acknowledge()
                         yield event
                 finally:
                     # Close the connection now, not when the generator is collected.
@@ -87,10 +89,9 @@ class EventStream:
                 # A deadline, not a broken connection (TimeoutError is an OSError).
                 raise
             except OSError:  # SocketClosed included
-                failures += 1
-                if failures > RECONNECT_BUDGET:
+                if not budget.fail():
                     raise
-                _aio.sleep(min(0.05 * 2**failures, 2.0))
+                _aio.sleep(budget.backoff())
 
     def _sse(self) -> Generator[dict[str, Any], None, None]:
         return self._http.sse(
