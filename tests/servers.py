@@ -8,6 +8,7 @@ import os
 import re
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +26,13 @@ def isolation_mode() -> str:
     if forced:
         return forced
     return "isolated" if os.geteuid() == 0 else "unisolated"
+
+
+def free_port() -> int:
+    """A loopback port free right now (for a server whose port must be known first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class SandlotServer:

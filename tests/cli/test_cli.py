@@ -18,7 +18,7 @@ import pexpect
 import pytest
 
 from sandlot.sdk import AsyncSandlot
-from tests.servers import SandlotServer, running
+from tests.servers import SandlotServer, free_port, running
 
 SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
 
@@ -362,3 +362,50 @@ def test_session_and_resource_commands(env: dict[str, str], server: SandlotServe
     assert audit and audit[0]["action"] == "session.ensure"
     r = sandlot(env, "session", "release", "thr_res", "--terminate")
     assert r.returncode == 0 and "terminated" in r.stdout
+
+
+def test_shell_outlives_an_outage(tmp_path: Path) -> None:
+    """Every connection reset for 6 s under a live `sandlot shell`: it reattaches to the
+    same shell (its state intact), types what was typed meanwhile, and goes on, instead of
+    giving up after a few tries."""
+    from tests.faultproxy import serving
+
+    with serving(20261123) as proxy:
+        srv = SandlotServer(tmp_path / "d", env={"SANDLOT_PUBLIC_URL": proxy.url})
+        srv.port = free_port()
+        proxy.upstream = ("127.0.0.1", srv.port)
+        srv.start()
+        try:
+            env = {
+                **os.environ,
+                "SANDLOT_URL": proxy.url,
+                "SANDLOT_API_KEY": srv.key("alice"),
+                "HOME": str(tmp_path),
+                "XDG_CONFIG_HOME": str(tmp_path / ".config"),
+            }
+            shell = pexpect.spawn(
+                SANDLOT[0], [*SANDLOT[1:], "shell", "thr_outage"], env=env, encoding="utf-8",
+                timeout=30, dimensions=(30, 100),
+            )  # fmt: skip
+            try:
+                shell.expect(r"\$ ")
+                shell.sendline("export MARK=before-the-outage")
+                shell.expect(r"\$ ")
+                proxy.outage(6.0)
+                time.sleep(2.0)
+                shell.sendline("echo typed-$((20 + 3))")  # while disconnected: kept, sent after
+                time.sleep(4.5)
+                shell.expect("typed-23\r\n")
+                shell.sendline("echo mark=$MARK")
+                shell.expect("mark=before-the-outage\r\n")
+                assert proxy.stats.resets > 5  # more failures in a row than the attempts
+                assert "Traceback" not in (shell.before or "")
+                shell.sendline("exit 3")
+                shell.expect(pexpect.EOF)
+                shell.wait()
+                assert shell.exitstatus == 3
+            finally:
+                shell.terminate(force=True)
+        finally:
+            srv.stop()
+            srv.cleanup()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +24,7 @@ from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.runtime.direct import DirectRuntime
+from tests.servers import free_port
 
 ISSUER = "https://broker.test"
 ALL_CAPS = ["fs_read", "fs_write", "exec", "shell", "shell_observe"]
@@ -119,12 +119,6 @@ class Server:
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def start_server(
     tmp_path: Path,
     *,
@@ -159,7 +153,7 @@ def start_server(
         shells={"default": ["/bin/bash", "--norc", "--noprofile", "-i"], "sh": ["/bin/sh"]},
     )
     runtime = RootedRuntime("sb_test", 1, template, workspace, tmp=tmp, fs_ids=fs_ids)
-    port = _free_port()
+    port = free_port()
     config = uvicorn.Config(
         host.app,
         host="127.0.0.1",

@@ -19,7 +19,6 @@ import asyncio
 import hashlib
 import os
 import random
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -29,7 +28,7 @@ import pytest
 from sandlot.sdk import AsyncSandlot
 from tests.faultproxy import FaultProxy, Faults, serving
 from tests.figures import FULL, RecordProperty, report
-from tests.servers import SandlotServer
+from tests.servers import SandlotServer, free_port
 
 #: Lines printed, lines per batch, seconds between batches: ~150 KB/s, so that a client
 #: cut off for a while (a blackhole, then a reconnection reset in its opening exchange,
@@ -98,12 +97,6 @@ def proxy(seed: int) -> Iterator[FaultProxy]:
         yield p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, proxy: FaultProxy) -> Iterator[SandlotServer]:
     # The server announces the proxy as its public URL, so grants name it as the
@@ -111,7 +104,7 @@ def server(tmp_path_factory: pytest.TempPathFactory, proxy: FaultProxy) -> Itera
     srv = SandlotServer(
         tmp_path_factory.mktemp("faults") / "data", env={"SANDLOT_PUBLIC_URL": proxy.url}
     )
-    srv.port = _free_port()
+    srv.port = free_port()
     proxy.upstream = ("127.0.0.1", srv.port)
     srv.start()
     try:

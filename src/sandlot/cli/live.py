@@ -21,6 +21,7 @@ from sandlot.cli.client import run
 from sandlot.cli.context import JsonOption, KeyOption, UrlOption
 from sandlot.cli.errors import err_console, fail
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, AsyncShell
+from sandlot.sdk.types import RetryBudget
 
 #: Ctrl-] leaves ``sandlot shell`` (the shell keeps running), as in telnet.
 DETACH_KEY = b"\x1d"
@@ -111,11 +112,11 @@ async def _shell_session(
     """Relay the terminal to the shared shell until it exits or the user detaches."""
     loop = asyncio.get_running_loop()
     out = sys.stdout.buffer
-    cols, rows = _Terminal.size()
     shown = -1  # offset just past what was written to the terminal
     detached = asyncio.Event()
     decoder = codecs.getincrementaldecoder("utf-8")("replace")
-    shell: AsyncShell | None = None
+    shell: AsyncShell | None = None  # None while (re)attaching
+    pending: list[str] = []  # typed while the connection was down: sent once reattached
     sending: set[asyncio.Task[None]] = set()
 
     def send(coro: Any) -> None:
@@ -123,6 +124,16 @@ async def _shell_session(
         task = loop.create_task(coro)
         sending.add(task)
         task.add_done_callback(sending.discard)
+
+    async def type_in(target: AsyncShell, text: str) -> None:
+        try:
+            await target.send(text)
+        except OSError:  # the connection broke under it: typed again once reattached
+            pending.append(text)
+
+    async def resize(target: AsyncShell) -> None:
+        with contextlib.suppress(OSError):  # a reattach sends the size anyway
+            await target.resize(*_Terminal.size())
 
     def on_input() -> None:
         try:
@@ -132,28 +143,48 @@ async def _shell_session(
         if not data or DETACH_KEY in data:
             detached.set()
             return
-        if role == "driver" and shell is not None:
+        if role == "driver":
             text = decoder.decode(data)
-            if text:
-                send(shell.send(text))
+            if text and shell is not None:
+                send(type_in(shell, text))
+            elif text:
+                pending.append(text)
 
     def on_resize() -> None:
         if shell is not None:
-            send(shell.resize(*_Terminal.size()))
+            send(resize(shell))
 
     loop.add_reader(sys.stdin.fileno(), on_input)
     loop.add_signal_handler(signal.SIGWINCH, on_resize)
+    budget = RetryBudget()
     try:
         while not detached.is_set():
-            shell = await sandbox.shell(name, role=role, profile=profile, cols=cols, rows=rows)
+            cols, rows = _Terminal.size()
+            try:
+                attached = await sandbox.shell(
+                    name, role=role, profile=profile, cols=cols, rows=rows
+                )
+            except TimeoutError:
+                raise
+            except OSError:  # unreachable for now: within the budget, try again
+                if not budget.fail():
+                    raise
+                await asyncio.sleep(budget.backoff())
+                continue
+            budget.acknowledge()
+            shell = attached
             # On reattach, show only what this terminal has not shown yet.
-            history = shell.history.encode()
-            start = shell.offset - len(history)
+            history = attached.history.encode()
+            start = attached.offset - len(history)
             skip = 0 if shown < 0 else max(0, min(len(history), shown - start))
             out.write(history[skip:])
             out.flush()
-            shown = shell.offset
-            reader = loop.create_task(_pump(shell, out))
+            shown = attached.offset
+            if pending:
+                typed = "".join(pending)
+                pending.clear()
+                send(type_in(attached, typed))
+            reader = loop.create_task(_pump(attached, out))
             waiter = loop.create_task(detached.wait())
             await asyncio.wait({reader, waiter}, return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
@@ -161,14 +192,15 @@ async def _shell_session(
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
-                await shell.aclose()
+                await attached.aclose()
                 return None
-            shown = max(shown, shell.offset)
+            shell = None
+            shown = max(shown, attached.offset)
             reader.result()
-            if shell.exit_code is not None:
-                return shell.exit_code
+            if attached.exit_code is not None:
+                return attached.exit_code
             # The connection dropped under a live shell: reattach after a breath.
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(budget.backoff())
         return None
     finally:
         loop.remove_reader(sys.stdin.fileno())

@@ -99,6 +99,25 @@ static size_t utf8_seq(const unsigned char *s, size_t n, unsigned *cp) {
     return 0;
 }
 
+/* Appends the escape json.dumps writes for cp in both of its modes (the quote, the
+ * backslash, a control character); 0 when cp has none. */
+static int put_escape(struct buf *b, unsigned cp) {
+    switch (cp) {
+    case '"': PUTS(b, "\\\""); return 1;
+    case '\\': PUTS(b, "\\\\"); return 1;
+    case '\n': PUTS(b, "\\n"); return 1;
+    case '\r': PUTS(b, "\\r"); return 1;
+    case '\t': PUTS(b, "\\t"); return 1;
+    case '\b': PUTS(b, "\\b"); return 1;
+    case '\f': PUTS(b, "\\f"); return 1;
+    }
+    if (cp < 0x20) {
+        put_u(b, cp);
+        return 1;
+    }
+    return 0;
+}
+
 /* Appends the escaped name (at most 6 output bytes per input byte). */
 static void put_name(struct buf *b, const unsigned char *s, size_t n) {
     size_t i = 0;
@@ -111,22 +130,9 @@ static void put_name(struct buf *b, const unsigned char *s, size_t n) {
             continue;
         }
         i += k;
-        if (cp == '"') {
-            PUTS(b, "\\\"");
-        } else if (cp == '\\') {
-            PUTS(b, "\\\\");
-        } else if (cp >= 0x20 && cp <= 0x7E) {
+        if (put_escape(b, cp)) continue;
+        if (cp <= 0x7E) {
             b->data[b->len++] = (char)cp;
-        } else if (cp == '\n') {
-            PUTS(b, "\\n");
-        } else if (cp == '\r') {
-            PUTS(b, "\\r");
-        } else if (cp == '\t') {
-            PUTS(b, "\\t");
-        } else if (cp == '\b') {
-            PUTS(b, "\\b");
-        } else if (cp == '\f') {
-            PUTS(b, "\\f");
         } else if (cp >= 0x10000) {
             cp -= 0x10000;
             put_u(b, 0xD800 | (cp >> 10));
@@ -296,25 +302,7 @@ static int put_text(struct buf *b, const unsigned char *s, size_t n, size_t max_
         size_t k = utf8_seq(s + i, n - i, &cp);
         if (k == 0) return -1;
         chars++;
-        if (cp >= 0x20 && cp != '"' && cp != '\\') {
-            put(b, (const char *)s + i, k);
-        } else if (cp == '"') {
-            PUTS(b, "\\\"");
-        } else if (cp == '\\') {
-            PUTS(b, "\\\\");
-        } else if (cp == '\n') {
-            PUTS(b, "\\n");
-        } else if (cp == '\r') {
-            PUTS(b, "\\r");
-        } else if (cp == '\t') {
-            PUTS(b, "\\t");
-        } else if (cp == '\b') {
-            PUTS(b, "\\b");
-        } else if (cp == '\f') {
-            PUTS(b, "\\f");
-        } else {
-            put_u(b, cp);
-        }
+        if (!put_escape(b, cp)) put(b, (const char *)s + i, k);
         i += k;
     }
     return 0;

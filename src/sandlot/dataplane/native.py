@@ -32,6 +32,7 @@ import stat
 import threading
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from sandlot.runtime.cbuild import BuildError, build_cached
 
@@ -69,42 +70,33 @@ TOO_BIG = 1
 USE_PYTHON = 2
 
 
+def _declare(fn: Any, argtypes: list[Any], restype: Any = ctypes.c_int) -> Any:
+    """``fn`` with its C signature, so that ctypes converts (and checks) every argument."""
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
 class Native:
     """The compiled library: :meth:`scan` (one directory listed), :meth:`grep` (a small tree)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._scan = lib.sandlot_scan
-        self._scan.argtypes = [
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_long,
-            ctypes.c_int,
-            ctypes.POINTER(_Result),
-        ]
-        self._scan.restype = ctypes.c_int
-        self._free = lib.sandlot_scan_free
-        self._free.argtypes = [ctypes.POINTER(_Result)]
-        self._free.restype = None
-        self._grep = lib.sandlot_grep
-        self._grep.argtypes = [
-            ctypes.c_int,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_long,
-            ctypes.c_longlong,
-            ctypes.POINTER(_GrepResult),
-        ]
-        self._grep.restype = ctypes.c_int
-        self._grep_free = lib.sandlot_grep_free
-        self._grep_free.argtypes = [ctypes.POINTER(_GrepResult)]
-        self._grep_free.restype = None
+        c = ctypes
+        self._scan = _declare(
+            lib.sandlot_scan,
+            [c.c_int, c.c_char_p, c.c_size_t, c.c_long, c.c_int, c.POINTER(_Result)],
+        )
+        self._free = _declare(lib.sandlot_scan_free, [c.POINTER(_Result)], None)
+        self._grep = _declare(
+            lib.sandlot_grep,
+            [
+                *(c.c_int, c.c_char_p, c.c_size_t),  # directory, its escaped sandbox path
+                *(c.c_char_p, c.c_size_t, c.c_char_p, c.c_size_t),  # pattern, glob
+                *(c.c_long, c.c_long, c.c_long, c.c_longlong),  # cap and budgets
+                c.POINTER(_GrepResult),
+            ],
+        )
+        self._grep_free = _declare(lib.sandlot_grep_free, [c.POINTER(_GrepResult)], None)
 
     def scan(
         self, fd: int, prefix: bytes, limit: int, want_subdirs: bool

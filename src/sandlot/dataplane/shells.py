@@ -20,6 +20,7 @@ import contextlib
 import logging
 import signal as signals
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 from sandlot.dataplane.execs import EventSink
@@ -195,9 +196,7 @@ class ShellManager:
         shell.process = process
         assert process.pty_fd is not None
         shell._reader = FdReader(process.pty_fd, shell.stream)
-        task = asyncio.get_running_loop().create_task(self._supervise(shell))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._spawn(self._supervise(shell))
         return shell
 
     def _claim_spare(
@@ -244,7 +243,11 @@ class ShellManager:
             else:
                 self._spares[profile] = shell
 
-        task = asyncio.get_running_loop().create_task(start())
+        self._spawn(start())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` in the background, held until it ends (``close`` cancels it)."""
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
