@@ -1,15 +1,17 @@
-"""The C search of a small tree writes exactly what the Python search writes, byte for byte."""
+"""The C search of a small tree writes exactly what the Python search writes, byte for byte,
+and so does the search of the grep cache's copy of the tree (``sandlot_grep_pack``)."""
 
 from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from sandlot.dataplane import grep as grep_mod
-from sandlot.dataplane import native
+from sandlot.dataplane import grepcache, native
 from sandlot.dataplane.paths import PathResolver
 from sandlot.dataplane.web import dumps
 from sandlot.runtime.base import Mount
@@ -22,6 +24,22 @@ def lib() -> native.Native:
     found = native.library()
     assert found is not None, "the C library did not build (is a C compiler installed?)"
     return found
+
+
+_cache: grepcache.GrepCache | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cache(lib: native.Native) -> Iterator[grepcache.GrepCache]:
+    """One cache for the module: a tree's first search copies it, the next ones read it."""
+    global _cache
+    _cache = grepcache.GrepCache(lib)
+    yield _cache
+    _cache.close()
+
+
+#: Searches of a copy that answered (and so were compared with the C walk's answer).
+copies_answered = [0]
 
 
 def both(
@@ -40,6 +58,21 @@ def both(
     search = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), cap)
     with resolver.resolve(path) as res:
         fast = search.search(res, *budget)
+    # The cache's copy (taken by the first search of this tree, read by the next ones).
+    copied = grep_mod._NativeSearch(
+        lib, pattern.encode(), glob and glob.encode(), cap, cache=_cache
+    )
+    with resolver.resolve(path) as res:
+        copy = copied.search(res, *budget)
+    if isinstance(copy, bytes):
+        copies_answered[0] += 1
+        assert copy == fast, (root, pattern, glob, cap)
+    else:
+        # A copy holds the whole tree: an odd name anywhere hands it back, even one a
+        # walk stopped at the cap never reached.
+        assert copy in (native.TOO_BIG, native.USE_PYTHON)
+        if copy == native.TOO_BIG:
+            assert fast == native.TOO_BIG or budget != FULL
     return (None if found is None else dumps(found)), fast
 
 
@@ -113,6 +146,7 @@ def test_random_trees_same_text(lib: native.Native, tmp_path: Path) -> None:
                 assert fast == python, (root, pattern, glob, cap)
     # Most searches are answered in C; only odd names and lines are handed back.
     assert answered > 3 * handed, (answered, handed)
+    assert copies_answered[0] > 2 * handed, copies_answered
 
 
 def test_globs_mean_what_fnmatch_means(lib: native.Native, tmp_path: Path) -> None:

@@ -195,6 +195,13 @@ def test_reads_and_searches_are_the_sandbox_users(confined: Server) -> None:
             assert r.status_code == 403, r.text
             assert c.get(srv.url("/fs/read"), params={"path": "g/open.txt"}).status_code == 200
             assert c.get(srv.url("/fs/list"), params={"path": "g"}).status_code == 200
+        # The grep cache's copy of the tree (read as the sandbox user) follows permissions.
+        for mode, found in ((0o644, ["open", "root-only"]), (0o600, ["open"])):
+            os.chmod(srv.workspace / "g" / "root-only.txt", mode)
+            r = c.post(srv.url("/fs/grep"), json={"pattern": "needle", "path": "g"})
+            assert [m["path"] for m in r.json()["matches"]] == [
+                f"/workspace/g/{name}.txt" for name in found
+            ]
     # The server's event loop thread is itself again: it reads what only root may.
     own = srv.call(lambda: (srv.workspace / "g" / "root-only.txt").read_text())
     assert own == "needle two\n"

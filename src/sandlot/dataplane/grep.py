@@ -40,7 +40,7 @@ from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
-from sandlot.dataplane import native
+from sandlot.dataplane import grepcache, native
 from sandlot.dataplane.fsids import FsExecutor
 from sandlot.dataplane.paths import PathResolver, Resolved, os_error
 from sandlot.dataplane.web import dumps
@@ -93,7 +93,7 @@ async def grep(
         not regex and not ignore_case and _simple_glob(glob) and bool(pattern)
         and "\n" not in pattern
     )  # fmt: skip
-    fast = _NativeSearch.of(pattern, glob, cap) if small else None
+    fast = _NativeSearch.of(pattern, glob, cap, executor.fs_ids) if small else None
     if fast is not None:
         # A tree small enough to search in less time than a thread hop takes is searched
         # right here (as the sandbox user); a larger one on the pool, below.
@@ -125,20 +125,34 @@ async def grep(
 class _NativeSearch:
     """A small-tree search by the C library (:mod:`sandlot.dataplane.native`)."""
 
-    def __init__(self, lib: native.Native, pattern: bytes, glob: bytes | None, cap: int) -> None:
+    def __init__(
+        self,
+        lib: native.Native,
+        pattern: bytes,
+        glob: bytes | None,
+        cap: int,
+        identity: tuple[int, int] | None = None,
+        cache: grepcache.GrepCache | None = None,
+    ) -> None:
         self.lib = lib
         self.pattern = pattern
         self.glob = glob
         self.cap = cap
+        #: Whose copies the search reads (``fs_ids``): one user's copy is not another's.
+        self.identity = identity
+        self.cache = cache
 
     @classmethod
-    def of(cls, pattern: str, glob: str | None, cap: int) -> _NativeSearch | None:
+    def of(
+        cls, pattern: str, glob: str | None, cap: int, identity: tuple[int, int] | None
+    ) -> _NativeSearch | None:
         """The search if the library is built and takes this pattern and glob."""
         lib = native.ready()
         if lib is None or (glob is not None and "[" in glob):
             return None  # character classes: fnmatch's own syntax, left to Python
         try:
-            return cls(lib, pattern.encode(), None if glob is None else glob.encode(), cap)
+            encoded = None if glob is None else glob.encode()
+            return cls(lib, pattern.encode(), encoded, cap, identity, grepcache.shared(lib))
         except UnicodeEncodeError:
             return None
 
@@ -159,6 +173,8 @@ class _NativeSearch:
         try:
             if not is_dir:
                 return native.USE_PYTHON
+            if self.cache is not None:
+                return self._search_copy(self.cache, fd, base, files, nbytes)
             return self.lib.grep(
                 fd,
                 base,
@@ -171,6 +187,20 @@ class _NativeSearch:
             )
         finally:
             os.close(fd)
+
+    def _search_copy(
+        self, cache: grepcache.GrepCache, fd: int, base: bytes, files: int, nbytes: int
+    ) -> bytes | int:
+        """Search the cache's copy of the tree, taking one first if it has none."""
+        st = os.fstat(fd)
+        key = (self.identity, st.st_dev, st.st_ino)
+        kept = cache.get(key)
+        if kept is not None and len(kept) > nbytes:
+            return native.TOO_BIG  # a copy too large to search here: on the pool
+        pack = kept if kept is not None else cache.load(key, fd, files, nbytes)
+        if isinstance(pack, int):
+            return pack
+        return self.lib.grep_pack(pack, base, self.pattern, self.glob, self.cap)
 
 
 def _search(

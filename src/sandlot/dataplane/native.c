@@ -1,7 +1,8 @@
 /*
  * The dataplane's file operations in C: one directory of a /fs/list answer
- * (sandlot_scan) and the /fs/grep search of a small tree (sandlot_grep, at
- * the end of this file).
+ * (sandlot_scan), the /fs/grep search of a small tree (sandlot_grep), and
+ * the grep cache's copy of a small tree and its search (sandlot_grep_fill,
+ * sandlot_grep_pack, at the end of this file).
  *
  * Loaded with ctypes by native.py, which keeps the Python paths as the
  * reference and the fallback: this writes exactly the JSON text the Python
@@ -25,9 +26,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdint.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __SSE2__
+#include <emmintrin.h>
+#endif
 
 struct buf {
     char *data;
@@ -290,6 +296,13 @@ struct grep_job {
     size_t data_cap;
     long count;
     int status;
+    /* sandlot_grep_fill only */
+    int ifd;             /* the inotify instance that watches what is read */
+    uint32_t mask;
+    int unwatched;       /* something could not be watched: the copy must not be kept */
+    struct buf pack;
+    int *wds;
+    size_t nwds, wds_cap;
 };
 
 /* Appends s escaped as json.dumps(..., ensure_ascii=False) does; -1 if not valid UTF-8.
@@ -441,6 +454,21 @@ static long long read_file(struct grep_job *job, int fd) {
     return (long long)len;
 }
 
+/* The '\n' bytes among s[0..n): 16 bytes a step where SSE2 is there (every x86-64). */
+static long count_newlines(const unsigned char *s, size_t n) {
+    long count = 0;
+    size_t i = 0;
+#ifdef __SSE2__
+    const __m128i nl = _mm_set1_epi8('\n');
+    for (; i + 16 <= n; i += 16) {
+        __m128i v = _mm_loadu_si128((const __m128i *)(s + i));
+        count += __builtin_popcount((unsigned)_mm_movemask_epi8(_mm_cmpeq_epi8(v, nl)));
+    }
+#endif
+    for (; i < n; i++) count += s[i] == '\n';
+    return count;
+}
+
 /* Every line of data holding the pattern (grep.py's _scan). */
 static void scan(struct grep_job *job, const unsigned char *data, size_t n, size_t path_len) {
     long line = 1;
@@ -450,7 +478,7 @@ static void scan(struct grep_job *job, const unsigned char *data, size_t n, size
         size_t pos = (size_t)(at - data);
         const unsigned char *prev = pos ? memrchr(data, '\n', pos) : NULL;
         size_t start = prev ? (size_t)(prev - data) + 1 : 0;
-        for (size_t i = counted; i < start; i++) line += data[i] == '\n';
+        line += count_newlines(data + counted, start - counted);
         counted = start;
         const unsigned char *nl = memchr(data + pos, '\n', n - pos);
         size_t end = nl ? (size_t)(nl - data) : n;
@@ -602,4 +630,234 @@ int sandlot_grep(int fd, const char *base, size_t base_len, const char *pattern,
 void sandlot_grep_free(struct grep_result *r) {
     free(r->json);
     r->json = NULL;
+}
+
+/*
+ * The grep cache (grepcache.py): sandlot_grep_fill walks a tree as sandlot_grep does
+ * and keeps what a search of it needs, a "pack"; sandlot_grep_pack searches a pack and
+ * writes exactly what sandlot_grep writes for the same tree.
+ *
+ * A pack holds one record per regular file, in walk order:
+ *   u32 path length, the path below the directory (JSON-escaped, with its leading '/');
+ *   u32 name length, the name (raw bytes, for the glob);
+ *   u8 kind: 0 text, 1 binary (a NUL byte: skipped), 2 UTF-16 with a byte order mark;
+ *   u64 length and bytes of the text (0 for the other kinds).
+ *
+ * Each directory is watched (inotify_add_watch on `ifd` with `mask`, through its
+ * descriptor) before it is listed, and each file before it is read: any change after
+ * its copy was taken is an event on one of the watches returned (`wds`).
+ */
+
+struct pack_result {
+    unsigned char *pack;
+    size_t len;
+    int *wds;          /* the watches taken, also on failure (the caller releases them) */
+    size_t nwds;
+    int unwatched;     /* 1: a watch could not be taken (the copy is right, but not kept) */
+    int status;        /* as sandlot_grep's */
+};
+
+static void add_watch(struct grep_job *job, int fd) {
+    char path[40];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int wd = inotify_add_watch(job->ifd, path, job->mask);
+    if (wd < 0) {
+        job->unwatched = 1;
+        return;
+    }
+    if (job->nwds == job->wds_cap) {
+        size_t cap = job->wds_cap ? 2 * job->wds_cap : 64;
+        int *p = realloc(job->wds, cap * sizeof *p);
+        if (p == NULL) {
+            inotify_rm_watch(job->ifd, wd); /* possibly another copy's: it only drops more */
+            job->status = -ENOMEM;
+            return;
+        }
+        job->wds = p;
+        job->wds_cap = cap;
+    }
+    job->wds[job->nwds++] = wd;
+}
+
+static void put_u32(struct buf *b, size_t v) {
+    uint32_t x = (uint32_t)v;
+    put(b, (const char *)&x, sizeof x);
+}
+
+static void put_record(struct grep_job *job, const char *name, size_t name_len,
+                       unsigned char kind, const unsigned char *data, size_t len) {
+    struct buf *b = &job->pack;
+    if (reserve(b, job->path.len + name_len + len + 32) != 0) {
+        job->status = -ENOMEM;
+        return;
+    }
+    put_u32(b, job->path.len);
+    put(b, job->path.data, job->path.len);
+    put_u32(b, name_len);
+    put(b, name, name_len);
+    put(b, (const char *)&kind, 1);
+    uint64_t n = kind == 0 ? (uint64_t)len : 0;
+    put(b, (const char *)&n, sizeof n);
+    if (n) put(b, (const char *)data, len);
+}
+
+/* walk()'s search, keeping every file instead of searching it. */
+static void fill_walk(struct grep_job *job, int dfd, int depth) {
+    if (depth > MAX_DEPTH) {
+        job->status = 1;
+        return;
+    }
+    add_watch(job, dfd);
+    size_t n;
+    int oom = 0;
+    struct name *list = entries(dfd, &n, &oom);
+    if (oom) {
+        job->status = -ENOMEM;
+        return;
+    }
+    size_t dir_len = job->path.len;
+    for (size_t i = 0; i < n && job->status == 0; i++) {
+        const char *s = list[i].s;
+        if (strcmp(s, ".git") == 0) continue;
+        int is_reg = 0;
+        int is_dir = is_dir_entry(dfd, &list[i], &is_reg);
+        if (is_dir < 0 || (!is_dir && !is_reg)) continue;
+        size_t sn = strlen(s);
+        job->path.len = dir_len;
+        if (reserve(&job->path, 6 * sn + 2) != 0) {
+            job->status = -ENOMEM;
+            break;
+        }
+        PUTS(&job->path, "/");
+        int rc = put_text(&job->path, (const unsigned char *)s, sn, (size_t)-1);
+        if (rc != 0) {
+            job->status = rc == -1 ? 2 : -ENOMEM;
+            break;
+        }
+        if (is_dir) {
+            int sub = openat(dfd, s, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+            if (sub < 0) continue; /* raced away or unreadable: skipped */
+            fill_walk(job, sub, depth + 1);
+            close(sub);
+            continue;
+        }
+        int fd = openat(dfd, s, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+        if (fd < 0) continue;
+        add_watch(job, fd);
+        long long len = read_file(job, fd);
+        close(fd);
+        if (len < 0) continue;
+        const unsigned char *d = job->data;
+        unsigned char kind = 0;
+        if (len >= 2 && ((d[0] == 0xFF && d[1] == 0xFE) || (d[0] == 0xFE && d[1] == 0xFF)))
+            kind = 2;
+        else if (memchr(d, 0, (size_t)len) != NULL)
+            kind = 1;
+        put_record(job, s, sn, kind, d, (size_t)len);
+    }
+    job->path.len = dir_len;
+    free_entries(list, n);
+}
+
+int sandlot_grep_fill(int fd, int ifd, uint32_t mask, long max_files, long long max_bytes,
+                      struct pack_result *out) {
+    memset(out, 0, sizeof *out);
+    struct grep_job job = {0};
+    job.ifd = ifd;
+    job.mask = mask;
+    job.count_left = max_files;
+    job.files_left = max_files;
+    job.bytes_left = max_bytes;
+    walk(&job, fd, 0, 0); /* count first: a large tree is left before any read or watch */
+    if (job.status == 0) {
+        /* An empty path: records hold paths below the directory. */
+        if (reserve(&job.path, 1) != 0)
+            job.status = -ENOMEM;
+        else
+            fill_walk(&job, fd, 0);
+    }
+    free(job.path.data);
+    free(job.data);
+    out->wds = job.wds;
+    out->nwds = job.nwds;
+    out->unwatched = job.unwatched;
+    out->status = job.status;
+    if (job.status != 0) {
+        free(job.pack.data);
+        return job.status;
+    }
+    out->pack = (unsigned char *)job.pack.data;
+    out->len = job.pack.len;
+    return 0;
+}
+
+void sandlot_grep_fill_free(struct pack_result *r) {
+    free(r->pack);
+    free(r->wds);
+    r->pack = NULL;
+    r->wds = NULL;
+}
+
+static uint64_t get_u(const unsigned char *p, size_t n) {
+    uint32_t a;
+    uint64_t b;
+    if (n == 4) {
+        memcpy(&a, p, 4);
+        return a;
+    }
+    memcpy(&b, p, 8);
+    return b;
+}
+
+int sandlot_grep_pack(const unsigned char *pack, size_t len, const char *base, size_t base_len,
+                      const char *pattern, size_t pattern_len, const char *glob,
+                      size_t glob_len, long cap, struct grep_result *out) {
+    memset(out, 0, sizeof *out);
+    struct grep_job job = {0};
+    job.pattern = (const unsigned char *)pattern;
+    job.pattern_len = pattern_len;
+    job.glob = (const unsigned char *)glob;
+    job.glob_len = glob_len;
+    job.cap = cap;
+    if (reserve(&job.path, base_len + 1) != 0) {
+        out->status = -ENOMEM;
+        return -ENOMEM;
+    }
+    put(&job.path, base, base_len);
+    size_t at = 0;
+    while (at < len && job.status == 0 && job.count <= job.cap) {
+        size_t path_len = get_u(pack + at, 4);
+        const unsigned char *path = pack + at + 4;
+        at += 4 + path_len;
+        size_t name_len = get_u(pack + at, 4);
+        const unsigned char *name = pack + at + 4;
+        at += 4 + name_len;
+        unsigned char kind = pack[at];
+        size_t data_len = get_u(pack + at + 1, 8);
+        const unsigned char *data = pack + at + 9;
+        at += 9 + data_len;
+        if (job.glob != NULL && !glob_match(job.glob, job.glob_len, name, name_len)) continue;
+        if (kind == 2) {
+            job.status = 1; /* UTF-16 with a byte order mark: ripgrep transcodes it */
+            break;
+        }
+        if (kind == 1) continue;
+        job.path.len = base_len;
+        if (reserve(&job.path, path_len) != 0) {
+            job.status = -ENOMEM;
+            break;
+        }
+        put(&job.path, (const char *)path, path_len);
+        scan(&job, data, data_len, job.path.len);
+    }
+    free(job.path.data);
+    if (job.status != 0) {
+        free(job.json.data);
+        out->status = job.status;
+        return job.status;
+    }
+    out->json = job.json.data;
+    out->json_len = job.json.len;
+    out->count = job.count;
+    return 0;
 }

@@ -32,7 +32,7 @@ import stat
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sandlot.runtime.cbuild import BuildError, build_cached
 
@@ -58,6 +58,29 @@ class _GrepResult(ctypes.Structure):
         ("count", ctypes.c_long),
         ("status", ctypes.c_int),
     ]
+
+
+class _PackResult(ctypes.Structure):
+    _fields_ = [
+        ("pack", ctypes.c_void_p),
+        ("len", ctypes.c_size_t),
+        ("wds", ctypes.POINTER(ctypes.c_int)),
+        ("nwds", ctypes.c_size_t),
+        ("unwatched", ctypes.c_int),
+        ("status", ctypes.c_int),
+    ]
+
+
+class Fill(NamedTuple):
+    """What :meth:`Native.fill` copied of a tree."""
+
+    #: The pack to search (:meth:`Native.grep_pack`), or why not (:data:`TOO_BIG`,
+    #: :data:`USE_PYTHON`).
+    pack: bytes | int
+    #: The inotify watches taken, whatever the outcome (the caller releases them).
+    wds: frozenset[int]
+    #: A watch could not be taken: the pack is right, but must not be kept.
+    unwatched: bool
 
 
 class Unsupported(Exception):
@@ -97,6 +120,20 @@ class Native:
             ],
         )
         self._grep_free = _declare(lib.sandlot_grep_free, [c.POINTER(_GrepResult)], None)
+        self._fill = _declare(
+            lib.sandlot_grep_fill,
+            [c.c_int, c.c_int, c.c_uint32, c.c_long, c.c_longlong, c.POINTER(_PackResult)],
+        )
+        self._fill_free = _declare(lib.sandlot_grep_fill_free, [c.POINTER(_PackResult)], None)
+        self._grep_pack = _declare(
+            lib.sandlot_grep_pack,
+            [
+                *(c.c_char_p, c.c_size_t, c.c_char_p, c.c_size_t),  # pack, escaped base
+                *(c.c_char_p, c.c_size_t, c.c_char_p, c.c_size_t),  # pattern, glob
+                c.c_long,
+                c.POINTER(_GrepResult),
+            ],
+        )
 
     def scan(
         self, fd: int, prefix: bytes, limit: int, want_subdirs: bool
@@ -165,11 +202,48 @@ class Native:
                 raise OSError(-rc, os.strerror(-rc))
             if rc != 0:
                 return int(rc)
-            found = ctypes.string_at(res.json, res.json_len) if res.json else b""
-            truncated = b"true" if res.count > cap else b"false"
-            return b'{"matches":[' + found + b'],"truncated":' + truncated + b"}"
+            return _answer(res, cap)
         finally:
             self._grep_free(res)
+
+    def fill(self, fd: int, ifd: int, mask: int, max_files: int, max_bytes: int) -> Fill:
+        """A copy of the tree below directory ``fd`` for :meth:`grep_pack`, each directory
+        and file watched on the inotify instance ``ifd`` (with ``mask``) before it is
+        read; :data:`TOO_BIG` past ``max_files`` regular files or ``max_bytes`` bytes."""
+        res = _PackResult()
+        rc = self._fill(fd, ifd, mask, max_files, max_bytes, res)
+        try:
+            wds = frozenset(res.wds[i] for i in range(res.nwds))
+            if rc < 0:  # out of memory: the Python path reports it (the watches go back)
+                return Fill(USE_PYTHON, wds, True)
+            pack: bytes | int = int(rc) if rc else ctypes.string_at(res.pack, res.len)
+            return Fill(pack, wds, bool(res.unwatched))
+        finally:
+            self._fill_free(res)
+
+    def grep_pack(
+        self, pack: bytes, base: bytes, pattern: bytes, glob: bytes | None, cap: int
+    ) -> bytes | int:
+        """What :meth:`grep` answers for the tree ``pack`` was filled from."""
+        res = _GrepResult()
+        n = len(glob or b"")
+        rc = self._grep_pack(
+            pack, len(pack), base, len(base), pattern, len(pattern), glob, n, cap, res
+        )
+        try:
+            if rc < 0:
+                raise OSError(-rc, os.strerror(-rc))
+            if rc != 0:
+                return int(rc)
+            return _answer(res, cap)
+        finally:
+            self._grep_free(res)
+
+
+def _answer(res: _GrepResult, cap: int) -> bytes:
+    found = ctypes.string_at(res.json, res.json_len) if res.json else b""
+    truncated = b"true" if res.count > cap else b"false"
+    return b'{"matches":[' + found + b'],"truncated":' + truncated + b"}"
 
 
 _lock = threading.Lock()

@@ -360,7 +360,7 @@ class SandlotBackend(BaseSandbox):
     ) -> GrepResult:
         """Lines containing the literal ``pattern`` (``POST /fs/grep``)."""
         try:
-            found = self._sandbox.grep(pattern, path or "/workspace", glob=glob)
+            found = self._sandbox._grep(pattern, path or "/workspace", glob, None, False, None)
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)
@@ -376,7 +376,7 @@ class SandlotBackend(BaseSandbox):
         """Async version of :meth:`grep`."""
         try:
             async with self._asandbox() as sandbox:
-                found = await sandbox.grep(pattern, path or "/workspace", glob=glob)
+                found = await sandbox._grep(pattern, path or "/workspace", glob, None, False, None)
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)
@@ -462,8 +462,9 @@ class SandlotBackend(BaseSandbox):
             return out
 
 
-def _grep_result(found: list[Any], max_count: int | None) -> GrepResult:
-    matches: list[DAGrepMatch] = [{"path": m.path, "line": m.line, "text": m.text} for m in found]
+def _grep_result(found: dict[str, Any], max_count: int | None) -> GrepResult:
+    # The wire's match objects are deepagents' GrepMatch dicts already: path, line, text.
+    matches: list[DAGrepMatch] = found["matches"]
     if max_count is not None and len(matches) > max_count:
         return GrepResult(matches=matches[:max_count], truncated=True)
     return GrepResult(matches=matches)

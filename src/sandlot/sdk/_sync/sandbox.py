@@ -500,13 +500,26 @@ class Sandbox:
         timeout: float | None = None,
     ) -> list[GrepMatch]:
         """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers."""
+        out = self._grep(pattern, path, glob, max_count, regex, timeout)
+        return [GrepMatch(m["path"], int(m["line"]), m["text"]) for m in out["matches"]]
+
+    def _grep(
+        self,
+        pattern: str,
+        path: str,
+        glob: str | None,
+        max_count: int | None,
+        regex: bool,
+        timeout: float | None,
+    ) -> dict[str, Any]:
+        """``POST /fs/grep``'s answer as sent: ``matches`` (dicts of ``path``, ``line``,
+        ``text``) and ``truncated`` (for callers that want plain dicts anyway)."""
         body: dict[str, Any] = {"pattern": pattern, "path": path, "regex": regex}
         if glob is not None:
             body["glob"] = glob
         if max_count is not None:
             body["max_count"] = max_count
-        out = self._call("POST", "/fs/grep", timeout, json_body=body)
-        return [GrepMatch(m["path"], int(m["line"]), m["text"]) for m in out["matches"]]
+        return dict(self._call("POST", "/fs/grep", timeout, json_body=body))
 
     def stat(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
         """A file's metadata."""

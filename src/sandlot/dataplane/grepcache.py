@@ -1,0 +1,289 @@
+"""Small trees kept in memory for ``/fs/grep``, kept current by inotify.
+
+An agent greps the same tree again and again, and reading its files is most of
+what a small search costs: opening and reading 50 small files takes longer
+than the whole HTTP round trip around it. So the first search of a small tree
+copies it (a *pack*, see ``native.c``: each regular file's path, name, kind
+and text, in walk order) and later searches read the copy.
+
+The copy is exact, not a guess:
+
+- One inotify instance watches every directory and every file copied, each
+  watch taken *before* the directory is listed or the file read.
+- The kernel queues an inotify event inside the system call that makes a change
+  (a write, a truncate, a create, a rename, an unlink, a chmod, a new hard
+  link...), before that call returns. So a change finished before a search
+  began is in the queue when the search starts.
+- Every lookup first reads the queue (without blocking); an event on any watch
+  of a copy drops the copy, and the search reads the tree again. A full queue
+  (``IN_Q_OVERFLOW``) drops every copy.
+- Files are watched themselves, not only through their directories: a write
+  through another hard link, from outside the tree, is seen too.
+- A copy taken while another search was filling one is kept only if no event
+  touched its watches meanwhile; a watch that could not be taken (the per-user
+  limit) means the copy answers that one search and is not kept.
+
+What inotify does not report: a change made only through a writable shared
+memory mapping (``mmap``) of a file. A search sees it once the file is next
+written, truncated or closed after writing, or anything else in its tree
+changes. ``SANDLOT_DP_GREP_CACHE=0`` turns the cache off.
+
+Copies are keyed by the searched directory's device and inode and by the
+identity that read them, and bounded in bytes (:data:`MAX_BYTES`) and watches
+(:data:`MAX_WATCHES`), least recently used first out.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import logging
+import os
+import struct
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import NamedTuple
+
+from sandlot.dataplane import native
+
+log = logging.getLogger("sandlot.dataplane.grepcache")
+
+IN_MODIFY = 0x00000002
+IN_ATTRIB = 0x00000004
+IN_CLOSE_WRITE = 0x00000008
+IN_MOVED_FROM = 0x00000040
+IN_MOVED_TO = 0x00000080
+IN_CREATE = 0x00000100
+IN_DELETE = 0x00000200
+IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
+IN_Q_OVERFLOW = 0x00004000
+
+#: Everything that changes what a search of a tree finds (contents, names, entries,
+#: permissions, link counts). Reads and opens are not events: a search does not drop
+#: its own copy.
+MASK = (
+    IN_MODIFY
+    | IN_ATTRIB
+    | IN_CLOSE_WRITE
+    | IN_MOVED_FROM
+    | IN_MOVED_TO
+    | IN_CREATE
+    | IN_DELETE
+    | IN_DELETE_SELF
+    | IN_MOVE_SELF
+)
+#: Bytes of copies kept by one dataplane.
+MAX_BYTES = 64 << 20
+#: inotify watches held by one dataplane, at most: an eighth of the per-user limit,
+#: which the workspace watchers (the activity feed) share.
+MAX_WATCHES = 16_384
+
+_HEADER = struct.Struct("iIII")
+
+#: ``(identity, st_dev, st_ino)`` of a searched directory.
+Key = tuple[object, int, int]
+
+
+class _Copy(NamedTuple):
+    pack: bytes
+    wds: frozenset[int]
+
+
+class _Mark(NamedTuple):
+    changed: int
+    overflows: int
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+    return libc
+
+
+def _user_watch_limit() -> int:
+    try:
+        return int(Path("/proc/sys/fs/inotify/max_user_watches").read_text())
+    except (OSError, ValueError):
+        return 8192  # the historical default
+
+
+class GrepCache:
+    """The copies of small trees one dataplane keeps, and their watches.
+
+    Thread-safe: searches run on the event loop thread and on the file pool.
+    """
+
+    def __init__(
+        self, lib: native.Native, *, max_bytes: int = MAX_BYTES, max_watches: int = MAX_WATCHES
+    ) -> None:
+        fd = _libc().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+        if fd < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+        self._fd = fd
+        self._lib = lib
+        self.max_bytes = max_bytes
+        self.max_watches = min(max_watches, _user_watch_limit() // 8)
+        self._lock = threading.Lock()
+        self._copies: OrderedDict[Key, _Copy] = OrderedDict()
+        self._users: dict[int, set[Key]] = {}  # watch -> the copies it guards
+        self._bytes = 0
+        self._fills = 0  # fills under way
+        self._changed: list[int] = []  # watches with an event while fills were under way
+        self._overflows = 0
+        self._unused: set[int] = set()  # watches to release once no fill is under way
+        self.hits = 0
+        self.misses = 0
+
+    # -- the copies ------------------------------------------------------------------
+
+    def get(self, key: Key) -> bytes | None:
+        """The copy of ``key``'s tree, if it is kept and nothing changed since it was taken."""
+        with self._lock:
+            self._drain()
+            found = self._copies.get(key)
+            if found is None:
+                self.misses += 1
+                return None
+            self._copies.move_to_end(key)
+            self.hits += 1
+            return found.pack
+
+    def load(self, key: Key, fd: int, max_files: int, max_bytes: int) -> bytes | int:
+        """Copy the tree of directory ``fd`` (and keep it): its pack, or why not
+        (:data:`~native.TOO_BIG`, :data:`~native.USE_PYTHON`)."""
+        with self._lock:
+            self._fills += 1
+            mark = _Mark(len(self._changed), self._overflows)
+        filled: native.Fill | None = None
+        try:
+            # The identity of the calling thread reads the files and takes the watches.
+            filled = self._lib.fill(fd, self._fd, MASK, max_files, max_bytes)
+        finally:
+            with self._lock:
+                if filled is not None:
+                    self._settle(key, mark, filled)
+                self._fills -= 1
+                self._release_unused()
+        return filled.pack
+
+    def _settle(self, key: Key, mark: _Mark, filled: native.Fill) -> None:
+        self._drain()
+        changed = set(self._changed[mark.changed :])
+        keep = (
+            isinstance(filled.pack, bytes)
+            and not filled.unwatched
+            and mark.overflows == self._overflows
+            and not changed & filled.wds
+            and len(filled.pack) <= self.max_bytes
+            and len(filled.wds) <= self.max_watches
+        )
+        if keep:
+            assert isinstance(filled.pack, bytes)
+            self._drop(key)
+            self._copies[key] = _Copy(filled.pack, filled.wds)
+            self._bytes += len(filled.pack)
+            for wd in filled.wds:
+                self._users.setdefault(wd, set()).add(key)
+            while self._bytes > self.max_bytes or len(self._users) > self.max_watches:
+                self._drop(next(iter(self._copies)))
+        else:
+            self._unused.update(wd for wd in filled.wds if wd not in self._users)
+
+    def _drop(self, key: Key) -> None:
+        copy = self._copies.pop(key, None)
+        if copy is None:
+            return
+        self._bytes -= len(copy.pack)
+        for wd in copy.wds:
+            users = self._users.get(wd)
+            if users is not None:
+                users.discard(key)
+                if not users:
+                    del self._users[wd]
+                    self._unused.add(wd)
+
+    def _release_unused(self) -> None:
+        """Remove the watches no copy needs, unless a fill under way may have taken the
+        same one (a watch is per inode: a second ``inotify_add_watch`` returns it again)."""
+        if self._fills:
+            return
+        self._changed.clear()
+        for wd in self._unused:
+            if wd not in self._users:
+                _libc().inotify_rm_watch(self._fd, wd)
+        self._unused.clear()
+
+    # -- the events --------------------------------------------------------------------
+
+    def _drain(self) -> None:
+        """Read every queued event; drop the copies they touch."""
+        while True:
+            try:
+                data = os.read(self._fd, 1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            offset = 0
+            while offset + _HEADER.size <= len(data):
+                wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+                offset += _HEADER.size + length
+                if mask & IN_Q_OVERFLOW:
+                    log.info("grep cache: inotify queue overflowed; every copy dropped")
+                    self._overflows += 1
+                    for key in list(self._copies):
+                        self._drop(key)
+                    continue
+                if self._fills:
+                    self._changed.append(wd)
+                for key in list(self._users.get(wd, ())):
+                    self._drop(key)
+        self._release_unused()
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "copies": len(self._copies),
+                "bytes": self._bytes,
+                "watches": len(self._users),
+                "hits": self.hits,
+                "misses": self.misses,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._copies.clear()
+            self._users.clear()
+            if self._fd >= 0:
+                os.close(self._fd)  # releases every watch
+                self._fd = -1
+
+
+_shared: GrepCache | None = None
+_shared_lock = threading.Lock()
+_disabled = False
+
+
+def enabled() -> bool:
+    return os.environ.get("SANDLOT_DP_GREP_CACHE", "1").strip().lower() not in ("0", "false", "no")
+
+
+def shared(lib: native.Native) -> GrepCache | None:
+    """This process's cache (made on first use); ``None`` when turned off or unavailable."""
+    global _shared, _disabled
+    if _shared is not None or _disabled:
+        return _shared
+    with _shared_lock:
+        if _shared is None and not _disabled:
+            if not enabled():
+                _disabled = True
+                return None
+            try:
+                _shared = GrepCache(lib)
+            except OSError as exc:
+                log.warning("grep cache unavailable: %s", exc)
+                _disabled = True
+    return _shared

@@ -1,0 +1,280 @@
+"""The grep cache answers exactly what a fresh walk of the tree answers, whatever changed.
+
+Each test copies a tree (a first search), checks that the next search reads the
+copy (a hit), changes the tree one way, and checks that the next search answers
+what a walk of the tree without the cache answers.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sandlot.dataplane import grep as grep_mod
+from sandlot.dataplane import grepcache, native
+from sandlot.dataplane.paths import PathResolver
+from sandlot.runtime.base import Mount
+from tests.dataplane.conftest import Server
+
+FULL = (grep_mod.SMALL_TREE_FILES, grep_mod.SMALL_TREE_BYTES)
+
+
+@pytest.fixture(scope="module")
+def lib() -> native.Native:
+    found = native.library()
+    assert found is not None, "the C library did not build (is a C compiler installed?)"
+    return found
+
+
+@pytest.fixture
+def cache(lib: native.Native) -> Iterator[grepcache.GrepCache]:
+    made = grepcache.GrepCache(lib)
+    yield made
+    made.close()
+
+
+def search(
+    lib: native.Native,
+    root: Path,
+    cache: grepcache.GrepCache | None,
+    pattern: str = "needle",
+    glob: str | None = None,
+) -> bytes | int:
+    resolver = PathResolver([Mount("/workspace", root, True)])
+    found = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), 1000, None, cache)
+    with resolver.resolve("/workspace") as res:
+        return found.search(res, *FULL)
+
+
+def watches(cache: grepcache.GrepCache) -> int:
+    """The watches the kernel holds for the cache's inotify instance."""
+    text = Path(f"/proc/self/fdinfo/{cache._fd}").read_text()
+    return sum(1 for line in text.splitlines() if line.startswith("inotify wd:"))
+
+
+@pytest.fixture
+def tree(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    (root / "sub" / "deeper").mkdir(parents=True)
+    (root / "a.txt").write_text("needle a\nother\n")
+    (root / "b.py").write_text("no match\nneedle b\n")
+    (root / "sub" / "c.txt").write_text("needle c\n")
+    (root / "sub" / "deeper" / "d.txt").write_text("x\nneedle d\n")
+    (root / "bin.dat").write_bytes(b"needle \x00 binary\n")
+    os.symlink("a.txt", root / "link")
+    (tmp_path / "outside").mkdir()
+    return root
+
+
+def _append(path: Path, text: str) -> None:
+    with path.open("a") as f:
+        f.write(text)
+
+
+def _same_size(root: Path) -> None:
+    fd = os.open(root / "a.txt", os.O_WRONLY)
+    try:
+        os.pwrite(fd, b"needle A", 0)  # same size, within the same clock tick
+    finally:
+        os.close(fd)
+
+
+def _hard_link_elsewhere(root: Path) -> Callable[[], None]:
+    outside = root.parent / "outside" / "alias.txt"
+    os.link(root / "sub" / "c.txt", outside)
+    return lambda: _append(outside, "needle through another name\n")
+
+
+def _replace_atomically(root: Path) -> None:
+    tmp = root.parent / "outside" / "new.txt"
+    tmp.write_text("needle replaced\n")
+    os.replace(tmp, root / "b.py")
+
+
+def _move_in(root: Path) -> None:
+    made = root.parent / "outside" / "m.txt"
+    made.write_text("needle m\n")
+    made.rename(root / "m.txt")
+
+
+def _new_directory(root: Path) -> None:
+    (root / "n" / "m").mkdir(parents=True)
+    (root / "n" / "m" / "f.txt").write_text("needle nested\n")
+
+
+def _symlink_to_file(root: Path) -> None:
+    (root / "link").unlink()
+    (root / "link").write_text("needle now a file\n")
+
+
+CHANGES: dict[str, Callable[[Path], Any]] = {
+    "append": lambda r: _append(r / "a.txt", "needle more\n"),
+    "truncate": lambda r: os.truncate(r / "b.py", 0),
+    "same size in place": _same_size,
+    "create": lambda r: (r / "new.txt").write_text("needle new\n"),
+    "unlink": lambda r: (r / "a.txt").unlink(),
+    "rename inside": lambda r: (r / "a.txt").rename(r / "z.txt"),
+    "move in": _move_in,
+    "move out": lambda r: (r / "sub" / "c.txt").rename(r.parent / "outside" / "c.txt"),
+    "new directory": _new_directory,
+    "deep write": lambda r: _append(r / "sub" / "deeper" / "d.txt", "needle deeper\n"),
+    "remove directory": lambda r: shutil.rmtree(r / "sub"),
+    "binary becomes text": lambda r: (r / "bin.dat").write_bytes(b"needle text\n"),
+    "replace atomically": _replace_atomically,
+    "symlink becomes file": _symlink_to_file,
+    "directory renamed": lambda r: (r / "sub").rename(r / "bus"),
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_change_is_seen_by_the_next_search(
+    lib: native.Native, cache: grepcache.GrepCache, tree: Path, change: str
+) -> None:
+    first = search(lib, tree, cache)
+    assert isinstance(first, bytes) and first == search(lib, tree, None)
+    assert search(lib, tree, cache) == first
+    assert cache.stats()["hits"] == 1
+    CHANGES[change](tree)
+    after = search(lib, tree, cache)
+    assert after == search(lib, tree, None) != first
+    assert cache.stats()["hits"] == 1  # the copy was dropped, not read
+    assert search(lib, tree, cache) == after and cache.stats()["hits"] == 2
+
+
+def test_a_write_through_another_hard_link(
+    lib: native.Native, cache: grepcache.GrepCache, tree: Path
+) -> None:
+    """The alias is outside the tree: only the file's own watch sees the write."""
+    write = _hard_link_elsewhere(tree)
+    first = search(lib, tree, cache)
+    assert search(lib, tree, cache) == first
+    write()
+    after = search(lib, tree, cache)
+    assert after == search(lib, tree, None) != first
+    assert b"through another name" in after  # type: ignore[operator]
+
+
+def test_permissions_change_what_is_found(
+    lib: native.Native, cache: grepcache.GrepCache, tree: Path
+) -> None:
+    first = search(lib, tree, cache)
+    os.chmod(tree / "a.txt", 0o000)
+    after = search(lib, tree, cache)
+    assert after == search(lib, tree, None)
+    assert cache.stats()["hits"] == 0  # as root the text is the same: the copy still went
+    os.chmod(tree / "a.txt", 0o644)
+    assert search(lib, tree, cache) == first
+
+
+def test_reading_does_not_drop_a_copy(
+    lib: native.Native, cache: grepcache.GrepCache, tree: Path
+) -> None:
+    search(lib, tree, cache)
+    for path in tree.rglob("*"):
+        if path.is_file():
+            path.read_bytes()
+        path.lstat()
+    os.listdir(tree / "sub")
+    search(lib, tree, cache, "other", "*.txt")
+    assert cache.stats()["hits"] == 1
+
+
+def test_a_change_during_the_copy_is_not_kept(
+    lib: native.Native, tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file changed after its watch was taken, before the copy is kept: the copy serves
+    that one search (it raced the change) and is not kept."""
+    cache = grepcache.GrepCache(lib)
+    real = lib.fill
+    other = tree.parent / "other"
+    other.mkdir()
+    (other / "o.txt").write_text("needle o\n")
+
+    def racing(*args: Any) -> native.Fill:
+        filled = real(*args)
+        _append(tree / "a.txt", "needle raced\n")
+        return filled
+
+    try:
+        monkeypatch.setattr(lib, "fill", racing)
+        search(lib, tree, cache)
+        monkeypatch.setattr(lib, "fill", real)
+        assert cache.stats()["copies"] == 0
+        assert b"needle raced" in search(lib, tree, cache)  # type: ignore[operator]
+        assert cache.stats()["copies"] == 1
+
+        # The event is read by another search (of another tree) while the copy is made.
+        def seen_elsewhere(*args: Any) -> native.Fill:
+            filled = real(*args)
+            _append(tree / "b.py", "needle seen elsewhere\n")
+            assert search(lib, other, cache) == search(lib, other, None)
+            return filled
+
+        search(lib, other, cache)
+        _append(tree / "a.txt", "x\n")
+        monkeypatch.setattr(lib, "fill", seen_elsewhere)
+        search(lib, tree, cache)
+        monkeypatch.setattr(lib, "fill", real)
+        assert cache.stats()["copies"] == 1  # other's only
+        hits = cache.stats()["hits"]
+        assert b"seen elsewhere" in search(lib, tree, cache)  # type: ignore[operator]
+        assert cache.stats()["hits"] == hits
+    finally:
+        cache.close()
+
+
+def test_watches_are_released(lib: native.Native, tree: Path, tmp_path: Path) -> None:
+    second = tmp_path / "second"
+    second.mkdir()
+    (second / "s.txt").write_text("needle s\n" * 200)
+    cache = grepcache.GrepCache(lib, max_bytes=1000)
+    try:
+        search(lib, tree, cache)
+        # Directories ws, sub, deeper; files a.txt, b.py, bin.dat, c.txt, d.txt.
+        assert watches(cache) == 8
+        _append(tree / "a.txt", "needle\n")
+        search(lib, second, cache)  # drops the first copy; the second is too large to keep
+        assert watches(cache) == 0 and cache.stats()["copies"] == 0
+        search(lib, tree, cache)
+        assert watches(cache) == 8
+        small = tmp_path / "small"
+        small.mkdir()
+        (small / "t.txt").write_text("needle t\n" * 100)
+        search(lib, small, cache)  # over max_bytes with the first: the first goes
+        assert cache.stats()["copies"] == 1 and watches(cache) == 2
+    finally:
+        cache.close()
+    limited = grepcache.GrepCache(lib, max_watches=3)
+    try:
+        assert search(lib, tree, limited) == search(lib, tree, None)
+        assert limited.stats()["copies"] == 0 and watches(limited) == 0
+    finally:
+        limited.close()
+
+
+def test_a_command_s_write_is_in_the_next_grep(server: Server, client: httpx.Client) -> None:
+    """Through the dataplane: a command changes a file, and the grep right after sees it."""
+    assert native.library() is not None
+    (server.workspace / "g").mkdir()
+    (server.workspace / "g" / "f.txt").write_text("needle 1\n")
+
+    def grep() -> list[str]:
+        r = client.post(server.url("/fs/grep"), json={"pattern": "needle", "path": "g"})
+        assert r.status_code == 200, r.text
+        return [m["text"] for m in r.json()["matches"]]
+
+    for i in range(2, 12):
+        assert grep() == [f"needle {n}" for n in range(1, i)]
+        r = client.post(
+            server.url("/exec"), json={"command": f"echo 'needle {i}' >> g/f.txt", "wait": True}
+        )
+        assert r.status_code in (200, 201), r.text
+        assert r.json()["exit_code"] == 0
+    cache = grepcache._shared
+    assert cache is not None and cache.stats()["hits"] == 0  # every grep followed a change
