@@ -418,3 +418,134 @@ def test_call_past_its_deadline_names_the_request(scripted) -> None:
         http.json("GET", "/fs/stat", deadline=http.deadline(None), params={"path": "/"})
     http.close()
     assert srv.requests[0][1].startswith(b"GET /v1/fs/stat?path=%2F HTTP/1.1")
+
+
+def raw(payload: bytes, *, close: bool = True) -> Handler:
+    """Answers every request with ``payload`` as is (closing the connection after it)."""
+
+    def handler(number: int, head: bytes, body: bytes, sock: socket.socket) -> bool:
+        sock.sendall(payload)
+        if close:
+            sock.shutdown(socket.SHUT_WR)
+        return not close
+
+    return handler
+
+
+@pytest.mark.parametrize("kind", twins())
+@pytest.mark.parametrize(
+    ("payload", "content", "reused"),
+    [
+        pytest.param(
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            b"ok",
+            True,
+            id="informational answer skipped",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"3;ext=1\r\nabc\r\n1\r\nd\r\n0\r\nX-Trailer: t\r\n\r\n",
+            b"abcd",
+            True,
+            id="chunk extensions and trailers",
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+            b"ok",
+            False,
+            id="connection close",
+        ),
+        pytest.param(
+            b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", b"ok", False, id="HTTP/1.0"
+        ),
+        pytest.param(b"HTTP/1.1 200 OK\r\n\r\nuntil the end", b"until the end", False, id="eof"),
+        pytest.param(b"HTTP/1.1 204 No Content\r\n\r\n", b"", True, id="no content"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA", b"ok", False, id="extra bytes"
+        ),
+    ],
+)
+def test_answers_framed_every_way(scripted, kind, payload, content, reused) -> None:
+    srv = scripted(raw(payload, close=not reused))
+    wire = kind()
+
+    async def twice() -> list[bytes]:
+        out = []
+        for _ in range(2):
+            r = await wire.request("GET", srv.url + "/", headers=[], deadline=Deadline(5))
+            out.append(r.content)
+        await wire.aclose()
+        return out
+
+    if kind is AsyncWire:
+        got = asyncio.run(twice())
+    else:
+        got = [run(wire, "GET", srv.url + "/", keep=True).content for _ in range(2)]
+        wire.close()
+    assert got == [content, content]
+    assert srv.connections == (1 if reused else 2)
+
+
+@pytest.mark.parametrize("kind", twins())
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(b"SSH-2.0-OpenSSH\r\n\r\n", id="not HTTP"),
+        pytest.param(b"HTTP/1.1 20 OK\r\n\r\n", id="short status"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nbad header line\r\n\r\n", id="header without colon"),
+        pytest.param(b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n", id="obsolete line folding"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\nx", id="two lengths"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", id="negative length"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", id="gzip"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", id="bad chunk size"
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXX", id="chunk overrun"
+        ),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nab", id="chunk cut short"
+        ),
+        pytest.param(b"HTTP/1.1 200 OK\r\nX: " + b"y" * (70 << 10), id="head too large"),
+        pytest.param(b"HTTP/1.1 101 Switching Protocols\r\n\r\n", id="upgrade"),
+        pytest.param(b"", id="closed before an answer"),
+    ],
+)
+def test_broken_answers_are_connection_errors(scripted, kind, payload) -> None:
+    srv = scripted(raw(payload))
+    with pytest.raises(ConnectionError):
+        run(kind(), "GET", srv.url + "/")
+
+
+def test_duplicate_headers_are_joined_and_names_lowered(scripted) -> None:
+    srv = scripted(raw(b"HTTP/1.1 200 OK\r\nX-A: 1\r\nx-a:  2 \r\nContent-Length: 0\r\n\r\n"))
+    resp = run(Wire(), "GET", srv.url + "/")
+    assert resp.headers["x-a"] == "1, 2"
+
+
+def test_a_head_answer_has_no_body(scripted) -> None:
+    srv = scripted(raw(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", close=False))
+    wire = Wire()
+    assert run(wire, "HEAD", srv.url + "/", keep=True).content == b""
+    assert run(wire, "HEAD", srv.url + "/").content == b""
+    assert srv.connections == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "url", "headers"),
+    [
+        ("GET", "/x", [("X-Token", "a\r\nInjected: 1")]),
+        ("GET", "/x", [("Bad Name", "v")]),
+        ("GET", "/x y", []),
+        ("G ET", "/x", []),
+    ],
+)
+def test_a_request_that_would_break_the_framing_is_not_sent(
+    scripted, method: str, url: str, headers: list[tuple[str, str]]
+) -> None:
+    srv = scripted(echo)
+    wire = Wire()
+    with pytest.raises(ValueError):
+        wire.request(method, srv.url + url, headers=headers, deadline=Deadline(5))
+    wire.close()
+    assert srv.requests == []
