@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-SERVER_ONLY = ("pydantic", "starlette", "fastapi", "sqlalchemy", "httpx", "jwt", "uvicorn")
+SERVER_ONLY = ("pydantic", "starlette", "fastapi", "sqlalchemy", "httpx", "jwt", "uvicorn", "h11")
 
 
 def test_sdk_import_stays_light() -> None:
