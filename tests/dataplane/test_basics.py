@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
 from tests.dataplane.conftest import Server
@@ -97,3 +99,39 @@ def test_non_utf8_file_names_are_listed_escaped(server: Server, client: httpx.Cl
     # Sending the escaped name back in JSON is refused cleanly (strict JSON parsing).
     body = b'{"path": "/workspace/bad\\udcffname", "content": "y"}'
     assert client.put(server.url("/fs/write"), content=body).status_code == 400
+
+
+def test_routes_served_directly_answer_as_behind_the_router(
+    server: Server, client: httpx.Client
+) -> None:
+    """Routes without a path parameter skip Starlette's router (``host._Direct``): the
+    router's answers (405, 404), the request id and the error envelope stay."""
+    direct = server.host.app
+    assert ("POST", "/fs/grep") in direct.table and ("GET", "/fs/read") in direct.table
+    r = client.get(server.url("/fs/grep"))
+    assert r.status_code == 405 and r.json()["error"]["code"] == "INVALID_REQUEST"
+    r = client.get(server.url("/fs/nope"))
+    assert r.status_code == 404 and r.json()["error"]["code"] == "NOT_FOUND"
+    r = client.get(
+        server.url("/fs/stat"), params={"path": "/workspace"}, headers={"X-Request-Id": "req_mine"}
+    )
+    assert r.status_code == 200 and r.headers.get_list("x-request-id") == ["req_mine"]
+    r = client.get(server.url("/fs/stat", sandbox_id="sb_other"), params={"path": "/workspace"})
+    assert r.status_code in (401, 403, 404), r.text  # another sandbox's id: never this one's
+
+    # An error that escapes an endpoint (and its response) is still the 500 envelope.
+    class Broken:
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            raise RuntimeError("boom")
+
+    async def broken(request: Any) -> Any:
+        return Broken()
+
+    original = direct.table[("GET", "/fs/stat")]
+    direct.table[("GET", "/fs/stat")] = broken
+    try:
+        r = client.get(server.url("/fs/stat"), params={"path": "/workspace"})
+    finally:
+        direct.table[("GET", "/fs/stat")] = original
+    assert r.status_code == 500 and r.json()["error"]["code"] == "INTERNAL"
+    assert "boom" not in r.text

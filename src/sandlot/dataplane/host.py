@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,8 @@ from sandlot.runtime.base import SandboxRuntime
 
 if TYPE_CHECKING:
     from sandlot.dataplane.websockets import Socket
+
+log = logging.getLogger("sandlot.dataplane")
 
 
 def _sandbox_routes(api: Api) -> list[BaseRoute]:
@@ -73,9 +76,7 @@ async def _method_not_allowed(request: Request, exc: Exception) -> Response:
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
-    from sandlot.protocol.errors import InternalError
-
-    return error_response(InternalError("internal error"), request_id_of(request.headers))
+    return _server_error_response(request)
 
 
 def _app(routes: list[BaseRoute]) -> Starlette:
@@ -83,6 +84,76 @@ def _app(routes: list[BaseRoute]) -> Starlette:
         routes=routes,
         exception_handlers={404: _not_found, 405: _method_not_allowed, 500: _server_error},
     )
+
+
+class _Direct:
+    """``/{sandbox_id}/v1/<route>`` straight to the route's endpoint, when the route has no
+    path parameter of its own (``/fs/read``, ``/fs/grep``, ``/exec``...); anything else
+    (WebSockets, ``/exec/{id}/...``, unknown paths and methods) through ``app``.
+
+    Starlette's middleware and route matching (a regular expression per route, one
+    scope copy per level) are about a tenth of a small file operation; the endpoints
+    write every error as the envelope themselves (:func:`~sandlot.dataplane.web.endpoint`).
+    """
+
+    def __init__(self, app: Starlette, routes: Sequence[BaseRoute]) -> None:
+        self.app = app
+        self.table: dict[tuple[str, str], Any] = {}
+        for route in routes:
+            if isinstance(route, Route) and "{" not in route.path:
+                for method in route.methods or ():
+                    self.table[(method, route.path)] = route.endpoint
+
+    @property
+    def routes(self) -> list[BaseRoute]:
+        """The routes of the app behind (every route, the direct ones included)."""
+        return self.app.routes
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            root: str = scope.get("root_path", "")
+            if root and path.startswith(root):
+                path = path[len(root) :]
+            # "/{sandbox_id}/v1/<route>"
+            _, sandbox_id, rest = path.split("/", 2) if path.count("/") >= 2 else ("", "", "")
+            if sandbox_id and rest.startswith("v1/"):
+                endpoint = self.table.get((scope["method"], rest[2:]))
+                if endpoint is not None:
+                    # "app": what Starlette's own request code looks for (a malformed
+                    # multipart body is then a 400, as behind Starlette's router).
+                    child = {**scope, "app": self.app, "path_params": {"sandbox_id": sandbox_id}}
+                    await _serve(endpoint, child, receive, send)
+                    return
+        await self.app(scope, receive, send)
+
+
+async def _serve(endpoint: Any, scope: Any, receive: Any, send: Any) -> None:
+    """What Starlette's route and error middleware do around an endpoint, for one that
+    answers every error itself: an exception escaping it (or its response) is still a
+    500 envelope if nothing was sent yet."""
+    started = False
+
+    async def tracked(message: Any) -> None:
+        nonlocal started
+        started = True
+        await send(message)
+
+    request = Request(scope, receive, send)
+    try:
+        response = await endpoint(request)
+        await response(scope, receive, tracked)
+    except Exception:
+        if started:
+            raise
+        log.exception("unexpected error in the dataplane")
+        await _server_error_response(request)(scope, receive, send)
+
+
+def _server_error_response(request: Request) -> Response:
+    from sandlot.protocol.errors import InternalError
+
+    return error_response(InternalError("internal error"), request_id_of(request.headers))
 
 
 class DataplaneHost:
@@ -101,12 +172,15 @@ class DataplaneHost:
         self._entries: dict[str, SandboxEntry] = {}
         self._api = Api(self)
         sandbox_routes = _sandbox_routes(self._api)
-        self.app = _app(
-            [
-                Route("/healthz", _version, methods=["GET"]),
-                Route("/__meta/version", _version, methods=["GET"]),
-                Mount("/{sandbox_id}/v1", routes=sandbox_routes),
-            ]
+        self.app: Any = _Direct(
+            _app(
+                [
+                    Route("/healthz", _version, methods=["GET"]),
+                    Route("/__meta/version", _version, methods=["GET"]),
+                    Mount("/{sandbox_id}/v1", routes=sandbox_routes),
+                ]
+            ),
+            sandbox_routes,
         )
 
     # --- registration -------------------------------------------------------------------

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -94,6 +95,8 @@ def as_sandlot_error(exc: BaseException) -> SandlotError:
     if isinstance(exc, HTTPException) and exc.status_code < 500:
         # Raised by Starlette itself (a malformed multipart body, for instance).
         return exception_for("", exc.status_code)(str(exc.detail)[:200])
+    if isinstance(exc, MultiPartException):
+        return InvalidRequest(exc.message[:200])
     if isinstance(exc, OSError):
         return os_error(exc)
     if isinstance(exc, (UnicodeError, ValueError)):
