@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +35,12 @@ def lib() -> native.Native:
     return found
 
 
-@pytest.fixture
-def cache(lib: native.Native) -> Iterator[grepcache.GrepCache]:
-    made = grepcache.GrepCache(lib)
+_pool = ThreadPoolExecutor(1, thread_name_prefix="test-pool")
+
+
+@pytest.fixture(params=["by name", "through /proc"])
+def cache(lib: native.Native, request: pytest.FixtureRequest) -> Iterator[grepcache.GrepCache]:
+    made = grepcache.GrepCache(lib, by_cwd=request.param == "by name")
     yield made
     made.close()
 
@@ -46,10 +52,28 @@ def search(
     pattern: str = "needle",
     glob: str | None = None,
 ) -> bytes | int:
+    """A search, then (if it read the tree) the copy the dataplane takes in the background,
+    here right away on a thread like the file pool's."""
     resolver = PathResolver([Mount("/workspace", root, True)])
     found = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), 1000, None, cache)
     with resolver.resolve("/workspace") as res:
-        return found.search(res, *FULL)
+        answer = found.search(res, *FULL)
+    if cache is not None and found.missed is not None:
+        copy(cache, resolver, found.missed)
+    return answer
+
+
+def copy(cache: grepcache.GrepCache, resolver: PathResolver, key: grepcache.Key) -> None:
+    def run() -> None:
+        with resolver.resolve("/workspace") as res:
+            fd, _ = grep_mod._open_target(res)
+            try:
+                cache.load(key, fd, *FULL)
+            finally:
+                os.close(fd)
+
+    on_pool = threading.current_thread().name.startswith("test-pool")
+    run() if on_pool else _pool.submit(run).result()
 
 
 def watches(cache: grepcache.GrepCache) -> int:
@@ -196,8 +220,8 @@ def test_a_change_during_the_copy_is_not_kept(
     other.mkdir()
     (other / "o.txt").write_text("needle o\n")
 
-    def racing(*args: Any) -> native.Fill:
-        filled = real(*args)
+    def racing(*args: Any, **kw: Any) -> native.Fill:
+        filled = real(*args, **kw)
         _append(tree / "a.txt", "needle raced\n")
         return filled
 
@@ -210,8 +234,8 @@ def test_a_change_during_the_copy_is_not_kept(
         assert cache.stats()["copies"] == 1
 
         # The event is read by another search (of another tree) while the copy is made.
-        def seen_elsewhere(*args: Any) -> native.Fill:
-            filled = real(*args)
+        def seen_elsewhere(*args: Any, **kw: Any) -> native.Fill:
+            filled = real(*args, **kw)
             _append(tree / "b.py", "needle seen elsewhere\n")
             assert search(lib, other, cache) == search(lib, other, None)
             return filled
@@ -229,31 +253,39 @@ def test_a_change_during_the_copy_is_not_kept(
         cache.close()
 
 
-def test_watches_are_released(lib: native.Native, tree: Path, tmp_path: Path) -> None:
+def test_watches_stay_within_the_budget(lib: native.Native, tree: Path, tmp_path: Path) -> None:
+    """A dropped copy's watches stay (idle) for the next copy of the tree, within the budget;
+    bytes are bounded too, least recently used copy first out."""
     second = tmp_path / "second"
     second.mkdir()
     (second / "s.txt").write_text("needle s\n" * 200)
-    cache = grepcache.GrepCache(lib, max_bytes=1000)
+    cache = grepcache.GrepCache(lib, max_bytes=1000, max_watches=11)
     try:
         search(lib, tree, cache)
         # Directories ws, sub, deeper; files a.txt, b.py, bin.dat, c.txt, d.txt.
-        assert watches(cache) == 8
+        assert watches(cache) == 8 and cache.stats()["watches"] == 8
         _append(tree / "a.txt", "needle\n")
         search(lib, second, cache)  # drops the first copy; the second is too large to keep
-        assert watches(cache) == 0 and cache.stats()["copies"] == 0
-        search(lib, tree, cache)
-        assert watches(cache) == 8
+        assert cache.stats()["copies"] == 0
+        assert watches(cache) == 10 and cache.stats()["idle_watches"] == 10
+        search(lib, tree, cache)  # takes its watches again: the same ones
+        assert watches(cache) == 10 and cache.stats()["watches"] == 8
         small = tmp_path / "small"
         small.mkdir()
         (small / "t.txt").write_text("needle t\n" * 100)
         search(lib, small, cache)  # over max_bytes with the first: the first goes
-        assert cache.stats()["copies"] == 1 and watches(cache) == 2
+        assert cache.stats()["copies"] == 1 and cache.stats()["watches"] == 2
+        assert watches(cache) <= 11  # idle ones removed, oldest first
+        assert watches(cache) == cache.stats()["watches"] + cache.stats()["idle_watches"]
+        (small / "t.txt").unlink()  # a deleted file's watch goes with it
+        search(lib, small, cache)
+        assert watches(cache) == cache.stats()["watches"] + cache.stats()["idle_watches"]
     finally:
         cache.close()
     limited = grepcache.GrepCache(lib, max_watches=3)
     try:
         assert search(lib, tree, limited) == search(lib, tree, None)
-        assert limited.stats()["copies"] == 0 and watches(limited) == 0
+        assert limited.stats()["copies"] == 0 and watches(limited) <= 3
     finally:
         limited.close()
 
@@ -278,3 +310,29 @@ def test_a_command_s_write_is_in_the_next_grep(server: Server, client: httpx.Cli
         assert r.json()["exit_code"] == 0
     cache = grepcache._shared
     assert cache is not None and cache.stats()["hits"] == 0  # every grep followed a change
+    # Without a change, the copy taken in the background answers (and answers the same).
+    expected = [f"needle {n}" for n in range(1, 12)]
+    for _ in range(100):
+        assert grep() == expected
+        if cache.stats()["hits"]:
+            break
+        time.sleep(0.02)
+    assert cache.stats()["hits"] >= 1
+    assert grep() == expected
+
+
+def test_copying_on_the_pool_leaves_every_working_directory_alone(
+    lib: native.Native, cache: grepcache.GrepCache, tree: Path
+) -> None:
+    """A thread that copies trees has a working directory of its own, left at ``/``: the
+    process's (the event loop's, every other thread's) never moves."""
+    before = os.getcwd()
+    search(lib, tree, cache)
+    assert os.getcwd() == before
+    seen: list[str] = []
+    other = threading.Thread(target=lambda: seen.append(os.getcwd()))
+    other.start()
+    other.join()
+    assert seen == [before]
+    if cache.by_cwd:
+        assert _pool.submit(os.getcwd).result() == "/"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def lib() -> native.Native:
 
 
 _cache: grepcache.GrepCache | None = None
+_pool = ThreadPoolExecutor(1, thread_name_prefix="test-pool")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,15 +60,41 @@ def both(
     search = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), cap)
     with resolver.resolve(path) as res:
         fast = search.search(res, *budget)
-    # The cache's copy (taken by the first search of this tree, read by the next ones).
+    # The cache's copy: the first search of a tree reads it and has it copied (here right
+    # away, on a thread like the file pool's), the next ones read the copy.
     copied = grep_mod._NativeSearch(
         lib, pattern.encode(), glob and glob.encode(), cap, cache=_cache
     )
+    assert _cache is not None
+    hits = _cache.stats()["hits"]
     with resolver.resolve(path) as res:
         copy = copied.search(res, *budget)
+    if _cache.stats()["hits"] == hits and copied.missed is not None:
+        key = copied.missed
+
+        def on_pool() -> None:
+            assert _cache is not None
+            with resolver.resolve(path) as res:
+                fd, _ = grep_mod._open_target(res)
+                try:
+                    _cache.load(key, fd, *FULL)
+                finally:
+                    os.close(fd)
+
+        _pool.submit(on_pool).result()
+        with resolver.resolve(path) as res:
+            copy = copied.search(res, *budget)
+    if _cache.stats()["hits"] == hits:
+        copy = native.USE_PYTHON  # not answered from a copy: nothing to compare
     if isinstance(copy, bytes):
+        # A copy is searched whatever the number of files (its bytes are the budget):
+        # it answers what a walk with the full budget answers.
         copies_answered[0] += 1
-        assert copy == fast, (root, pattern, glob, cap)
+        reference = fast
+        if budget != FULL:
+            with resolver.resolve(path) as res:
+                reference = search.search(res, *FULL)
+        assert copy == reference, (root, pattern, glob, cap)
     else:
         # A copy holds the whole tree: an odd name anywhere hands it back, even one a
         # walk stopped at the cap never reached.

@@ -26,11 +26,13 @@ that takes less time than handing it to a thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fnmatch
 import functools
 import itertools
 import json
+import logging
 import os
 import shutil
 import stat
@@ -45,6 +47,8 @@ from sandlot.dataplane.fsids import FsExecutor
 from sandlot.dataplane.paths import PathResolver, Resolved, os_error
 from sandlot.dataplane.web import dumps
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
+
+log = logging.getLogger("sandlot.dataplane.grep")
 
 MAX_LINE_CHARS = 2000
 SMALL_TREE_FILES = 256
@@ -99,6 +103,7 @@ async def grep(
         # right here (as the sandbox user); a larger one on the pool, below.
         found = await executor.light(fast.run, resolver, path, INLINE_FILES, INLINE_BYTES)
         if isinstance(found, bytes):
+            fast.copy_later(executor, resolver, path)
             return found
         if found == native.USE_PYTHON:
             fast = None
@@ -119,7 +124,10 @@ async def grep(
         except OSError as exc:
             raise os_error(exc) from None
 
-    return await executor.heavy(run)
+    answer = await executor.heavy(run)
+    if fast is not None:
+        fast.copy_later(executor, resolver, path)
+    return answer
 
 
 class _NativeSearch:
@@ -141,6 +149,8 @@ class _NativeSearch:
         #: Whose copies the search reads (``fs_ids``): one user's copy is not another's.
         self.identity = identity
         self.cache = cache
+        #: The tree the last search read for want of a copy (see :meth:`copy_later`).
+        self.missed: grepcache.Key | None = None
 
     @classmethod
     def of(
@@ -164,7 +174,11 @@ class _NativeSearch:
             raise os_error(exc) from None
 
     def search(self, res: Resolved, files: int, nbytes: int) -> bytes | int:
-        """The answer, or :data:`~native.TOO_BIG` / :data:`~native.USE_PYTHON`."""
+        """The answer, or :data:`~native.TOO_BIG` / :data:`~native.USE_PYTHON`.
+
+        With the grep cache, from its copy of the tree when it has one; else by reading
+        the tree, which :meth:`copy_later` then copies.
+        """
         try:
             base = json.dumps(res.sandbox_path.rstrip("/"), ensure_ascii=False)[1:-1].encode()
         except UnicodeEncodeError:
@@ -174,8 +188,15 @@ class _NativeSearch:
             if not is_dir:
                 return native.USE_PYTHON
             if self.cache is not None:
-                return self._search_copy(self.cache, fd, base, files, nbytes)
-            return self.lib.grep(
+                st = os.fstat(fd)
+                key = (self.identity, st.st_dev, st.st_ino)
+                kept = self.cache.get(key)
+                if kept is not None:
+                    if len(kept) > nbytes:
+                        return native.TOO_BIG  # too large to search here: on the pool
+                    return self.lib.grep_pack(kept, base, self.pattern, self.glob, self.cap)
+                self.missed = key
+            found = self.lib.grep(
                 fd,
                 base,
                 self.pattern,
@@ -185,22 +206,44 @@ class _NativeSearch:
                 max_files=files,
                 max_bytes=nbytes,
             )
+            if found == native.USE_PYTHON:
+                self.missed = None  # a tree the cache would not copy either
+            return found
         finally:
             os.close(fd)
 
-    def _search_copy(
-        self, cache: grepcache.GrepCache, fd: int, base: bytes, files: int, nbytes: int
-    ) -> bytes | int:
-        """Search the cache's copy of the tree, taking one first if it has none."""
-        st = os.fstat(fd)
-        key = (self.identity, st.st_dev, st.st_ino)
-        kept = cache.get(key)
-        if kept is not None and len(kept) > nbytes:
-            return native.TOO_BIG  # a copy too large to search here: on the pool
-        pack = kept if kept is not None else cache.load(key, fd, files, nbytes)
-        if isinstance(pack, int):
-            return pack
-        return self.lib.grep_pack(pack, base, self.pattern, self.glob, self.cap)
+    def copy_later(self, executor: FsExecutor, resolver: PathResolver, path: str) -> None:
+        """After a search that read the tree: copy it for the next ones, on the file pool
+        and in the background (the answer does not wait for the copy)."""
+        cache, key = self.cache, self.missed
+        if cache is None or key is None or not cache.start_copy(key):
+            return
+
+        def copy() -> None:
+            with resolver.resolve(path) as res:
+                fd, is_dir = _open_target(res)
+                try:
+                    st = os.fstat(fd)
+                    if is_dir and (self.identity, st.st_dev, st.st_ino) == key:
+                        cache.load(key, fd, SMALL_TREE_FILES, SMALL_TREE_BYTES)
+                finally:
+                    os.close(fd)
+
+        async def run() -> None:
+            try:
+                await executor.heavy(copy)
+            except Exception as exc:  # a tree gone meanwhile, a pool shut down: no copy
+                log.debug("grep cache: no copy of %s: %r", path, exc)
+            finally:
+                cache.end_copy(key)
+
+        task = asyncio.get_running_loop().create_task(run())
+        _copies.add(task)
+        task.add_done_callback(_copies.discard)
+
+
+#: Copies under way (a reference to each task until it ends).
+_copies: set[asyncio.Task[None]] = set()
 
 
 def _search(

@@ -60,6 +60,7 @@ IN_DELETE = 0x00000200
 IN_DELETE_SELF = 0x00000400
 IN_MOVE_SELF = 0x00000800
 IN_Q_OVERFLOW = 0x00004000
+IN_IGNORED = 0x00008000
 
 #: Everything that changes what a search of a tree finds (contents, names, entries,
 #: permissions, link counts). Reads and opens are not events: a search does not drop
@@ -80,6 +81,9 @@ MAX_BYTES = 64 << 20
 #: inotify watches held by one dataplane, at most: an eighth of the per-user limit,
 #: which the workspace watchers (the activity feed) share.
 MAX_WATCHES = 16_384
+
+#: Copies taken at once, at most (each on a thread of the file pool).
+MAX_COPYING = 2
 
 _HEADER = struct.Struct("iIII")
 
@@ -118,7 +122,12 @@ class GrepCache:
     """
 
     def __init__(
-        self, lib: native.Native, *, max_bytes: int = MAX_BYTES, max_watches: int = MAX_WATCHES
+        self,
+        lib: native.Native,
+        *,
+        max_bytes: int = MAX_BYTES,
+        max_watches: int = MAX_WATCHES,
+        by_cwd: bool = True,
     ) -> None:
         fd = _libc().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
         if fd < 0:
@@ -128,6 +137,9 @@ class GrepCache:
         self._lib = lib
         self.max_bytes = max_bytes
         self.max_watches = min(max_watches, _user_watch_limit() // 8)
+        #: Watch files by name from the thread's own working directory (else through
+        #: /proc/self/fd, which the C code also falls back to if it cannot have one).
+        self.by_cwd = by_cwd
         self._lock = threading.Lock()
         self._copies: OrderedDict[Key, _Copy] = OrderedDict()
         self._users: dict[int, set[Key]] = {}  # watch -> the copies it guards
@@ -135,7 +147,10 @@ class GrepCache:
         self._fills = 0  # fills under way
         self._changed: list[int] = []  # watches with an event while fills were under way
         self._overflows = 0
-        self._unused: set[int] = set()  # watches to release once no fill is under way
+        #: Watches that guard no copy any more, kept (up to the budget) because copying
+        #: the same tree again then takes them again, at a quarter of the cost of new ones.
+        self._idle: OrderedDict[int, None] = OrderedDict()
+        self._copying: set[Key] = set()
         self.hits = 0
         self.misses = 0
 
@@ -153,22 +168,37 @@ class GrepCache:
             self.hits += 1
             return found.pack
 
+    def start_copy(self, key: Key) -> bool:
+        """Whether to copy ``key``'s tree now (no copy of it is under way, nor too many)."""
+        with self._lock:
+            if key in self._copying or len(self._copying) >= MAX_COPYING:
+                return False
+            self._copying.add(key)
+            return True
+
+    def end_copy(self, key: Key) -> None:
+        with self._lock:
+            self._copying.discard(key)
+
     def load(self, key: Key, fd: int, max_files: int, max_bytes: int) -> bytes | int:
         """Copy the tree of directory ``fd`` (and keep it): its pack, or why not
-        (:data:`~native.TOO_BIG`, :data:`~native.USE_PYTHON`)."""
+        (:data:`~native.TOO_BIG`, :data:`~native.USE_PYTHON`).
+
+        Only on a thread that uses no relative path (the file pool's): it gets a working
+        directory of its own, left at ``/`` (see :meth:`~native.Native.fill`)."""
         with self._lock:
             self._fills += 1
             mark = _Mark(len(self._changed), self._overflows)
         filled: native.Fill | None = None
         try:
             # The identity of the calling thread reads the files and takes the watches.
-            filled = self._lib.fill(fd, self._fd, MASK, max_files, max_bytes)
+            filled = self._lib.fill(fd, self._fd, MASK, max_files, max_bytes, by_cwd=self.by_cwd)
         finally:
             with self._lock:
                 if filled is not None:
                     self._settle(key, mark, filled)
                 self._fills -= 1
-                self._release_unused()
+                self._trim()
         return filled.pack
 
     def _settle(self, key: Key, mark: _Mark, filled: native.Fill) -> None:
@@ -189,10 +219,14 @@ class GrepCache:
             self._bytes += len(filled.pack)
             for wd in filled.wds:
                 self._users.setdefault(wd, set()).add(key)
+                self._idle.pop(wd, None)
             while self._bytes > self.max_bytes or len(self._users) > self.max_watches:
                 self._drop(next(iter(self._copies)))
         else:
-            self._unused.update(wd for wd in filled.wds if wd not in self._users)
+            for wd in filled.wds:
+                if wd not in self._users:
+                    self._idle[wd] = None
+                    self._idle.move_to_end(wd)
 
     def _drop(self, key: Key) -> None:
         copy = self._copies.pop(key, None)
@@ -205,18 +239,18 @@ class GrepCache:
                 users.discard(key)
                 if not users:
                     del self._users[wd]
-                    self._unused.add(wd)
+                    self._idle[wd] = None
 
-    def _release_unused(self) -> None:
-        """Remove the watches no copy needs, unless a fill under way may have taken the
-        same one (a watch is per inode: a second ``inotify_add_watch`` returns it again)."""
+    def _trim(self) -> None:
+        """Remove the idle watches beyond the budget, oldest first, unless a copy is being
+        taken (it may have taken one of them again: a watch is per inode, and a second
+        ``inotify_add_watch`` of it returns the same one)."""
         if self._fills:
             return
         self._changed.clear()
-        for wd in self._unused:
-            if wd not in self._users:
-                _libc().inotify_rm_watch(self._fd, wd)
-        self._unused.clear()
+        while self._idle and len(self._users) + len(self._idle) > self.max_watches:
+            wd, _ = self._idle.popitem(last=False)
+            _libc().inotify_rm_watch(self._fd, wd)
 
     # -- the events --------------------------------------------------------------------
 
@@ -241,7 +275,9 @@ class GrepCache:
                     self._changed.append(wd)
                 for key in list(self._users.get(wd, ())):
                     self._drop(key)
-        self._release_unused()
+                if mask & IN_IGNORED:  # the watch is gone (its file was deleted)
+                    self._idle.pop(wd, None)
+        self._trim()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -249,6 +285,7 @@ class GrepCache:
                 "copies": len(self._copies),
                 "bytes": self._bytes,
                 "watches": len(self._users),
+                "idle_watches": len(self._idle),
                 "hits": self.hits,
                 "misses": self.misses,
             }
@@ -257,6 +294,7 @@ class GrepCache:
         with self._lock:
             self._copies.clear()
             self._users.clear()
+            self._idle.clear()
             if self._fd >= 0:
                 os.close(self._fd)  # releases every watch
                 self._fd = -1

@@ -23,6 +23,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -300,6 +301,7 @@ struct grep_job {
     int ifd;             /* the inotify instance that watches what is read */
     uint32_t mask;
     int unwatched;       /* something could not be watched: the copy must not be kept */
+    int by_cwd;          /* watches by name, from the thread's own working directory */
     struct buf pack;
     int *wds;
     size_t nwds, wds_cap;
@@ -643,9 +645,9 @@ void sandlot_grep_free(struct grep_result *r) {
  *   u8 kind: 0 text, 1 binary (a NUL byte: skipped), 2 UTF-16 with a byte order mark;
  *   u64 length and bytes of the text (0 for the other kinds).
  *
- * Each directory is watched (inotify_add_watch on `ifd` with `mask`, through its
- * descriptor) before it is listed, and each file before it is read: any change after
- * its copy was taken is an event on one of the watches returned (`wds`).
+ * Each directory is watched (inotify_add_watch on `ifd` with `mask`) before it is listed,
+ * and each file before it is read: any change after its copy was taken is an event on
+ * one of the watches returned (`wds`).
  */
 
 struct pack_result {
@@ -657,10 +659,8 @@ struct pack_result {
     int status;        /* as sandlot_grep's */
 };
 
-static void add_watch(struct grep_job *job, int fd) {
-    char path[40];
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    int wd = inotify_add_watch(job->ifd, path, job->mask);
+/* Records a watch taken (wd >= 0), or that one could not be. */
+static void took_watch(struct grep_job *job, int wd) {
     if (wd < 0) {
         job->unwatched = 1;
         return;
@@ -677,6 +677,32 @@ static void add_watch(struct grep_job *job, int fd) {
         job->wds_cap = cap;
     }
     job->wds[job->nwds++] = wd;
+}
+
+/* Watches the directory dfd. With by_cwd, it also becomes the thread's working directory,
+ * so that its files are watched by name (watch_file): a lookup through /proc/self/fd
+ * costs several times a watch. */
+static void watch_dir(struct grep_job *job, int dfd) {
+    if (job->by_cwd) {
+        took_watch(job, fchdir(dfd) == 0 ? inotify_add_watch(job->ifd, ".", job->mask) : -1);
+        return;
+    }
+    char path[40];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", dfd);
+    took_watch(job, inotify_add_watch(job->ifd, path, job->mask));
+}
+
+/* Watches the file `name` of the directory being walked, opened as fd. By name, the watch
+ * could land on another file if the name were replaced meanwhile: that replacement is an
+ * event on the directory's own watch, taken before it was listed. */
+static void watch_file(struct grep_job *job, const char *name, int fd) {
+    if (job->by_cwd) {
+        took_watch(job, inotify_add_watch(job->ifd, name, job->mask | IN_DONT_FOLLOW));
+        return;
+    }
+    char path[40];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    took_watch(job, inotify_add_watch(job->ifd, path, job->mask));
 }
 
 static void put_u32(struct buf *b, size_t v) {
@@ -707,7 +733,7 @@ static void fill_walk(struct grep_job *job, int dfd, int depth) {
         job->status = 1;
         return;
     }
-    add_watch(job, dfd);
+    watch_dir(job, dfd);
     size_t n;
     int oom = 0;
     struct name *list = entries(dfd, &n, &oom);
@@ -739,11 +765,12 @@ static void fill_walk(struct grep_job *job, int dfd, int depth) {
             if (sub < 0) continue; /* raced away or unreadable: skipped */
             fill_walk(job, sub, depth + 1);
             close(sub);
+            if (job->by_cwd && fchdir(dfd) != 0) job->unwatched = 1;
             continue;
         }
         int fd = openat(dfd, s, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
         if (fd < 0) continue;
-        add_watch(job, fd);
+        watch_file(job, s, fd);
         long long len = read_file(job, fd);
         close(fd);
         if (len < 0) continue;
@@ -759,10 +786,15 @@ static void fill_walk(struct grep_job *job, int dfd, int depth) {
     free_entries(list, n);
 }
 
+/* With by_cwd, the calling thread gets its own working directory (unshare(CLONE_FS)) once,
+ * changes it while walking, and leaves it at "/". */
 int sandlot_grep_fill(int fd, int ifd, uint32_t mask, long max_files, long long max_bytes,
-                      struct pack_result *out) {
+                      int by_cwd, struct pack_result *out) {
+    static __thread int own_cwd;
     memset(out, 0, sizeof *out);
     struct grep_job job = {0};
+    if (by_cwd && !own_cwd && unshare(CLONE_FS) == 0) own_cwd = 1;
+    job.by_cwd = by_cwd && own_cwd;
     job.ifd = ifd;
     job.mask = mask;
     job.count_left = max_files;
@@ -775,6 +807,7 @@ int sandlot_grep_fill(int fd, int ifd, uint32_t mask, long max_files, long long 
             job.status = -ENOMEM;
         else
             fill_walk(&job, fd, 0);
+        if (job.by_cwd && chdir("/") != 0) job.unwatched = 1;
     }
     free(job.path.data);
     free(job.data);

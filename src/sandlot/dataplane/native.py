@@ -122,7 +122,11 @@ class Native:
         self._grep_free = _declare(lib.sandlot_grep_free, [c.POINTER(_GrepResult)], None)
         self._fill = _declare(
             lib.sandlot_grep_fill,
-            [c.c_int, c.c_int, c.c_uint32, c.c_long, c.c_longlong, c.POINTER(_PackResult)],
+            [
+                *(c.c_int, c.c_int, c.c_uint32),  # directory, inotify instance, mask
+                *(c.c_long, c.c_longlong, c.c_int),  # budgets, by_cwd
+                c.POINTER(_PackResult),
+            ],
         )
         self._fill_free = _declare(lib.sandlot_grep_fill_free, [c.POINTER(_PackResult)], None)
         self._grep_pack = _declare(
@@ -206,12 +210,20 @@ class Native:
         finally:
             self._grep_free(res)
 
-    def fill(self, fd: int, ifd: int, mask: int, max_files: int, max_bytes: int) -> Fill:
+    def fill(
+        self, fd: int, ifd: int, mask: int, max_files: int, max_bytes: int, *, by_cwd: bool
+    ) -> Fill:
         """A copy of the tree below directory ``fd`` for :meth:`grep_pack`, each directory
         and file watched on the inotify instance ``ifd`` (with ``mask``) before it is
-        read; :data:`TOO_BIG` past ``max_files`` regular files or ``max_bytes`` bytes."""
+        read; :data:`TOO_BIG` past ``max_files`` regular files or ``max_bytes`` bytes.
+
+        ``by_cwd``: watch files by name from the directory as the calling thread's working
+        directory (several times cheaper than through ``/proc/self/fd``). The thread then
+        gets a working directory of its own, left at ``/``: only for threads that never
+        use relative paths (the file pool's), never the event loop's.
+        """
         res = _PackResult()
-        rc = self._fill(fd, ifd, mask, max_files, max_bytes, res)
+        rc = self._fill(fd, ifd, mask, max_files, max_bytes, 1 if by_cwd else 0, res)
         try:
             wds = frozenset(res.wds[i] for i in range(res.nwds))
             if rc < 0:  # out of memory: the Python path reports it (the watches go back)
