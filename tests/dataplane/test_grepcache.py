@@ -336,3 +336,21 @@ def test_copying_on_the_pool_leaves_every_working_directory_alone(
     assert seen == [before]
     if cache.by_cwd:
         assert _pool.submit(os.getcwd).result() == "/"
+
+
+def test_only_trees_the_cache_would_keep_are_copied(
+    lib: native.Native, cache: grepcache.GrepCache, tmp_path: Path
+) -> None:
+    big = tmp_path / "big"
+    big.mkdir()
+    for i in range(grep_mod.SMALL_TREE_FILES + 1):
+        (big / f"f{i}.txt").write_text("needle\n")
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / os.fsdecode(b"bad\xffname")).write_text("needle\n")
+    for root, status in ((big, native.TOO_BIG), (odd, native.USE_PYTHON)):
+        resolver = PathResolver([Mount("/workspace", root, True)])
+        found = grep_mod._NativeSearch(lib, b"needle", None, 1000, None, cache)
+        with resolver.resolve("/workspace") as res:
+            assert found.search(res, *FULL) == status
+        assert found.missed is None  # nothing for copy_later to copy

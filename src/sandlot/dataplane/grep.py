@@ -206,7 +206,7 @@ class _NativeSearch:
                 max_files=files,
                 max_bytes=nbytes,
             )
-            if found == native.USE_PYTHON:
+            if not isinstance(found, bytes):
                 self.missed = None  # a tree the cache would not copy either
             return found
         finally:

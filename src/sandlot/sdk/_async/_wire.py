@@ -203,7 +203,7 @@ def request_head(method: str, target: str, headers: list[tuple[str, str]]) -> by
     framing (a line break in a value, a name that is not a token, spaces in the target)."""
     if not _TOKEN.fullmatch(method.encode("latin-1")):
         raise ValueError(f"invalid HTTP method {method!r}")
-    if not target or _FORBIDDEN.search(target) or " " in target:
+    if not target or _FORBIDDEN.search(target) or " " in target or "\t" in target:
         raise ValueError(f"invalid request target {target!r}")
     lines = [f"{method} {target} HTTP/1.1"]
     for name, value in headers:
