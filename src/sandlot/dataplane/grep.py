@@ -22,6 +22,10 @@ when it is built, else in Python (:func:`_search_small`, the reference the C
 code is tested against). A tree of at most ``INLINE_FILES`` files and
 ``INLINE_BYTES`` bytes is searched on the event loop thread, like a stat:
 that takes less time than handing it to a thread.
+
+A small tree read by a search is then copied in the background for the next
+searches of it (:mod:`sandlot.dataplane.grepcache`), which read the copy for as
+long as nothing in the tree changes.
 """
 
 from __future__ import annotations
