@@ -356,6 +356,41 @@ def test_only_trees_the_cache_would_keep_are_copied(
         assert found.missed is None  # nothing for copy_later to copy
 
 
+def _random_change(rng: Any, dirs: list[Path], files: list[Path], outside: Path) -> None:
+    """One change to the tree (or none, two times in ten)."""
+    live = [f for f in files if f.exists()]
+    roll = rng.randrange(10)
+    target = rng.choice(live) if live else None
+    if roll == 0 or target is None:
+        made = rng.choice(dirs) / f"n{rng.randrange(1000)}.txt"
+        made.write_text("needle new\n")
+        files.append(made)
+    elif roll == 1:
+        _append(target, rng.choice(["needle+\n", "hay\n"]))
+    elif roll == 2:
+        target.unlink()
+    elif roll == 3:
+        dest = rng.choice(dirs) / f"r{rng.randrange(1000)}.txt"
+        target.rename(dest)
+        files.append(dest)
+    elif roll == 4:
+        os.truncate(target, rng.randrange(0, 12))
+    elif roll == 5:
+        alias = outside / f"l{rng.randrange(10**9)}"
+        os.link(target, alias)
+        _append(alias, "needle via alias\n")
+    elif roll == 6:
+        fd = os.open(target, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b"NEEDLE", 0)
+        finally:
+            os.close(fd)
+    elif roll == 7:
+        made = outside / f"m{rng.randrange(10**9)}"
+        made.write_text("needle replaced\n")
+        os.replace(made, target)
+
+
 def test_random_changes_never_leave_a_copy_behind(
     lib: native.Native, cache: grepcache.GrepCache, tmp_path: Path
 ) -> None:
@@ -375,50 +410,11 @@ def test_random_changes_never_leave_a_copy_behind(
         files: list[Path] = []
         for i in range(rng.randint(3, 12)):
             f = rng.choice(dirs) / f"f{i}.txt"
-            f.write_text(
-                "".join(rng.choice(["needle\n", "hay\n", "x needle y\n"]) for _ in range(5))
-            )
+            lines = (rng.choice(["needle\n", "hay\n", "x needle y\n"]) for _ in range(5))
+            f.write_text("".join(lines))
             files.append(f)
-
-        def alive() -> list[Path]:
-            return [f for f in files if f.exists()]
-
-        def change() -> None:
-            live = alive()
-            roll = rng.randrange(10)
-            target = rng.choice(live) if live else None
-            if roll == 0 or target is None:
-                f = rng.choice(dirs) / f"n{rng.randrange(1000)}.txt"
-                f.write_text("needle new\n")
-                files.append(f)
-            elif roll == 1:
-                _append(target, rng.choice(["needle+\n", "hay\n"]))
-            elif roll == 2:
-                target.unlink()
-            elif roll == 3:
-                dest = rng.choice(dirs) / f"r{rng.randrange(1000)}.txt"
-                target.rename(dest)
-                files.append(dest)
-            elif roll == 4:
-                os.truncate(target, rng.randrange(0, 12))
-            elif roll == 5:
-                alias = outside / f"l{n}-{rng.randrange(10**6)}"
-                os.link(target, alias)
-                _append(alias, "needle via alias\n")
-            elif roll == 6:
-                fd = os.open(target, os.O_WRONLY)
-                try:
-                    os.pwrite(fd, b"NEEDLE", 0)
-                finally:
-                    os.close(fd)
-            elif roll == 7:
-                made = outside / f"m{rng.randrange(10**6)}"
-                made.write_text("needle replaced\n")
-                os.replace(made, target)
-            # 8, 9: nothing changes: the copy must answer
-
         for _ in range(25):
-            change()
+            _random_change(rng, dirs, files, outside)
             expected = search(lib, root, None)
             assert search(lib, root, cache) == expected
             assert search(lib, root, cache) == expected  # from the copy, when it was kept

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote_plus
 
 from sandlot.protocol.errors import SandlotError, error_from_wire
 from sandlot.sdk._async._wire import CONNECT_TIMEOUT, AsyncStreamedResponse, AsyncWire, Body
@@ -173,14 +174,22 @@ class AsyncHTTP:
 
 
 def _query(params: dict[str, Any] | None) -> str:
+    """``urlencode`` of the parameters that are not ``None`` (booleans as ``true``/``false``)."""
     if not params:
         return ""
-    out: dict[str, Any] = {}
+    out: list[str] = []
     for key, value in params.items():
         if value is None:
             continue
-        out[key] = ("true" if value else "false") if isinstance(value, bool) else value
-    return urlencode(out)
+        text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        out.append(f"{_quoted(key)}={_quoted(text)}")
+    return "&".join(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _quoted(text: str) -> str:
+    """``quote_plus``, kept for the values sent again and again (the paths of files)."""
+    return quote_plus(text)
 
 
 __all__ = ["AsyncHTTP", "SandlotError", "open_timeout", "raise_for_error"]

@@ -26,6 +26,7 @@ its body can be replayed and no byte of an answer came back.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import ssl
 import time
@@ -106,7 +107,7 @@ class AsyncWire:
         body: Body,
         deadline: Deadline,
     ) -> AsyncStreamedResponse:
-        origin, host, target = self._split(url)
+        origin, host, target = _split(url)
         head = [("Host", host), *headers]
         replayable = method in IDEMPOTENT and (body is None or isinstance(body, bytes))
         if isinstance(body, bytes):
@@ -127,15 +128,6 @@ class AsyncWire:
                     continue  # the server closed it meanwhile, unread: once more on a new one
                 raise
             return AsyncStreamedResponse(self, origin, conn, status, answer_headers, deadline)
-
-    def _split(self, url: str) -> tuple[Origin, str, str]:
-        """``(origin, Host header, request target)`` of an absolute URL."""
-        parts = urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {url!r}")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        return (parts.scheme, parts.hostname, port), parts.netloc.rpartition("@")[2], target
 
     async def _connection(self, origin: Origin, deadline: Deadline) -> tuple[_Connection, bool]:
         idle = self._idle.get(origin)
@@ -172,6 +164,18 @@ class AsyncWire:
         conn.idle_since = time.monotonic()
         idle.append(conn)
         return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _split(url: str) -> tuple[Origin, str, str]:
+    """``(origin, Host header, request target)`` of an absolute URL (kept for the URLs
+    called again and again: the same files are read and written many times)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return (parts.scheme, parts.hostname, port), parts.netloc.rpartition("@")[2], target
 
 
 @contextlib.contextmanager
