@@ -419,3 +419,25 @@ def test_random_changes_never_leave_a_copy_behind(
             assert search(lib, root, cache) == expected
             assert search(lib, root, cache) == expected  # from the copy, when it was kept
     assert cache.stats()["hits"] - hits_before > 100
+
+
+def test_a_tree_whose_copy_was_refused_is_not_copied_again_at_once(
+    lib: native.Native, tree: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = grepcache.GrepCache(lib, max_bytes=10)  # every copy too large to keep
+    try:
+        resolver = PathResolver([Mount("/workspace", tree, True)])
+        found = grep_mod._NativeSearch(lib, b"needle", None, 1000, None, cache)
+        with resolver.resolve("/workspace") as res:
+            found.search(res, *FULL)
+        key = found.missed
+        assert key is not None and cache.start_copy(key)
+        assert not cache.start_copy(key)  # under way
+        copy(cache, resolver, key)
+        cache.end_copy(key)
+        assert cache.stats()["copies"] == 0
+        assert not cache.start_copy(key)  # refused a moment ago
+        monkeypatch.setattr(grepcache, "REFUSED_BACKOFF", 0.0)
+        assert cache.start_copy(key)
+    finally:
+        cache.close()

@@ -44,6 +44,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
@@ -86,6 +87,8 @@ MAX_WATCHES = 16_384
 
 #: Copies taken at once, at most (each on a thread of the file pool).
 MAX_COPYING = 2
+#: Seconds before a tree whose last copy was not kept is copied again.
+REFUSED_BACKOFF = 2.0
 
 _HEADER = struct.Struct("iIII")
 
@@ -153,6 +156,8 @@ class GrepCache:
         #: the same tree again then takes them again, at a quarter of the cost of new ones.
         self._idle: OrderedDict[int, None] = OrderedDict()
         self._copying: set[Key] = set()
+        #: When the last copy of a tree was not kept (see :meth:`start_copy`).
+        self._refused: OrderedDict[Key, float] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -171,9 +176,14 @@ class GrepCache:
             return found.pack
 
     def start_copy(self, key: Key) -> bool:
-        """Whether to copy ``key``'s tree now (no copy of it is under way, nor too many)."""
+        """Whether to copy ``key``'s tree now: no copy of it is under way, nor too many, and
+        its last one was not refused just now (a tree that changes all the time, one too
+        large to keep, one that cannot be watched: copying it again would be wasted)."""
         with self._lock:
             if key in self._copying or len(self._copying) >= MAX_COPYING:
+                return False
+            refused = self._refused.get(key)
+            if refused is not None and time.monotonic() - refused < REFUSED_BACKOFF:
                 return False
             self._copying.add(key)
             return True
@@ -225,6 +235,10 @@ class GrepCache:
             while self._bytes > self.max_bytes or len(self._users) > self.max_watches:
                 self._drop(next(iter(self._copies)))
         else:
+            self._refused[key] = time.monotonic()
+            self._refused.move_to_end(key)
+            if len(self._refused) > 1024:
+                self._refused.popitem(last=False)
             for wd in filled.wds:
                 if wd not in self._users:
                     self._idle[wd] = None
