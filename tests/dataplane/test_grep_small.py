@@ -38,15 +38,30 @@ def tree(tmp_path: Path) -> Path:
     return root
 
 
+_opened: list[PathResolver] = []
+
+
+def request_close(resolver: PathResolver) -> None:
+    """Close ``resolver`` (its mount's directory) when the test ends."""
+    _opened.append(resolver)
+
+
+@pytest.fixture(autouse=True)
+def _close_resolvers() -> Any:
+    yield
+    while _opened:
+        _opened.pop().close()
+
+
 def _both(root: Path, path: str, pattern: str, glob: str | None, cap: int = 1000) -> Any:
-    resolver = PathResolver([Mount("/workspace", root, True)])
     rg = grep_mod.ripgrep_path()
     assert rg is not None
     flags = ["--fixed-strings"] + ([f"--glob={glob}"] if glob else [])
-    with resolver.resolve(path) as res:
-        slow = grep_mod._search(rg, res, flags, pattern, cap, None)
-    with resolver.resolve(path) as res:
-        fast = grep_mod._search_small(res, pattern.encode(), glob, cap)
+    with PathResolver([Mount("/workspace", root, True)]) as resolver:
+        with resolver.resolve(path) as res:
+            slow = grep_mod._search(rg, res, flags, pattern, cap, None)
+        with resolver.resolve(path) as res:
+            fast = grep_mod._search_small(res, pattern.encode(), glob, cap)
     assert fast is not None
 
     def key(m: dict[str, Any]) -> tuple[str, int]:
@@ -83,6 +98,7 @@ def test_truncation_matches_ripgrep(tree: Path) -> None:
 
 def test_large_trees_and_binary_files_go_to_ripgrep(tree: Path, monkeypatch: Any) -> None:
     resolver = PathResolver([Mount("/workspace", tree, True)])
+    request_close(resolver)
     with resolver.resolve("/workspace/src/bad.bin") as res:
         assert grep_mod._search_small(res, b"needle", None, 10) is None
     monkeypatch.setattr(grep_mod, "SMALL_TREE_FILES", 3)
@@ -100,6 +116,7 @@ def test_a_large_tree_is_told_apart_without_reading_a_file(tree: Path, monkeypat
         raise AssertionError("a file was read")
 
     resolver = PathResolver([Mount("/workspace", tree, True)])
+    request_close(resolver)
     with monkeypatch.context() as m, resolver.resolve("/workspace") as res:
         m.setattr(grep_mod, "_read_small", never)
         m.setattr(grep_mod, "SMALL_TREE_FILES", 8)  # the tree holds 9 regular files

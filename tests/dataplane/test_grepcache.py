@@ -54,12 +54,12 @@ def search(
 ) -> bytes | int:
     """A search, then (if it read the tree) the copy the dataplane takes in the background,
     here right away on a thread like the file pool's."""
-    resolver = PathResolver([Mount("/workspace", root, True)])
     found = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), 1000, None, cache)
-    with resolver.resolve("/workspace") as res:
-        answer = found.search(res, *FULL)
-    if cache is not None and found.missed is not None:
-        copy(cache, resolver, found.missed)
+    with PathResolver([Mount("/workspace", root, True)]) as resolver:
+        with resolver.resolve("/workspace") as res:
+            answer = found.search(res, *FULL)
+        if cache is not None and found.missed is not None:
+            copy(cache, resolver, found.missed)
     return answer
 
 
@@ -349,9 +349,11 @@ def test_only_trees_the_cache_would_keep_are_copied(
     odd.mkdir()
     (odd / os.fsdecode(b"bad\xffname")).write_text("needle\n")
     for root, status in ((big, native.TOO_BIG), (odd, native.USE_PYTHON)):
-        resolver = PathResolver([Mount("/workspace", root, True)])
         found = grep_mod._NativeSearch(lib, b"needle", None, 1000, None, cache)
-        with resolver.resolve("/workspace") as res:
+        with (
+            PathResolver([Mount("/workspace", root, True)]) as resolver,
+            resolver.resolve("/workspace") as res,
+        ):
             assert found.search(res, *FULL) == status
         assert found.missed is None  # nothing for copy_later to copy
 
@@ -425,8 +427,8 @@ def test_a_tree_whose_copy_was_refused_is_not_copied_again_at_once(
     lib: native.Native, tree: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = grepcache.GrepCache(lib, max_bytes=10)  # every copy too large to keep
+    resolver = PathResolver([Mount("/workspace", tree, True)])
     try:
-        resolver = PathResolver([Mount("/workspace", tree, True)])
         found = grep_mod._NativeSearch(lib, b"needle", None, 1000, None, cache)
         with resolver.resolve("/workspace") as res:
             found.search(res, *FULL)
@@ -440,4 +442,5 @@ def test_a_tree_whose_copy_was_refused_is_not_copied_again_at_once(
         monkeypatch.setattr(grepcache, "REFUSED_BACKOFF", 0.0)
         assert cache.start_copy(key)
     finally:
+        resolver.close()
         cache.close()

@@ -54,7 +54,20 @@ def both(
     path: str = "/workspace",
 ) -> tuple[bytes | None, bytes | int]:
     """(the Python answer, None when it hands over to ripgrep; the C answer or status)."""
-    resolver = PathResolver([Mount("/workspace", root, True)])
+    with PathResolver([Mount("/workspace", root, True)]) as resolver:
+        return _both(resolver, lib, root, pattern, glob, cap, budget, path)
+
+
+def _both(
+    resolver: PathResolver,
+    lib: native.Native,
+    root: Path,
+    pattern: str,
+    glob: str | None,
+    cap: int,
+    budget: tuple[int, int],
+    path: str,
+) -> tuple[bytes | None, bytes | int]:
     with resolver.resolve(path) as res:
         found = grep_mod._search_small(res, pattern.encode(), glob, cap)
     search = grep_mod._NativeSearch(lib, pattern.encode(), glob and glob.encode(), cap)

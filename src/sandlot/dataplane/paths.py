@@ -181,6 +181,12 @@ class PathResolver:
             os.close(fd)
         self._fds.clear()
 
+    def __enter__(self) -> PathResolver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def _mount_fd(self, m: Mount) -> int:
         fd = self._fds.get(m.sandbox_path)
         if fd is None:
