@@ -10,6 +10,7 @@ is not there, and TLS.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import ipaddress
 import socket
@@ -75,39 +76,44 @@ class ScriptedServer:
             except (OSError, ssl.SSLError):
                 sock.close()
                 return
+        with sock, contextlib.suppress(ConnectionResetError):
+            # A client may end a connection with a reset (closing with bytes unread, such
+            # as TLS session tickets): that ends the connection, like a close.
+            self._serve_requests(sock, number)
+
+    def _serve_requests(self, sock: socket.socket, number: int) -> None:
         buf = b""
-        with sock:
-            while True:
-                while b"\r\n\r\n" not in buf:
-                    data = sock.recv(65536)
-                    if not data:
-                        return
-                    buf += data
-                head, _, buf = buf.partition(b"\r\n\r\n")
-                lower = head.lower()
-                body = b""
-                if b"transfer-encoding: chunked" in lower:
-                    while True:
-                        while b"\r\n" not in buf:
-                            buf += sock.recv(65536)
-                        size_line, _, buf = buf.partition(b"\r\n")
-                        size = int(size_line, 16)
-                        while len(buf) < size + 2:
-                            buf += sock.recv(65536)
-                        body += buf[:size]
-                        buf = buf[size + 2 :]
-                        if size == 0:
-                            break
-                else:
-                    for line in lower.split(b"\r\n"):
-                        if line.startswith(b"content-length:"):
-                            length = int(line.split(b":")[1])
-                            while len(buf) < length:
-                                buf += sock.recv(65536)
-                            body, buf = buf[:length], buf[length:]
-                self.requests.append((number, head, body))
-                if not self.handler(number, head, body, sock):
+        while True:
+            while b"\r\n\r\n" not in buf:
+                data = sock.recv(65536)
+                if not data:
                     return
+                buf += data
+            head, _, buf = buf.partition(b"\r\n\r\n")
+            lower = head.lower()
+            body = b""
+            if b"transfer-encoding: chunked" in lower:
+                while True:
+                    while b"\r\n" not in buf:
+                        buf += sock.recv(65536)
+                    size_line, _, buf = buf.partition(b"\r\n")
+                    size = int(size_line, 16)
+                    while len(buf) < size + 2:
+                        buf += sock.recv(65536)
+                    body += buf[:size]
+                    buf = buf[size + 2 :]
+                    if size == 0:
+                        break
+            else:
+                for line in lower.split(b"\r\n"):
+                    if line.startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                        while len(buf) < length:
+                            buf += sock.recv(65536)
+                        body, buf = buf[:length], buf[length:]
+            self.requests.append((number, head, body))
+            if not self.handler(number, head, body, sock):
+                return
 
     def close(self) -> None:
         self.listener.close()
