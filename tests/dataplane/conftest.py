@@ -18,6 +18,7 @@ import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from jwt.algorithms import OKPAlgorithm
 
+from sandlot.dataplane import native
 from sandlot.dataplane.auth import TokenVerifier
 from sandlot.dataplane.host import DataplaneHost
 from sandlot.dataplane.settings import DataplaneSettings
@@ -218,3 +219,11 @@ def server(tmp_path: Path) -> Iterator[Server]:
 def client(server: Server) -> Iterator[httpx.Client]:
     with httpx.Client(headers=server.headers(), timeout=20) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def lib() -> native.Native:
+    """The dataplane's C library (CI has a compiler: its absence is a failure, not a skip)."""
+    found = native.library()
+    assert found is not None, "the C library did not build (is a C compiler installed?)"
+    return found

@@ -20,13 +20,6 @@ from sandlot.runtime.base import Mount
 FULL = (grep_mod.SMALL_TREE_FILES, grep_mod.SMALL_TREE_BYTES)
 
 
-@pytest.fixture(scope="module")
-def lib() -> native.Native:
-    found = native.library()
-    assert found is not None, "the C library did not build (is a C compiler installed?)"
-    return found
-
-
 _cache: grepcache.GrepCache | None = None
 _pool = ThreadPoolExecutor(1, thread_name_prefix="test-pool")
 

@@ -37,12 +37,8 @@ a quarter of the cost of new ones.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import logging
 import os
-import struct
 import threading
 import time
 from collections import OrderedDict
@@ -50,20 +46,24 @@ from pathlib import Path
 from typing import NamedTuple
 
 from sandlot.dataplane import native
+from sandlot.dataplane.watch import (
+    IN_ATTRIB,
+    IN_CLOSE_WRITE,
+    IN_CREATE,
+    IN_DELETE,
+    IN_DELETE_SELF,
+    IN_IGNORED,
+    IN_MODIFY,
+    IN_MOVE_SELF,
+    IN_MOVED_FROM,
+    IN_MOVED_TO,
+    IN_Q_OVERFLOW,
+    new_instance,
+    parse_events,
+    remove_watch,
+)
 
 log = logging.getLogger("sandlot.dataplane.grepcache")
-
-IN_MODIFY = 0x00000002
-IN_ATTRIB = 0x00000004
-IN_CLOSE_WRITE = 0x00000008
-IN_MOVED_FROM = 0x00000040
-IN_MOVED_TO = 0x00000080
-IN_CREATE = 0x00000100
-IN_DELETE = 0x00000200
-IN_DELETE_SELF = 0x00000400
-IN_MOVE_SELF = 0x00000800
-IN_Q_OVERFLOW = 0x00004000
-IN_IGNORED = 0x00008000
 
 #: Everything that changes what a search of a tree finds (contents, names, entries,
 #: permissions, link counts). Reads and opens are not events: a search does not drop
@@ -90,7 +90,6 @@ MAX_COPYING = 2
 #: Seconds before a tree whose last copy was not kept is copied again.
 REFUSED_BACKOFF = 2.0
 
-_HEADER = struct.Struct("iIII")
 
 #: ``(identity, st_dev, st_ino)`` of a searched directory.
 Key = tuple[object, int, int]
@@ -104,13 +103,6 @@ class _Copy(NamedTuple):
 class _Mark(NamedTuple):
     changed: int
     overflows: int
-
-
-@functools.cache
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
-    return libc
 
 
 def _user_watch_limit() -> int:
@@ -134,11 +126,7 @@ class GrepCache:
         max_watches: int = MAX_WATCHES,
         by_cwd: bool = True,
     ) -> None:
-        fd = _libc().inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        self._fd = fd
+        self._fd = new_instance()
         self._lib = lib
         self.max_bytes = max_bytes
         self.max_watches = min(max_watches, _user_watch_limit() // 8)
@@ -266,7 +254,7 @@ class GrepCache:
         self._changed.clear()
         while self._idle and len(self._users) + len(self._idle) > self.max_watches:
             wd, _ = self._idle.popitem(last=False)
-            _libc().inotify_rm_watch(self._fd, wd)
+            remove_watch(self._fd, wd)
 
     # -- the events --------------------------------------------------------------------
 
@@ -277,10 +265,7 @@ class GrepCache:
                 data = os.read(self._fd, 1 << 16)
             except (BlockingIOError, InterruptedError):
                 break
-            offset = 0
-            while offset + _HEADER.size <= len(data):
-                wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
-                offset += _HEADER.size + length
+            for wd, mask, _name in parse_events(data):
                 if mask & IN_Q_OVERFLOW:
                     log.info("grep cache: inotify queue overflowed; every copy dropped")
                     self._overflows += 1

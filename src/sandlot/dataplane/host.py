@@ -115,10 +115,10 @@ class _Direct:
             root: str = scope.get("root_path", "")
             if root and path.startswith(root):
                 path = path[len(root) :]
-            # "/{sandbox_id}/v1/<route>"
-            _, sandbox_id, rest = path.split("/", 2) if path.count("/") >= 2 else ("", "", "")
-            if sandbox_id and rest.startswith("v1/"):
-                endpoint = self.table.get((scope["method"], rest[2:]))
+            parts = path.split("/", 2)  # "", sandbox id, "v1/<route>"
+            if len(parts) == 3 and parts[1] and parts[2].startswith("v1/"):
+                sandbox_id = parts[1]
+                endpoint = self.table.get((scope["method"], parts[2][2:]))
                 if endpoint is not None:
                     # "app": what Starlette's own request code looks for (a malformed
                     # multipart body is then a 400, as behind Starlette's router).

@@ -517,6 +517,30 @@ static void scan(struct grep_job *job, const unsigned char *data, size_t n, size
     }
 }
 
+/* Appends "/" and the escaped name to job->path, cut back to dir_len first; -1 (with
+ * job->status set) when the name is not valid UTF-8 or memory ran out. */
+static int push_name(struct grep_job *job, size_t dir_len, const char *s, size_t sn) {
+    job->path.len = dir_len;
+    if (reserve(&job->path, 6 * sn + 2) != 0) {
+        job->status = -ENOMEM;
+        return -1;
+    }
+    PUTS(&job->path, "/");
+    int rc = put_text(&job->path, (const unsigned char *)s, sn, (size_t)-1);
+    if (rc != 0) {
+        job->status = rc == -1 ? 2 : -ENOMEM;
+        return -1;
+    }
+    return 0;
+}
+
+/* What a file's bytes are to the search: 0 text, 1 binary (a NUL byte: skipped),
+ * 2 UTF-16 with a byte order mark (ripgrep transcodes it). */
+static unsigned char file_kind(const unsigned char *d, size_t len) {
+    if (len >= 2 && ((d[0] == 0xFF && d[1] == 0xFE) || (d[0] == 0xFE && d[1] == 0xFF))) return 2;
+    return memchr(d, 0, len) != NULL ? 1 : 0;
+}
+
 static int is_dir_entry(int dfd, const struct name *e, int *is_reg) {
     unsigned char t = e->type;
     if (t == DT_UNKNOWN) {
@@ -553,19 +577,7 @@ static void walk(struct grep_job *job, int dfd, int search, int depth) {
             continue;
         }
         size_t sn = strlen(s);
-        if (search) {
-            job->path.len = dir_len;
-            if (reserve(&job->path, 6 * sn + 2) != 0) {
-                job->status = -ENOMEM;
-                break;
-            }
-            PUTS(&job->path, "/");
-            int rc = put_text(&job->path, (const unsigned char *)s, sn, (size_t)-1);
-            if (rc != 0) {
-                job->status = rc == -1 ? 2 : -ENOMEM;
-                break;
-            }
-        }
+        if (search && push_name(job, dir_len, s, sn) != 0) break;
         if (is_dir) {
             int sub = openat(dfd, s, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
             if (sub < 0) continue; /* raced away or unreadable: skipped */
@@ -581,13 +593,12 @@ static void walk(struct grep_job *job, int dfd, int search, int depth) {
         long long len = read_file(job, fd);
         close(fd);
         if (len < 0) continue;
-        if (len >= 2 && ((job->data[0] == 0xFF && job->data[1] == 0xFE) ||
-                         (job->data[0] == 0xFE && job->data[1] == 0xFF))) {
-            job->status = 1; /* UTF-16 with a byte order mark: ripgrep transcodes it */
+        unsigned char kind = file_kind(job->data, (size_t)len);
+        if (kind == 2) {
+            job->status = 1; /* ripgrep's */
             break;
         }
-        if (memchr(job->data, 0, (size_t)len) != NULL) continue; /* binary */
-        scan(job, job->data, (size_t)len, job->path.len);
+        if (kind == 0) scan(job, job->data, (size_t)len, job->path.len);
     }
     job->path.len = dir_len;
     free_entries(list, n);
@@ -749,17 +760,7 @@ static void fill_walk(struct grep_job *job, int dfd, int depth) {
         int is_dir = is_dir_entry(dfd, &list[i], &is_reg);
         if (is_dir < 0 || (!is_dir && !is_reg)) continue;
         size_t sn = strlen(s);
-        job->path.len = dir_len;
-        if (reserve(&job->path, 6 * sn + 2) != 0) {
-            job->status = -ENOMEM;
-            break;
-        }
-        PUTS(&job->path, "/");
-        int rc = put_text(&job->path, (const unsigned char *)s, sn, (size_t)-1);
-        if (rc != 0) {
-            job->status = rc == -1 ? 2 : -ENOMEM;
-            break;
-        }
+        if (push_name(job, dir_len, s, sn) != 0) break;
         if (is_dir) {
             int sub = openat(dfd, s, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
             if (sub < 0) continue; /* raced away or unreadable: skipped */
@@ -774,13 +775,7 @@ static void fill_walk(struct grep_job *job, int dfd, int depth) {
         long long len = read_file(job, fd);
         close(fd);
         if (len < 0) continue;
-        const unsigned char *d = job->data;
-        unsigned char kind = 0;
-        if (len >= 2 && ((d[0] == 0xFF && d[1] == 0xFE) || (d[0] == 0xFE && d[1] == 0xFF)))
-            kind = 2;
-        else if (memchr(d, 0, (size_t)len) != NULL)
-            kind = 1;
-        put_record(job, s, sn, kind, d, (size_t)len);
+        put_record(job, s, sn, file_kind(job->data, (size_t)len), job->data, (size_t)len);
     }
     job->path.len = dir_len;
     free_entries(list, n);

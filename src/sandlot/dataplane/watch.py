@@ -17,18 +17,20 @@ import ctypes.util
 import logging
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("sandlot.dataplane.watch")
 
 IN_MODIFY = 0x00000002
+IN_ATTRIB = 0x00000004
 IN_CLOSE_WRITE = 0x00000008
 IN_MOVED_FROM = 0x00000040
 IN_MOVED_TO = 0x00000080
 IN_CREATE = 0x00000100
 IN_DELETE = 0x00000200
 IN_DELETE_SELF = 0x00000400
+IN_MOVE_SELF = 0x00000800
 IN_Q_OVERFLOW = 0x00004000
 IN_IGNORED = 0x00008000
 IN_ONLYDIR = 0x01000000
@@ -61,6 +63,29 @@ ChangeSink = Callable[[list[tuple[str, str]]], None]
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
+
+
+def new_instance() -> int:
+    """A new non-blocking inotify instance (its file descriptor)."""
+    fd = int(_libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC))
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return fd
+
+
+def remove_watch(fd: int, wd: int) -> None:
+    _libc.inotify_rm_watch(fd, wd)
+
+
+def parse_events(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """``(watch, mask, name)`` of each event in what one ``read`` of an instance returned."""
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
+        name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
+        offset += _HEADER.size + length
+        yield wd, mask, name
 
 
 @dataclass(eq=False)
@@ -116,10 +141,7 @@ class Inotify:
     def _ensure(self) -> None:
         if self._fd >= 0:
             return
-        fd = _libc.inotify_init1(IN_NONBLOCK | IN_CLOEXEC)
-        if fd < 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
+        fd = new_instance()
         self._fd = fd
         self._loop = asyncio.get_running_loop()
         self._loop.add_reader(fd, self._read)
@@ -136,7 +158,7 @@ class Inotify:
             tree.flush.cancel()
         for wd in list(tree.wds):
             self._wds.pop(wd, None)
-            _libc.inotify_rm_watch(self._fd, wd)
+            remove_watch(self._fd, wd)
         tree.wds.clear()
         if not self._wds and self._fd >= 0 and self._loop is not None:
             self._loop.remove_reader(self._fd)
@@ -202,11 +224,7 @@ class Inotify:
             data = os.read(self._fd, 1 << 16)
         except (BlockingIOError, InterruptedError):
             return
-        offset = 0
-        while offset + _HEADER.size <= len(data):
-            wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
-            name = data[offset + _HEADER.size : offset + _HEADER.size + length].rstrip(b"\0")
-            offset += _HEADER.size + length
+        for wd, mask, name in parse_events(data):
             if mask & IN_Q_OVERFLOW:
                 log.warning("inotify queue overflowed; some workspace changes were not reported")
                 continue
