@@ -59,7 +59,7 @@ from sandlot.dataplane.watch import (
     IN_MOVED_TO,
     IN_Q_OVERFLOW,
     new_instance,
-    parse_events,
+    read_events,
     remove_watch,
 )
 
@@ -260,12 +260,8 @@ class GrepCache:
 
     def _drain(self) -> None:
         """Read every queued event; drop the copies they touch."""
-        while True:
-            try:
-                data = os.read(self._fd, 1 << 16)
-            except (BlockingIOError, InterruptedError):
-                break
-            for wd, mask, _name in parse_events(data):
+        while events := read_events(self._fd):
+            for wd, mask, _name in events:
                 if mask & IN_Q_OVERFLOW:
                     log.info("grep cache: inotify queue overflowed; every copy dropped")
                     self._overflows += 1

@@ -604,6 +604,19 @@ static void walk(struct grep_job *job, int dfd, int search, int depth) {
     free_entries(list, n);
 }
 
+/* Hands a search's matches (or its status) over to the caller. */
+static int finish(struct grep_job *job, struct grep_result *out) {
+    if (job->status != 0) {
+        free(job->json.data);
+        out->status = job->status;
+        return job->status;
+    }
+    out->json = job->json.data;
+    out->json_len = job->json.len;
+    out->count = job->count;
+    return 0;
+}
+
 int sandlot_grep(int fd, const char *base, size_t base_len, const char *pattern,
                  size_t pattern_len, const char *glob, size_t glob_len, long cap,
                  long count_limit, long max_files, long long max_bytes,
@@ -629,15 +642,7 @@ int sandlot_grep(int fd, const char *base, size_t base_len, const char *pattern,
     }
     free(job.path.data);
     free(job.data);
-    if (job.status != 0) {
-        free(job.json.data);
-        out->status = job.status;
-        return job.status;
-    }
-    out->json = job.json.data;
-    out->json_len = job.json.len;
-    out->count = job.count;
-    return 0;
+    return finish(&job, out);
 }
 
 void sandlot_grep_free(struct grep_result *r) {
@@ -879,13 +884,5 @@ int sandlot_grep_pack(const unsigned char *pack, size_t len, const char *base, s
         scan(&job, data, data_len, job.path.len);
     }
     free(job.path.data);
-    if (job.status != 0) {
-        free(job.json.data);
-        out->status = job.status;
-        return job.status;
-    }
-    out->json = job.json.data;
-    out->json_len = job.json.len;
-    out->count = job.count;
-    return 0;
+    return finish(&job, out);
 }

@@ -78,8 +78,17 @@ def remove_watch(fd: int, wd: int) -> None:
     _libc.inotify_rm_watch(fd, wd)
 
 
-def parse_events(data: bytes) -> Iterator[tuple[int, int, bytes]]:
-    """``(watch, mask, name)`` of each event in what one ``read`` of an instance returned."""
+def read_events(fd: int) -> list[tuple[int, int, bytes]]:
+    """``(watch, mask, name)`` of the events one ``read`` of instance ``fd`` returns (none
+    when nothing is queued)."""
+    try:
+        data = os.read(fd, 1 << 16)
+    except (BlockingIOError, InterruptedError):
+        return []
+    return list(_parse_events(data))
+
+
+def _parse_events(data: bytes) -> Iterator[tuple[int, int, bytes]]:
     offset = 0
     while offset + _HEADER.size <= len(data):
         wd, mask, _cookie, length = _HEADER.unpack_from(data, offset)
@@ -220,11 +229,7 @@ class Inotify:
                 log.exception("workspace change sink failed")
 
     def _read(self) -> None:
-        try:
-            data = os.read(self._fd, 1 << 16)
-        except (BlockingIOError, InterruptedError):
-            return
-        for wd, mask, name in parse_events(data):
+        for wd, mask, name in read_events(self._fd):
             if mask & IN_Q_OVERFLOW:
                 log.warning("inotify queue overflowed; some workspace changes were not reported")
                 continue
