@@ -199,6 +199,11 @@ class SandlotServer:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        if self._reader is not None:
+            self._reader.join(10)
+            self._reader = None
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def restart(self, **env: str) -> SandlotServer:
         self.stop()

@@ -8,28 +8,55 @@ Finished commands stay attachable for the reattach window. A ``command_id``
 names one command: while it is being started, a second start with the same id
 (a client resending ``start`` after a broken connection) waits for the first
 and attaches to it instead of spawning the command again.
+
+Where the runtime keeps processes through a restart of the server (the
+isolated local runtime), every command is started *kept*: the sandbox's init
+holds its pipes and a record of it (id, ``command_id``, actor, deadline…),
+and its output is spooled (:mod:`sandlot.dataplane.spool`). A server killed
+at any instant loses neither the command nor a byte of its output: the next
+one takes it over (:meth:`ExecManager.readopt`) with the same id, offsets and replay
+buffers, and ``command_id`` still names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import os
+import secrets
 import signal as signals
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sandlot.dataplane.procio import PACING_HEADROOM, FdReader, close_fd, write_all
 from sandlot.dataplane.settings import DataplaneSettings
-from sandlot.dataplane.streams import OutputStream
+from sandlot.dataplane.spool import SpoolFile, SpoolReader
+from sandlot.dataplane.streams import Cursor, OutputStream
 from sandlot.protocol.common import Actor, new_id, rfc3339
 from sandlot.protocol.errors import ExecNotFound, InvalidRequest, ResourceConflict
 from sandlot.protocol.states import ExecState, check_transition
-from sandlot.runtime.base import WORKSPACE, ExitStatus, ProcessSpec, SandboxProcess, SandboxRuntime
+from sandlot.runtime.base import (
+    WORKSPACE,
+    ExitStatus,
+    Keep,
+    KeptProcess,
+    ProcessSpec,
+    SandboxProcess,
+    SandboxRuntime,
+)
 from sandlot.runtime.direct import set_winsize
+
+log = logging.getLogger(__name__)
 
 #: Seconds to wait for pipes to reach EOF after the process exits (background children).
 EOF_GRACE = 1.0
+#: Seconds a command taken over after a restart waits for its client to come back before
+#: running unpaced: the client was cut off by the crash, not by choice (the SDK rides out
+#: outages of up to 30 s).
+READOPT_HOLD_SECONDS = 60.0
 TIMEOUT_EXIT_CODE = 124
 
 EventSink = Callable[[str, str, dict[str, Any], Actor | None], int]
@@ -64,8 +91,9 @@ class Exec:
         pty: bool,
         settings: DataplaneSettings,
         collect: bool,
+        exec_id: str | None = None,
     ) -> None:
-        self.exec_id = new_id("ex", 8)
+        self.exec_id = exec_id or new_id("ex", 8)
         self.command = command
         self.command_id = command_id
         self.actor = actor
@@ -93,6 +121,16 @@ class Exec:
         self._stdin_closed = False
         self._timeout_handle: asyncio.TimerHandle | None = None
         self.kill_on_disconnect = False
+        self.collect = collect
+        #: Wall-clock time the command is killed at (its timeout), if any.
+        self.deadline: float | None = None
+        #: Of a kept command: the init's tag for it, and its spool files.
+        self.tag: int | None = None
+        self.spools: list[SpoolFile] = []
+        self._detached = False
+        #: Paces a command taken over after a restart until a client is back.
+        self._hold: Cursor | None = None
+        self._hold_timer: asyncio.TimerHandle | None = None
 
     # --- watching ---------------------------------------------------------------------
 
@@ -115,6 +153,28 @@ class Exec:
         self.stderr.collected = None
 
     @property
+    def oom_killed(self) -> bool:
+        return self.status is not None and self.status.oom_killed
+
+    def record(self) -> bytes:
+        """What the init keeps for this command (see :meth:`ExecManager.readopt`)."""
+        return json.dumps(
+            {
+                "kind": "exec",
+                "exec_id": self.exec_id,
+                "command_id": self.command_id,
+                "command": self.command,
+                "actor": self.actor.model_dump(mode="json") if self.actor else None,
+                "pty": self.pty,
+                "collect": self.collect,
+                "started_at": self.started_at,
+                "deadline": self.deadline,
+                "kill_on_disconnect": self.kill_on_disconnect,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @property
     def exit_code(self) -> int | None:
         if self.status is None:
             return None
@@ -129,6 +189,7 @@ class Exec:
             "state": self.state.value,
             "exit_code": self.exit_code,
             "signal": self.status.signal if self.status else None,
+            "oom_killed": self.oom_killed,
             "pty": self.pty,
             "started_at": rfc3339(self.started_at),
             "ended_at": rfc3339(self.ended_at),
@@ -137,6 +198,23 @@ class Exec:
             "clients": self.clients,
             "last_event_sequence": last_event_sequence,
         }
+
+    def hold_for_client(self, seconds: float) -> None:
+        """Pace the output as if the client cut off by a restart were still here, at the
+        oldest offset it can be at, until a client attaches or ``seconds`` pass."""
+        if self.collect or self.state is not ExecState.RUNNING:
+            return
+        self._hold = Cursor(self.streams, [s.start for s in self.streams])
+        self._hold_timer = asyncio.get_running_loop().call_later(seconds, self.client_attached)
+
+    def client_attached(self) -> None:
+        """A client is attached (or none came back in time): it paces the command now."""
+        if self._hold is not None:
+            self._hold.close()
+            self._hold = None
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
 
     # --- input ------------------------------------------------------------------------
 
@@ -168,6 +246,8 @@ class Exec:
             self._stdin_closed = True
             close_fd(self.process.stdin_fd)
             self.process.stdin_fd = None
+            if self.tag is not None:
+                self.process.release(0)  # the init's copy of the write end too: EOF
 
     def resize(self, cols: int, rows: int) -> None:
         if self.pty and self.process is not None and self.process.pty_fd is not None:
@@ -180,21 +260,42 @@ class Exec:
 
     # --- lifecycle --------------------------------------------------------------------
 
-    def attach_process(self, process: SandboxProcess, timeout: float | None) -> None:
+    def attach_process(
+        self, process: SandboxProcess, timeout: float | None, pipe: tuple[int, int] | None = None
+    ) -> None:
+        """Read the process's output; a kept one's through its spools (``pipe``: see below).
+
+        Under a PTY, a kept command's output goes from the master through ``pipe``
+        (read end, write end), which the init holds too.
+        """
         self.process = process
         self.pid = process.pid
         if self.pty:
             assert process.pty_fd is not None
-            self._readers = [FdReader(process.pty_fd, self.stdout)]
+            if self.spools and pipe is not None:
+                reader: FdReader = SpoolReader(
+                    pipe[0], self.stdout, self.spools[0], master=process.pty_fd, pipe_in=pipe[1]
+                )
+            else:
+                reader = FdReader(process.pty_fd, self.stdout)
+            self._readers = [reader]
             self.stderr.close()
         else:
             assert process.stdout_fd is not None and process.stderr_fd is not None
-            self._readers = [
-                FdReader(process.stdout_fd, self.stdout),
-                FdReader(process.stderr_fd, self.stderr),
-            ]
+            if self.spools:
+                self._readers = [
+                    SpoolReader(process.stdout_fd, self.stdout, self.spools[0]),
+                    SpoolReader(process.stderr_fd, self.stderr, self.spools[1]),
+                ]
+            else:
+                self._readers = [
+                    FdReader(process.stdout_fd, self.stdout),
+                    FdReader(process.stderr_fd, self.stderr),
+                ]
         if timeout is not None:
-            self._timeout_handle = asyncio.get_running_loop().call_later(timeout, self._expire)
+            self._timeout_handle = asyncio.get_running_loop().call_later(
+                max(0.0, timeout), self._expire
+            )
 
     def _expire(self) -> None:
         if self.state is ExecState.RUNNING and self.process is not None:
@@ -206,7 +307,8 @@ class Exec:
         try:
             status = await self.process.wait()
         except asyncio.CancelledError:
-            self.process.send_signal(signals.SIGKILL)
+            if not self._detached:
+                self.process.send_signal(signals.SIGKILL)
             raise
         if self._timeout_handle is not None:
             self._timeout_handle.cancel()
@@ -232,10 +334,11 @@ class Exec:
         on_exit(self)
 
     def finish(self, status: ExitStatus) -> None:
-        for reader in self._readers:
-            reader.close()
-            close_fd(reader.fd)
-        self._readers = []
+        self.client_attached()
+        self._close_readers()
+        if self.tag is not None and self.process is not None:
+            # Everything is spooled: the init need not hold the pipes any longer.
+            self.process.release(-1)
         self.stdout.close()
         self.stderr.close()
         if self.process is not None and self.process.stdin_fd is not None:
@@ -248,6 +351,28 @@ class Exec:
         self.done.set()
         for ev in self._watchers:
             ev.set()
+
+    def _close_readers(self) -> None:
+        for reader in self._readers:
+            reader.close()
+            close_fd(reader.fd)
+            if isinstance(reader, SpoolReader):
+                if reader.master is not None:
+                    close_fd(reader.pipe)
+                close_fd(reader.pipe_in)
+        self._readers = []
+        for spool in self.spools:
+            spool.close()
+
+    def detach(self) -> None:
+        """Let go of a kept command without ending it (the server is stopping)."""
+        if self._timeout_handle is not None:
+            self._timeout_handle.cancel()
+        self._close_readers()
+        self._detached = True
+        if self.process is not None:
+            close_fd(self.process.stdin_fd)
+            self.process.stdin_fd = None
 
     def fail(self) -> None:
         self.stdout.close()
@@ -272,6 +397,8 @@ class ExecManager:
         self._tasks: set[asyncio.Task[None]] = set()
         self._running = 0
         self._pruned_at = 0.0
+        #: The runtime of the kept commands (to forget them once pruned).
+        self._runtime: SandboxRuntime | None = None
 
     @property
     def running(self) -> int:
@@ -326,6 +453,25 @@ class ExecManager:
             self._execs.pop(e.exec_id, None)
             if e.command_id is not None and self._by_command.get(e.command_id) is e:
                 del self._by_command[e.command_id]
+            self._discard(e)
+
+    def _discard(self, ex: Exec) -> None:
+        """A pruned command: its spool files go, and the init forgets it."""
+        for spool in ex.spools:
+            spool.remove()
+        if ex.tag is not None and self._runtime is not None:
+            self._background(self._runtime.forget(ex.tag))
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except Exception as exc:  # the sandbox may be gone meanwhile
+                log.debug("kept command bookkeeping failed: %s", exc)
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def start(
         self,
@@ -341,6 +487,7 @@ class ExecManager:
         actor: Actor | None,
         collect: bool = False,
         stdin: bytes | None = None,
+        kill_on_disconnect: bool = False,
     ) -> Exec:
         self._prune()
         if command_id is not None and (
@@ -362,15 +509,25 @@ class ExecManager:
                 collect=collect,
             )
             spec = ProcessSpec(argv=argv, env=env, cwd=sandbox_cwd(cwd), pty=pty)
+            ex.kill_on_disconnect = kill_on_disconnect
+            if timeout is not None:
+                ex.deadline = time.time() + timeout
+            keep, pipe = self._prepare_keep(runtime, ex)
             try:
-                process = await runtime.spawn(spec)
+                process = await runtime.spawn(spec, keep)
             except FileNotFoundError:
+                self._abandon(ex, pipe)
                 raise InvalidRequest("command or working directory not found") from None
             except PermissionError:
+                self._abandon(ex, pipe)
                 raise InvalidRequest("command is not executable") from None
             except OSError as exc:
+                self._abandon(ex, pipe)
                 raise InvalidRequest(f"cannot start command: {exc.strerror}") from None
-            ex.attach_process(process, timeout)
+            except BaseException:
+                self._abandon(ex, pipe)
+                raise
+            ex.attach_process(process, timeout, pipe)
             self._running += 1
             self._execs[ex.exec_id] = ex
             if command_id is not None:
@@ -399,6 +556,126 @@ class ExecManager:
             if command_id is not None:
                 self._starting.pop(command_id).set()
 
+    def _prepare_keep(
+        self, runtime: SandboxRuntime, ex: Exec
+    ) -> tuple[Keep | None, tuple[int, int] | None]:
+        """Spool files and the init's part for a command that must outlive the server."""
+        spool_dir = runtime.spool_dir
+        if not runtime.keeps_processes or spool_dir is None:
+            return None, None
+        self._runtime = runtime
+        spool_dir.mkdir(mode=0o700, exist_ok=True)
+        head = self.settings.max_output_bytes if ex.collect else 0
+        tail = self.settings.stream_buffer_bytes + 2 * PACING_HEADROOM
+        names = ["pty"] if ex.pty else ["stdout", "stderr"]
+        ex.spools = [
+            SpoolFile(spool_dir / f"{ex.exec_id}.{n}", keep_head=head, keep_tail=tail, create=True)
+            for n in names
+        ]
+        ex.tag = secrets.randbits(63) or 1
+        pipe = None
+        hold: tuple[int, ...] = ()
+        if ex.pty:
+            r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+            pipe, hold = (r, w), (r, w)
+        return Keep(ex.tag, ex.record(), hold), pipe
+
+    @staticmethod
+    def _abandon(ex: Exec, pipe: tuple[int, int] | None) -> None:
+        for spool in ex.spools:
+            spool.remove()
+        ex.spools = []
+        if pipe is not None:
+            close_fd(pipe[0])
+            close_fd(pipe[1])
+
+    async def readopt(self, runtime: SandboxRuntime, kept: list[KeptProcess]) -> None:
+        """Take over the commands a previous server started in this sandbox."""
+        spool_dir = runtime.spool_dir
+        if spool_dir is None:
+            return
+        self._runtime = runtime
+        for k in kept:
+            try:
+                info = json.loads(k.record)
+            except ValueError:
+                continue
+            if not isinstance(info, dict) or info.get("kind") != "exec":
+                continue
+            try:
+                await self._readopt_one(runtime, spool_dir, k, info)
+            except (OSError, LookupError, KeyError, TypeError, ValueError) as exc:
+                log.warning("could not take over command %s: %s", info.get("exec_id"), exc)
+
+    async def _readopt_one(
+        self, runtime: SandboxRuntime, spool_dir: Any, k: KeptProcess, info: dict[str, Any]
+    ) -> None:
+        if str(info["exec_id"]) in self._execs:
+            return  # ours already (a sandbox resumed by the server that started it)
+        actor = Actor.model_validate(info["actor"]) if info.get("actor") else None
+        ex = Exec(
+            command=info["command"],
+            command_id=info.get("command_id"),
+            actor=actor,
+            pty=bool(info.get("pty")),
+            settings=self.settings,
+            collect=bool(info.get("collect")),
+            exec_id=str(info["exec_id"]),
+        )
+        ex.started_at = float(info["started_at"])
+        ex.deadline = info.get("deadline")
+        ex.kill_on_disconnect = bool(info.get("kill_on_disconnect"))
+        ex.tag = k.tag
+        head = self.settings.max_output_bytes if ex.collect else 0
+        tail = self.settings.stream_buffer_bytes + 2 * PACING_HEADROOM
+        names = ["pty"] if ex.pty else ["stdout", "stderr"]
+        ex.spools = [
+            SpoolFile(spool_dir / f"{ex.exec_id}.{n}", keep_head=head, keep_tail=tail, create=False)
+            for n in names
+        ]
+        for spool, stream in zip(ex.spools, ex.streams, strict=True):
+            spool.restore(stream)
+        process = await runtime.adopt(k.tag)
+        held = process.held + [-1] * 4
+
+        def own(fd: int) -> int | None:
+            return fd if fd >= 0 else None
+
+        pipe: tuple[int, int] | None = None
+        if ex.pty:
+            # Held: the pipe (read, write) the master's output goes through, then the master.
+            process.pty_fd = own(held[2])
+            if held[0] >= 0 and held[1] >= 0:
+                pipe = (held[0], held[1])
+        else:
+            process.stdin_fd = own(held[0])
+            process.stdout_fd = own(held[1])
+            process.stderr_fd = own(held[2])
+        if ex.command_id is not None:
+            self._by_command[ex.command_id] = ex
+        self._execs[ex.exec_id] = ex
+        ex.process = process
+        ex.pid = process.pid
+        readable = (
+            process.pty_fd is not None and pipe is not None
+            if ex.pty
+            else process.stdout_fd is not None and process.stderr_fd is not None
+        )
+        if readable:
+            remaining = None if ex.deadline is None else ex.deadline - time.time()
+            ex.hold_for_client(READOPT_HOLD_SECONDS)
+            ex.attach_process(process, remaining, pipe)
+        else:
+            # Its output was all spooled before the previous server let go of the pipes.
+            for stream in ex.streams:
+                stream.close()
+        self._running += 1
+        task = asyncio.get_running_loop().create_task(ex.supervise(self._exited))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if ex.kill_on_disconnect and ex.clients == 0:
+            ex.signal(signals.SIGKILL)
+
     def _exited(self, ex: Exec) -> None:
         self._running -= 1
         status = "killed" if ex.state is ExecState.KILLED else "exited"
@@ -411,13 +688,21 @@ class ExecManager:
                 "exit_code": ex.exit_code,
                 "signal": ex.status.signal if ex.status else None,
                 "timed_out": ex.timed_out,
+                "oom_killed": ex.oom_killed,
                 "status": status,
             },
             ex.actor,
         )
 
-    async def close(self) -> None:
-        running = [ex for ex in self._execs.values() if ex.state is ExecState.RUNNING]
+    async def close(self, *, detach: bool = False) -> None:
+        """End the sandbox's commands; with ``detach``, kept ones are let go instead."""
+        if detach:
+            for ex in self._execs.values():
+                if ex.tag is not None and ex.state is ExecState.RUNNING:
+                    ex.detach()
+        running = [
+            ex for ex in self._execs.values() if ex.state is ExecState.RUNNING and not ex._detached
+        ]
         for ex in running:
             ex.signal(signals.SIGKILL)
         # Let the supervisors reap what was killed (no zombie, no Popen left running).
@@ -432,5 +717,5 @@ class ExecManager:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for ex in self._execs.values():
-            if ex.state is ExecState.RUNNING:
+            if ex.state is ExecState.RUNNING and not ex._detached:
                 ex.finish(ExitStatus(exit_code=137, signal="SIGKILL"))

@@ -250,9 +250,15 @@ class DataplaneHost:
         if entry is not None:
             await entry.close()
 
+    async def readopt(self, sandbox_id: str) -> None:
+        """Take over the commands and shells a previous server left running in the sandbox."""
+        await self._entry(sandbox_id).readopt()
+
     async def close(self) -> None:
+        """The server is stopping: sandboxes and their running work stay for the next one."""
         for sandbox_id in list(self._entries):
-            await self.unregister(sandbox_id)
+            entry = self._entries.pop(sandbox_id)
+            await entry.close(detach=True)
 
     # --- connections (for revocation, expiry and activity) ------------------------------
 

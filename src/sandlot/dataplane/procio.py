@@ -35,16 +35,23 @@ class FdReader:
         self.paused = False
         self._loop.add_reader(fd, self._readable)
 
-    def _readable(self) -> None:
+    def _read(self) -> bytes:
+        """The next chunk, ``b""`` at EOF; ``BlockingIOError`` when there is none yet."""
         try:
-            data = os.read(self.fd, READ_SIZE)
+            return os.read(self.fd, READ_SIZE)
         except BlockingIOError:
-            return
+            raise
         except OSError as exc:
             # A PTY master reports EIO once the last slave fd is closed: that is EOF.
             if exc.errno not in (errno.EIO, errno.EBADF):
                 raise
-            data = b""
+            return b""
+
+    def _readable(self) -> None:
+        try:
+            data = self._read()
+        except BlockingIOError:
+            return
         if data:
             self.stream.feed(data)
             if self.stream.full:

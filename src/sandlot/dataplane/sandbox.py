@@ -68,6 +68,7 @@ class SandboxEntry:
         self.watcher: WorkspaceWatcher | None = None
         self.connections: set[Connection] = set()
         self.last_active_at: float | None = None
+        self.readopted = False
 
     def emit(
         self, event_type: str, kind: str, details: dict[str, Any], actor: Actor | None = None
@@ -154,11 +155,22 @@ class SandboxEntry:
         if conn.timer is not None:
             conn.timer.cancel()
 
-    async def close(self) -> None:
+    async def readopt(self) -> None:
+        """Take over what a previous server left running here (once; see ``execs``)."""
+        runtime = self.runtime
+        if self.readopted or runtime is None or not runtime.keeps_processes:
+            return
+        self.readopted = True
+        kept = await runtime.kept()
+        await self.execs.readopt(runtime, kept)
+        await self.shells.readopt(runtime, kept)
+
+    async def close(self, *, detach: bool = False) -> None:
+        """Close connections and end the sandbox's work (``detach``: kept work goes on)."""
         for conn in list(self.connections):
             conn.close(1001, "sandbox closed")
-        await self.execs.close()
-        await self.shells.close()
+        await self.execs.close(detach=detach)
+        await self.shells.close(detach=detach)
         if self.watcher is not None:
             await self.watcher.close()
         if self.resolver is not None:

@@ -11,26 +11,43 @@ profile is the spare, renamed and resized, so opening it costs no process
 start. A spare is not listed, emits no event and is not activity; if it
 exits unclaimed it is dropped, and an open without one starts its program
 as before.
+
+Where the runtime keeps processes through a restart of the server, shells
+(spares included) are started kept, their output spooled like a command's
+(:mod:`sandlot.dataplane.spool`): a restarted server takes each named shell
+over with its name, session id, offset and history, and ends the spares.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
+import secrets
 import signal as signals
 import time
 from collections.abc import Coroutine
 from typing import Any
 
 from sandlot.dataplane.execs import EventSink
-from sandlot.dataplane.procio import FdReader, close_fd, write_all
+from sandlot.dataplane.procio import READ_SIZE, FdReader, close_fd, write_all
 from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.dataplane.spool import SpoolFile, SpoolReader
 from sandlot.dataplane.streams import OutputStream
 from sandlot.protocol.common import Actor, new_id, rfc3339
 from sandlot.protocol.errors import InvalidRequest, ResourceConflict, ResourceNotFound
 from sandlot.protocol.states import ShellState, check_transition
-from sandlot.runtime.base import WORKSPACE, ExitStatus, ProcessSpec, SandboxProcess, SandboxRuntime
+from sandlot.runtime.base import (
+    WORKSPACE,
+    ExitStatus,
+    Keep,
+    KeptProcess,
+    ProcessSpec,
+    SandboxProcess,
+    SandboxRuntime,
+)
 from sandlot.runtime.direct import set_winsize
 
 log = logging.getLogger(__name__)
@@ -54,6 +71,47 @@ class Shell:
         self._watchers: set[asyncio.Event] = set()
         self._reader: FdReader | None = None
         self._lock = asyncio.Lock()
+        #: Of a kept shell: the init's tag for it, its spool, the pipe its output crosses.
+        self.tag: int | None = None
+        self.spool: SpoolFile | None = None
+        self.pipe: tuple[int, int] | None = None
+
+    def record(self) -> bytes:
+        """What the init keeps for this shell (an unnamed one is a spare)."""
+        return json.dumps(
+            {
+                "kind": "shell",
+                "name": self.name,
+                "session_id": self.session_id,
+                "profile": self.profile,
+                "created_at": self.created_at,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    def read_output(self, process: SandboxProcess) -> None:
+        assert process.pty_fd is not None
+        self.process = process
+        if self.spool is not None and self.pipe is not None:
+            self._reader = SpoolReader(
+                self.pipe[0], self.stream, self.spool, master=process.pty_fd, pipe_in=self.pipe[1]
+            )
+        else:
+            self._reader = FdReader(process.pty_fd, self.stream)
+
+    def release_fds(self) -> None:
+        """Close the server's fds of the shell (the process itself is not signalled)."""
+        if self._reader is not None:
+            self._reader.close()
+        if self.process is not None:
+            close_fd(self.process.pty_fd)
+            self.process.pty_fd = None
+        if self.pipe is not None:
+            close_fd(self.pipe[0])
+            close_fd(self.pipe[1])
+            self.pipe = None
+        if self.spool is not None:
+            self.spool.close()
 
     def watch(self, event: asyncio.Event) -> None:
         self._watchers.add(event)
@@ -94,11 +152,7 @@ class Shell:
     def finish(self, status: ExitStatus) -> None:
         if self.state is ShellState.EXITED:
             return
-        if self._reader is not None:
-            self._reader.close()
-        if self.process is not None:
-            close_fd(self.process.pty_fd)
-            self.process.pty_fd = None
+        self.release_fds()
         self.stream.close()
         self.status = status
         self.state = check_transition(self.state, ShellState.EXITED)
@@ -118,6 +172,7 @@ class ShellManager:
         self._spares: dict[str, Shell] = {}
         self._sparing: set[str] = set()
         self._closed = False
+        self._runtime: SandboxRuntime | None = None
 
     @property
     def clients(self) -> int:
@@ -164,6 +219,13 @@ class ShellManager:
                     raise InvalidRequest(f"cannot start shell: {exc.strerror}") from None
             shell.name = name
             shell.created_at = time.time()
+            if shell.tag is not None:
+                # Named before anyone uses it: a restart now finds it by its name.
+                try:
+                    await runtime.update_record(shell.tag, shell.record())
+                except OSError:
+                    shell.signal(signals.SIGKILL)
+                    raise InvalidRequest("cannot start shell: the sandbox is going away") from None
             self._shells[name] = shell
             self._emit(
                 "shell.created",
@@ -191,13 +253,50 @@ class ShellManager:
         self, runtime: SandboxRuntime, profile: str, argv: list[str], cols: int, rows: int
     ) -> Shell:
         """Start ``argv`` under a PTY, its output read into a new (still unnamed) shell."""
-        process = await runtime.spawn(ProcessSpec(argv=list(argv), cwd=WORKSPACE, pty=(cols, rows)))
         shell = Shell("", profile, self.settings, runtime)
-        shell.process = process
-        assert process.pty_fd is not None
-        shell._reader = FdReader(process.pty_fd, shell.stream)
+        keep = self._prepare_keep(runtime, shell)
+        spec = ProcessSpec(argv=list(argv), cwd=WORKSPACE, pty=(cols, rows))
+        try:
+            process = await runtime.spawn(spec, keep)
+        except BaseException:
+            shell.release_fds()
+            if shell.spool is not None:
+                shell.spool.remove()
+            raise
+        shell.read_output(process)
         self._spawn(self._supervise(shell))
         return shell
+
+    def _prepare_keep(self, runtime: SandboxRuntime, shell: Shell) -> Keep | None:
+        spool_dir = runtime.spool_dir
+        if not runtime.keeps_processes or spool_dir is None:
+            return None
+        self._runtime = runtime
+        spool_dir.mkdir(mode=0o700, exist_ok=True)
+        shell.spool = SpoolFile(
+            spool_dir / f"{shell.session_id}.pty",
+            keep_head=0,
+            keep_tail=self.settings.shell_buffer_bytes + 2 * READ_SIZE,
+            create=True,
+        )
+        shell.tag = secrets.randbits(63) or 1
+        shell.pipe = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        return Keep(shell.tag, shell.record(), shell.pipe)
+
+    def _discard(self, shell: Shell) -> None:
+        """An ended shell: its spool goes, and the init forgets it."""
+        if shell.spool is not None:
+            shell.spool.remove()
+        if shell.tag is not None and self._runtime is not None:
+            runtime, tag = self._runtime, shell.tag
+
+            async def forget() -> None:
+                try:
+                    await runtime.forget(tag)
+                except Exception as exc:  # the sandbox may be gone meanwhile
+                    log.debug("could not forget shell %s: %s", shell.name, exc)
+
+            self._spawn(forget())
 
     def _claim_spare(
         self, runtime: SandboxRuntime, profile: str, cols: int, rows: int
@@ -266,6 +365,7 @@ class ShellManager:
             finally:
                 shell.stream.unlisten(waiter)
         shell.finish(status)
+        self._discard(shell)
         if not shell.name:  # a spare that exited unclaimed: nobody knew of it
             if self._spares.get(shell.profile) is shell:
                 del self._spares[shell.profile]
@@ -321,8 +421,74 @@ class ShellManager:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(shell.done.wait(), 2.0)
 
-    async def close(self) -> None:
+    async def readopt(self, runtime: SandboxRuntime, kept: list[KeptProcess]) -> None:
+        """Take over the shells a previous server left running in the sandbox."""
+        spool_dir = runtime.spool_dir
+        if spool_dir is None:
+            return
+        self._runtime = runtime
+        known = {s.session_id for s in self._shells.values()}
+        known |= {s.session_id for s in self._spares.values()}
+        for k in kept:
+            try:
+                info = json.loads(k.record)
+            except ValueError:
+                continue
+            if not isinstance(info, dict) or info.get("kind") != "shell":
+                continue
+            if info.get("session_id") in known:
+                continue
+            try:
+                await self._readopt_one(runtime, spool_dir, k, info)
+            except (OSError, LookupError, KeyError, TypeError, ValueError) as exc:
+                log.warning("could not take over shell %s: %s", info.get("name"), exc)
+
+    async def _readopt_one(
+        self, runtime: SandboxRuntime, spool_dir: Any, k: KeptProcess, info: dict[str, Any]
+    ) -> None:
+        process = await runtime.adopt(k.tag)
+        held = process.held + [-1] * 3
+        name = str(info.get("name") or "")
+        if not name or name in self._shells:
+            # A spare nobody claimed (or a duplicate): end it.
+            process.send_signal(signals.SIGKILL)
+            for fd in held:
+                close_fd(fd if fd >= 0 else None)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), 2.0)
+            await runtime.forget(k.tag)
+            with contextlib.suppress(FileNotFoundError):
+                (spool_dir / f"{info.get('session_id')}.pty").unlink()
+            return
+        shell = Shell(name, str(info["profile"]), self.settings, runtime)
+        shell.session_id = str(info["session_id"])
+        shell.created_at = float(info["created_at"])
+        shell.tag = k.tag
+        shell.spool = SpoolFile(
+            spool_dir / f"{shell.session_id}.pty",
+            keep_head=0,
+            keep_tail=self.settings.shell_buffer_bytes + 2 * READ_SIZE,
+            create=False,
+        )
+        shell.spool.restore(shell.stream)
+        self._shells[name] = shell
+        if held[0] >= 0 and held[1] >= 0 and held[2] >= 0:
+            shell.pipe = (held[0], held[1])
+            process.pty_fd = held[2]
+            shell.read_output(process)
+        else:
+            shell.process = process
+            shell.stream.close()
+        self._spawn(self._supervise(shell))
+
+    async def close(self, *, detach: bool = False) -> None:
+        """End the shells; with ``detach`` (the server stops), kept named ones go on."""
         self._closed = True
+        if detach:
+            for shell in list(self._shells.values()):
+                if shell.tag is not None and shell.state is ShellState.RUNNING:
+                    shell.release_fds()
+                    del self._shells[shell.name]
         shells = [*self._shells.values(), *self._spares.values()]
         for shell in shells:
             shell.signal(signals.SIGKILL)

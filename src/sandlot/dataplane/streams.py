@@ -187,6 +187,25 @@ class OutputStream:
             self._start += cut
         self._notify()
 
+    def resume(self, start: int, data: bytes, head: bytes, size: int) -> None:
+        """Continue a stream of ``size`` bytes whose last ones, from ``start``, are ``data``.
+
+        ``head`` is its beginning, for the one-shot copy (what a restarted server finds
+        in the spool file of a command another server started).
+        """
+        skip = 0
+        while start and skip < min(3, len(data)) and (data[skip] & 0xC0) == 0x80:
+            skip += 1
+        self._buf = bytearray()
+        self._start = start + skip
+        self._pending = b""
+        collected, self.collected = self.collected, None
+        self.feed(data[skip:])
+        if collected is not None:
+            kept = head[: self._collect_limit]
+            self.collected = bytearray(kept[: complete_utf8(kept)])
+            self.truncated = size > self._collect_limit
+
     def close(self) -> None:
         if self.eof:
             return

@@ -249,8 +249,8 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
             timeout=first.timeout_seconds or None,
             command_id=command_id,
             actor=sock.ctx.actor,
+            kill_on_disconnect=first.kill_on_disconnect,
         )
-        ex.kill_on_disconnect = first.kill_on_disconnect
         if isinstance(first, F.StartFrame) and first.stdin is not None:
             await ex.write_stdin(first.stdin.encode())
         if isinstance(first, F.ExecuteFrame) and first.close_stdin:
@@ -301,6 +301,7 @@ async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
         ex.clients += 1
         # The cursor exists before ``ready`` is sent: it paces the command from its first byte.
         cursor = Cursor(ex.streams, offsets[: len(ex.streams)])
+        ex.client_attached()
         try:
             if langsmith:
                 await sock.send(

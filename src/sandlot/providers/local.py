@@ -185,6 +185,7 @@ class LocalProvider(Provider):
         rt = self._runtime(sandbox_id)
         await self.manager.resume(rt)
         self.host.set_state(sandbox_id, SandboxState.ACTIVE, reason="resumed")
+        await self.host.readopt(sandbox_id)
         return await self.status(sandbox_id)
 
     async def delete(self, sandbox_id: str) -> None:
@@ -237,6 +238,9 @@ class LocalProvider(Provider):
             state = runtime.state if runtime.state.live else SandboxState.ACTIVE
             self.host.register(rec.sandbox_id, rec.generation, SandboxState.PROVISIONING, runtime)
             self.host.set_state(rec.sandbox_id, state, reason="re-adopted after restart")
+            if state is SandboxState.ACTIVE:
+                # A frozen init answers nothing: a suspended sandbox's commands on resume.
+                await self.host.readopt(rec.sandbox_id)
             adopted.add(rec.sandbox_id)
         await self.manager.cleanup_leftovers(keep=adopted)
         return lost

@@ -49,6 +49,32 @@ class ExitStatus:
     oom_killed: bool = False
 
 
+@dataclass(frozen=True)
+class Keep:
+    """Ask the runtime to keep a process through a restart of the server.
+
+    ``tag`` names it (unique in the sandbox); ``record`` is the server's own
+    bookkeeping, handed back by :meth:`SandboxRuntime.kept`; ``hold`` are fds
+    of the server's that must stay open while the server is gone (they come
+    back, after the process's own pipe ends in pipe mode, in
+    :attr:`SandboxProcess.held` of the adopted process).
+    """
+
+    tag: int
+    record: bytes
+    hold: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class KeptProcess:
+    """A kept process as a restarted server finds it: still running, or its exit status."""
+
+    tag: int
+    pid: int
+    status: ExitStatus | None
+    record: bytes
+
+
 class SandboxProcess(abc.ABC):
     """A process started in a sandbox. File descriptors are owned by the caller.
 
@@ -62,6 +88,11 @@ class SandboxProcess(abc.ABC):
     stdout_fd: int | None
     stderr_fd: int | None
     pty_fd: int | None
+    #: Of an adopted kept process: the fds the runtime held for the server.
+    held: list[int]
+
+    def release(self, index: int = -1) -> None:  # noqa: B027 - optional
+        """Let the runtime close its copy of held fd ``index`` (``-1``: all of them)."""
 
     @abc.abstractmethod
     async def wait(self) -> ExitStatus:
@@ -104,5 +135,33 @@ class SandboxRuntime(abc.ABC):
         raise LookupError("runtime has no workspace mount")
 
     @abc.abstractmethod
-    async def spawn(self, spec: ProcessSpec) -> SandboxProcess:
-        """Start a process inside the sandbox, in a new session and process group."""
+    async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
+        """Start a process inside the sandbox, in a new session and process group.
+
+        With ``keep``, where :attr:`keeps_processes`, the process and its pipes
+        survive the server (see :class:`Keep`); elsewhere ``keep`` is ignored.
+        """
+
+    @property
+    def keeps_processes(self) -> bool:
+        """Whether processes started with ``keep`` outlive the server."""
+        return False
+
+    @property
+    def spool_dir(self) -> Path | None:
+        """A host directory of the server's, outside the sandbox, kept with it (or ``None``)."""
+        return None
+
+    async def kept(self) -> list[KeptProcess]:
+        """Processes kept for the server (see :class:`Keep`), running or exited."""
+        return []
+
+    async def adopt(self, tag: int) -> SandboxProcess:
+        """Take over the kept process ``tag``; its held fds are in ``held``."""
+        raise LookupError(f"no kept process {tag}")
+
+    async def forget(self, tag: int) -> None:  # noqa: B027 - optional
+        """Drop the kept process ``tag``'s record and held fds."""
+
+    async def update_record(self, tag: int, record: bytes) -> None:  # noqa: B027 - optional
+        """Replace the record kept with process ``tag``."""

@@ -22,6 +22,7 @@ from sandlot.protocol.states import SandboxState
 from sandlot.runtime.base import (
     WORKSPACE,
     ExitStatus,
+    Keep,
     Mount,
     ProcessSpec,
     SandboxProcess,
@@ -56,6 +57,7 @@ class DirectProcess(SandboxProcess):
     ) -> None:
         self._popen = popen
         self.pid = popen.pid
+        self.held = []
         self.stdin_fd, self.stdout_fd, self.stderr_fd, self.pty_fd = (
             stdin_fd,
             stdout_fd,
@@ -202,7 +204,7 @@ class DirectRuntime(SandboxRuntime):
             return self._workspace / cwd[len(WORKSPACE) :].lstrip("/")
         return Path(cwd)
 
-    async def spawn(self, spec: ProcessSpec) -> SandboxProcess:
+    async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
         base_env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": str(self._workspace),

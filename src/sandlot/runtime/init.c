@@ -20,12 +20,23 @@
  *       writes the sandbox's seccomp filter (classic BPF) to stdout.
  *
  * Wire format (native byte order, one request per connection):
- *   request:  struct request + payload "cwd\0argv...\0env...\0", split in
- *             messages of at most CHUNK bytes; pipe mode carries stdin, stdout,
- *             stderr fds as SCM_RIGHTS on the first message.
- *             A SIGNAL request may follow on the same connection at any time.
+ *   request:  struct request + payload "cwd\0argv...\0env...\0" + record, split
+ *             in messages of at most CHUNK bytes; pipe mode carries stdin, stdout,
+ *             stderr fds as SCM_RIGHTS on the first message, then NHOLD more.
+ *             SIGNAL and RELEASE requests may follow on the same connection.
  *   response: struct response; STARTED carries the pty master in PTY mode,
  *             then EXIT (raw wait status) when the process ends.
+ *
+ * Kept processes (a non-zero tag) outlive the server that started them: the
+ * init keeps the record the server gave (its own bookkeeping, opaque here),
+ * the NHOLD fds (the server's ends of the stdio pipes, so that neither the
+ * command nor its unread output dies with the server) and, once it exits,
+ * its wait status. A restarted server LISTs them (one JOB response each,
+ * tag and record after the header, then END), ADOPTs each by tag on a new
+ * connection (STARTED with the held fds, then EXIT as above, at once if it
+ * has exited meanwhile), RELEASEs held fds it no longer needs (signo: the
+ * index, -1 for all) and FORGETs a process once it has no more use for it.
+ * RECORD replaces a kept process's record (the header, then the record).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -53,13 +64,23 @@
 #include <termios.h>
 #include <unistd.h>
 
-#define MAGIC 0x31544c53u /* "SLT1" */
+#define MAGIC 0x32544c53u /* "SLT2" */
 #define REQ_SPAWN 1u
 #define REQ_SIGNAL 2u
+#define REQ_LIST 3u
+#define REQ_ADOPT 4u
+#define REQ_RELEASE 5u
+#define REQ_FORGET 6u
+#define REQ_RECORD 7u
 #define FLAG_PTY 1u
 #define RESP_STARTED 1u
 #define RESP_ERROR 2u
 #define RESP_EXIT 3u
+#define RESP_JOB 4u
+#define RESP_END 5u
+#define MAX_HELD 6
+#define MAX_RECORD 16384u
+#define MAX_JOBS 4096
 #define CHUNK 32768
 #define MAX_PAYLOAD (8u << 20)
 #define STAGE_DIR "/tmp"
@@ -69,6 +90,8 @@ struct request {
     uint16_t cols, rows;
     int32_t signo;
     uint32_t nargv, nenv, len;
+    uint64_t tag;
+    uint32_t record_len, nhold;
 };
 
 struct response {
@@ -305,36 +328,59 @@ struct conn {
     struct request req;
     char *buf;
     uint32_t got;
-    int fds[3];
+    int fds[3 + MAX_HELD];
     int nfds;
+    int job;          /* index in jobs of the kept process served, or -1 */
 };
+
+/* A kept process: see the wire format above. */
+struct job {
+    uint64_t tag;     /* 0: free slot */
+    pid_t pid;
+    int exited, status;
+    int held[MAX_HELD + 1];
+    int nheld;
+    char *record;
+    uint32_t record_len;
+    int conn;         /* slot of the connection serving it, or -1 */
+};
+static struct job *jobs;
+static int njobs;
 
 static struct conn *conns;
 static int nconns;
 static int epfd;
 static char rxbuf[CHUNK + 64];
 
-static void send_response(struct conn *c, uint32_t type, int pid, int err, int status, int fd) {
+static void send_full(struct conn *c, uint32_t type, int pid, int err, int status,
+                      const int *fds, int nfds, const void *extra, size_t extra_len) {
     struct response r = {type, pid, err, status};
-    struct iovec iov = {&r, sizeof r};
+    struct iovec iov[2] = {{&r, sizeof r}, {(void *)extra, extra_len}};
     union {
-        char buf[CMSG_SPACE(sizeof(int))];
+        char buf[CMSG_SPACE((MAX_HELD + 1) * sizeof(int))];
         struct cmsghdr align;
     } u;
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1};
-    if (fd >= 0) {
+    struct msghdr msg = {.msg_iov = iov, .msg_iovlen = extra_len ? 2 : 1};
+    int live[MAX_HELD + 1], n = 0;
+    for (int i = 0; i < nfds && n <= MAX_HELD; i++)
+        if (fds[i] >= 0) live[n++] = fds[i];
+    if (n > 0) {
         memset(&u, 0, sizeof u);
         msg.msg_control = u.buf;
-        msg.msg_controllen = sizeof u.buf;
+        msg.msg_controllen = CMSG_SPACE((size_t)n * sizeof(int));
         struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
         cm->cmsg_level = SOL_SOCKET;
         cm->cmsg_type = SCM_RIGHTS;
-        cm->cmsg_len = CMSG_LEN(sizeof(int));
-        memcpy(CMSG_DATA(cm), &fd, sizeof fd);
+        cm->cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
+        memcpy(CMSG_DATA(cm), live, (size_t)n * sizeof(int));
     }
     /* The server reads promptly; a lost reply only costs that one request. */
     while (sendmsg(c->fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
     }
+}
+
+static void send_response(struct conn *c, uint32_t type, int pid, int err, int status, int fd) {
+    send_full(c, type, pid, err, status, &fd, 1, NULL, 0);
 }
 
 static void close_received(struct conn *c) {
@@ -343,12 +389,60 @@ static void close_received(struct conn *c) {
 }
 
 static void drop_conn(struct conn *c) {
+    /* Server gone: a kept process keeps running, and keeps what it was given. */
+    if (c->job >= 0 && jobs[c->job].conn == (int)(c - conns)) jobs[c->job].conn = -1;
     epoll_ctl(epfd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
     close_received(c);
     free(c->buf);
     memset(c, 0, sizeof *c);
     c->fd = -1;
+    c->job = -1;
+}
+
+static struct job *grow_jobs(void);
+
+static struct job *find_job(uint64_t tag) {
+    for (int i = 0; tag && i < njobs; i++)
+        if (jobs[i].tag == tag) return &jobs[i];
+    return NULL;
+}
+
+static void release_held(struct job *j, int index) {
+    for (int i = 0; i < j->nheld; i++)
+        if ((index < 0 || i == index) && j->held[i] >= 0) {
+            close(j->held[i]);
+            j->held[i] = -1;
+        }
+}
+
+static void forget_job(struct job *j) {
+    release_held(j, -1);
+    if (j->conn >= 0) conns[j->conn].job = -1;
+    free(j->record);
+    memset(j, 0, sizeof *j);
+}
+
+static struct job *new_job(uint64_t tag) {
+    if (find_job(tag)) return NULL; /* a tag names one process */
+    struct job *j = NULL;
+    for (int i = 0; !j && i < njobs; i++)
+        if (jobs[i].tag == 0 && !jobs[i].record) j = &jobs[i];
+    if (!j) j = grow_jobs();
+    if (j) j->conn = -1;
+    return j;
+}
+
+static struct job *grow_jobs(void) {
+    if (njobs >= MAX_JOBS) return NULL;
+    int grown = njobs ? njobs * 2 : 16;
+    struct job *more = realloc(jobs, (size_t)grown * sizeof *jobs);
+    if (!more) return NULL;
+    jobs = more;
+    memset(jobs + njobs, 0, (size_t)(grown - njobs) * sizeof *jobs);
+    int first = njobs;
+    njobs = grown;
+    return &jobs[first];
 }
 
 static const char *env_lookup(char **envp, const char *name) {
@@ -389,8 +483,19 @@ static int resolve(const char *file, char **envp, char *out, size_t outlen) {
 
 static void do_spawn(struct conn *c) {
     struct request *q = &c->req;
-    char *p = c->buf, *end = c->buf + q->len;
+    int pty = (q->flags & FLAG_PTY) != 0;
+    int nchild = pty ? 0 : 3;
+    char *p = c->buf, *end = c->buf + q->len - q->record_len;
     char *cwd = p;
+    struct job *job = NULL;
+    if (q->tag) {
+        job = new_job(q->tag);
+        if (!job) {
+            send_response(c, RESP_ERROR, 0, find_job(q->tag) ? EEXIST : EAGAIN, 0, -1);
+            drop_conn(c);
+            return;
+        }
+    }
     char **argv = calloc(q->nargv + 1, sizeof *argv);
     char **envp = calloc(q->nenv + 1, sizeof *envp);
     int err = (!argv || !envp) ? ENOMEM : 0;
@@ -405,11 +510,11 @@ static void do_spawn(struct conn *c) {
         p += strnlen(p, (size_t)(end - p)) + 1;
     }
     if (!err && (q->nargv == 0 || p > end || end[-1] != '\0')) err = EINVAL;
-    int pty = (q->flags & FLAG_PTY) != 0;
-    if (!err && !pty && c->nfds != 3) err = EINVAL;
+    if (!err && c->nfds != nchild + (int)q->nhold) err = EINVAL;
 
     char path[PATH_MAX];
     if (!err) err = resolve(argv[0], envp, path, sizeof path);
+    if (!err && job && !(job->record = malloc(q->record_len ? q->record_len : 1))) err = ENOMEM;
 
     int master = -1;
     char slave[64];
@@ -442,6 +547,7 @@ static void do_spawn(struct conn *c) {
         } else {
             for (int i = 0; i < 3; i++) posix_spawn_file_actions_adddup2(&fa, c->fds[i], i);
         }
+        /* Held fds are close-on-exec (received with MSG_CMSG_CLOEXEC): the child gets none. */
         posix_spawn_file_actions_addchdir_np(&fa, cwd);
         err = posix_spawn(&pid, path, &fa, &at, argv, envp);
         posix_spawn_file_actions_destroy(&fa);
@@ -449,23 +555,72 @@ static void do_spawn(struct conn *c) {
     }
     free(argv);
     free(envp);
-    free(c->buf);
-    c->buf = NULL;
-    close_received(c);
     if (err) {
+        if (job) forget_job(job);
+        free(c->buf);
+        c->buf = NULL;
+        close_received(c);
         send_response(c, RESP_ERROR, 0, err, 0, -1);
         if (master >= 0) close(master);
         drop_conn(c);
+        /* The child, if spawned, is reaped as nobody's. */
         return;
     }
+    if (job) {
+        job->tag = q->tag;
+        job->pid = pid;
+        memcpy(job->record, end, q->record_len);
+        job->record_len = q->record_len;
+        for (int i = nchild; i < c->nfds; i++) job->held[job->nheld++] = c->fds[i];
+        c->nfds = nchild; /* the held ones are the job's now */
+        if (master >= 0) job->held[job->nheld++] = fcntl(master, F_DUPFD_CLOEXEC, 0);
+        job->conn = (int)(c - conns);
+        c->job = (int)(job - jobs);
+    }
+    free(c->buf);
+    c->buf = NULL;
+    close_received(c);
     c->pid = pid;
     send_response(c, RESP_STARTED, pid, 0, 0, master);
     if (master >= 0) close(master);
 }
 
+static void do_list(struct conn *c) {
+    for (int i = 0; i < njobs; i++) {
+        struct job *j = &jobs[i];
+        if (!j->tag) continue;
+        char head[8 + MAX_RECORD];
+        memcpy(head, &j->tag, 8);
+        memcpy(head + 8, j->record, j->record_len);
+        send_full(c, RESP_JOB, j->pid, j->exited, j->status, NULL, 0, head, 8 + j->record_len);
+    }
+    send_response(c, RESP_END, 0, 0, 0, -1);
+}
+
+static void do_adopt(struct conn *c, uint64_t tag) {
+    struct job *j = find_job(tag);
+    if (!j) {
+        send_response(c, RESP_ERROR, 0, ESRCH, 0, -1);
+        drop_conn(c);
+        return;
+    }
+    if (j->conn >= 0 && j->conn != (int)(c - conns)) drop_conn(&conns[j->conn]);
+    j->conn = (int)(c - conns);
+    c->job = (int)(j - jobs);
+    c->pid = j->exited ? -1 : j->pid;
+    int present = 0; /* which held fds come, in order: the server maps them by index */
+    for (int i = 0; i < j->nheld; i++)
+        if (j->held[i] >= 0) present |= 1 << i;
+    send_full(c, RESP_STARTED, j->pid, present, 0, j->held, j->nheld, NULL, 0);
+    if (j->exited) {
+        send_response(c, RESP_EXIT, j->pid, 0, j->status, -1);
+        drop_conn(c);
+    }
+}
+
 static void on_message(struct conn *c) {
     union {
-        char buf[CMSG_SPACE(3 * sizeof(int))];
+        char buf[CMSG_SPACE((3 + MAX_HELD) * sizeof(int))];
         struct cmsghdr align;
     } u;
     struct iovec iov = {rxbuf, sizeof rxbuf};
@@ -478,7 +633,7 @@ static void on_message(struct conn *c) {
         int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
         int *fds = (int *)CMSG_DATA(cm);
         for (int i = 0; i < k; i++) {
-            if (c->nfds < 3 && c->pid == 0) c->fds[c->nfds++] = fds[i];
+            if (c->nfds < 3 + MAX_HELD && c->pid == 0) c->fds[c->nfds++] = fds[i];
             else close(fds[i]);
         }
     }
@@ -494,7 +649,39 @@ static void on_message(struct conn *c) {
             return;
         }
         if (q->type == REQ_SIGNAL) return; /* nothing started yet */
-        if (q->type != REQ_SPAWN || q->len == 0 || q->len > MAX_PAYLOAD) {
+        if (q->type == REQ_LIST) {
+            do_list(c);
+            drop_conn(c);
+            return;
+        }
+        if (q->type == REQ_ADOPT) {
+            do_adopt(c, q->tag);
+            return;
+        }
+        if (q->type == REQ_RECORD) {
+            struct job *j = find_job(q->tag);
+            uint32_t len = q->record_len;
+            char *copy = NULL;
+            if (j && len <= MAX_RECORD && (size_t)n == sizeof *q + len &&
+                (copy = malloc(len ? len : 1))) {
+                memcpy(copy, rxbuf + sizeof *q, len);
+                free(j->record);
+                j->record = copy;
+                j->record_len = len;
+            }
+            send_response(c, copy ? RESP_END : RESP_ERROR, 0, copy ? 0 : ESRCH, 0, -1);
+            drop_conn(c);
+            return;
+        }
+        if (q->type == REQ_FORGET) {
+            struct job *j = find_job(q->tag);
+            if (j) forget_job(j);
+            send_response(c, RESP_END, 0, 0, 0, -1);
+            drop_conn(c);
+            return;
+        }
+        if (q->type != REQ_SPAWN || q->len == 0 || q->len > MAX_PAYLOAD ||
+            q->record_len > MAX_RECORD || q->record_len >= q->len || q->nhold > MAX_HELD) {
             send_response(c, RESP_ERROR, 0, EINVAL, 0, -1);
             drop_conn(c);
             return;
@@ -513,6 +700,8 @@ static void on_message(struct conn *c) {
         if ((size_t)n >= sizeof *q && q->magic == MAGIC && q->type == REQ_SIGNAL && c->pid > 0) {
             if (kill(-c->pid, q->signo) != 0) kill(c->pid, q->signo);
         }
+        if ((size_t)n >= sizeof *q && q->magic == MAGIC && q->type == REQ_RELEASE && c->job >= 0)
+            release_held(&jobs[c->job], q->signo);
         return;
     }
     if ((uint64_t)c->got + (uint64_t)n > c->req.len) {
@@ -529,6 +718,12 @@ static void reap(void) {
     int status;
     pid_t pid;
     while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (int i = 0; i < njobs; i++) {
+            if (jobs[i].tag && jobs[i].pid == pid && !jobs[i].exited) {
+                jobs[i].exited = 1;
+                jobs[i].status = status;
+            }
+        }
         for (int i = 0; i < nconns; i++) {
             struct conn *c = &conns[i];
             if (c->fd >= 0 && c->pid == pid) {
@@ -555,6 +750,7 @@ static int add_conn(int fd) {
         for (int i = nconns; i < grown; i++) {
             memset(&conns[i], 0, sizeof conns[i]);
             conns[i].fd = -1;
+            conns[i].job = -1;
         }
         slot = nconns;
         nconns = grown;

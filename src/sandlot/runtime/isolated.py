@@ -15,6 +15,8 @@ from sandlot.protocol.states import SandboxState
 from sandlot.runtime.base import (
     WORKSPACE,
     ExitStatus,
+    Keep,
+    KeptProcess,
     Mount,
     ProcessSpec,
     SandboxProcess,
@@ -22,7 +24,14 @@ from sandlot.runtime.base import (
 )
 from sandlot.runtime.bwrap import SANDBOX_USER, image_entries
 from sandlot.runtime.cgroups import SandboxCgroup
-from sandlot.runtime.control import ControlSocketError, spawn_via_init
+from sandlot.runtime.control import (
+    ControlSocketError,
+    adopt_kept,
+    forget_kept,
+    list_kept,
+    record_kept,
+    spawn_via_init,
+)
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -153,13 +162,36 @@ class IsolatedRuntime(SandboxRuntime):
             env.setdefault("TERM", "xterm-256color")
         return env
 
-    async def spawn(self, spec: ProcessSpec) -> SandboxProcess:
+    async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
         if not self._state.live:
             raise ControlSocketError(f"sandbox {self.sandbox_id} is {self._state.value}")
         if not spec.argv:
             raise ValueError("empty argv")
         on_exit = _oom_aware(self.cgroup, self.cgroup.oom_kills())
-        return await spawn_via_init(self._control, spec, self.environment(spec), on_exit)
+        return await spawn_via_init(self._control, spec, self.environment(spec), on_exit, keep)
+
+    @property
+    def keeps_processes(self) -> bool:
+        return True
+
+    @property
+    def spool_dir(self) -> Path:
+        return self._run / "spool"
+
+    async def kept(self) -> list[KeptProcess]:
+        return await list_kept(self._control)
+
+    async def adopt(self, tag: int) -> SandboxProcess:
+        # The OOM count from now on: a kill meanwhile is told by the exit status alone.
+        return await adopt_kept(
+            self._control, tag, _oom_aware(self.cgroup, self.cgroup.oom_kills())
+        )
+
+    async def forget(self, tag: int) -> None:
+        await forget_kept(self._control, tag)
+
+    async def update_record(self, tag: int, record: bytes) -> None:
+        await record_kept(self._control, tag, record)
 
 
 def find_init(cgroup: SandboxCgroup) -> int | None:
