@@ -12,7 +12,7 @@ import httpx
 import pytest
 import websockets
 
-from sandlot.runtime.base import ProcessSpec, SandboxProcess
+from sandlot.runtime.base import Keep, ProcessSpec, SandboxProcess
 from tests.dataplane.conftest import Server
 
 
@@ -22,9 +22,9 @@ def slow_spawn(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
     # the sandbox's init), so that the second request arrives in the middle.
     spawn = server.runtime.spawn
 
-    async def slow(spec: ProcessSpec) -> SandboxProcess:
+    async def slow(spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
         await asyncio.sleep(0.3)
-        return await spawn(spec)
+        return await spawn(spec, keep)
 
     monkeypatch.setattr(server.runtime, "spawn", slow)
 
