@@ -89,6 +89,7 @@ def exec_result(ex: Any, duration_ms: float) -> dict[str, Any]:
         "stderr": err.decode("utf-8", "replace"),
         "exit_code": ex.exit_code,
         "timed_out": ex.timed_out,
+        "oom_killed": ex.oom_killed,
         "truncated": ex.stdout.truncated or ex.stderr.truncated,
         "duration_ms": round(duration_ms, 3),
     }

@@ -59,6 +59,8 @@ class ExecResult(WireModel):
     stderr: str
     exit_code: int | None
     timed_out: bool = False
+    #: The kernel's OOM killer ended it (the sandbox's memory limit).
+    oom_killed: bool = False
     truncated: bool = False
     duration_ms: float
 
@@ -73,6 +75,7 @@ class ExecSnapshot(WireModel):
     state: str
     exit_code: int | None
     signal: str | None = None
+    oom_killed: bool = False
     pty: bool = False
     started_at: str
     ended_at: str | None

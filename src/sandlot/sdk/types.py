@@ -128,6 +128,8 @@ class CommandResult:
     timed_out: bool = False
     truncated: bool = False
     duration_ms: float | None = None
+    #: The kernel's OOM killer ended it: the sandbox ran out of memory.
+    oom_killed: bool = False
 
     @property
     def output(self) -> str:
@@ -146,6 +148,7 @@ class CommandResult:
             timed_out=bool(body.get("timed_out")),
             truncated=bool(body.get("truncated")),
             duration_ms=body.get("duration_ms"),
+            oom_killed=bool(body.get("oom_killed")),
         )
 
 

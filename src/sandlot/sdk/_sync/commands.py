@@ -70,6 +70,8 @@ class Command:
         self.pid: int | None = None
         self.exit_code: int | None = None
         self.timed_out = False
+        #: The kernel's OOM killer ended the command (the sandbox's memory limit).
+        self.oom_killed = False
         self.done = False
         self.reconnects = 0
         self.offsets = {"stdout": stdout_offset, "stderr": stderr_offset}
@@ -170,6 +172,7 @@ class Command:
         elif kind == "exit":
             self.exit_code = frame.get("exit_code")
             self.timed_out = bool(frame.get("timed_out"))
+            self.oom_killed = bool(frame.get("oom_killed"))
             self.done = True
         elif kind == "error":
             raise error_from_wire({"error": frame}, 400)
@@ -227,6 +230,7 @@ class Command:
             exec_id=self.exec_id,
             command_id=self.command_id,
             timed_out=self.timed_out,
+            oom_killed=self.oom_killed,
         )
         if check and result.exit_code != 0:
             raise CommandExitError(result)
