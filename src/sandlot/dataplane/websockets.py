@@ -223,6 +223,7 @@ def exec_exit_frame(ex: Exec) -> dict[str, Any]:
         "exit_code": ex.exit_code,
         "signal": ex.status.signal if ex.status else None,
         "timed_out": ex.timed_out,
+        "oom_killed": ex.oom_killed,
     }
 
 
