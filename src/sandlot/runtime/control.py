@@ -24,7 +24,10 @@ from pathlib import Path
 
 from sandlot.runtime.base import ExitStatus, Keep, KeptProcess, ProcessSpec, SandboxProcess
 
+#: The control protocol of this ``init.c`` (its MAGIC's last byte); 1 kept no process.
+INIT_PROTOCOL = 2
 MAGIC = 0x32544C53
+_LEGACY_MAGIC = 0x31544C53
 REQ_SPAWN = 1
 REQ_SIGNAL = 2
 REQ_LIST = 3
@@ -44,6 +47,7 @@ MAX_RECORD = 16384
 MAX_HELD = 6
 
 _REQUEST = struct.Struct("=IIIHHiIIIQII")
+_LEGACY_REQUEST = struct.Struct("=IIIHHiIII")
 _RESPONSE = struct.Struct("=Iiii")
 _TAG = struct.Struct("=Q")
 
@@ -143,9 +147,11 @@ class InitProcess(SandboxProcess):
         pty_fd: int | None,
         on_exit: Callable[[ExitStatus], ExitStatus],
         held: list[int] | None = None,
+        legacy: bool = False,
     ) -> None:
         self.pid = pid
         self.held = held or []
+        self._legacy = legacy
         self.stdin_fd, self.stdout_fd, self.stderr_fd, self.pty_fd = (
             stdin_fd,
             stdout_fd,
@@ -193,12 +199,15 @@ class InitProcess(SandboxProcess):
     def send_signal(self, signo: int) -> None:
         if self._status is not None:
             return
-        request = _REQUEST.pack(MAGIC, REQ_SIGNAL, 0, 0, 0, signo, 0, 0, 0, 0, 0, 0)
+        if self._legacy:
+            request = _LEGACY_REQUEST.pack(_LEGACY_MAGIC, REQ_SIGNAL, 0, 0, 0, signo, 0, 0, 0)
+        else:
+            request = _REQUEST.pack(MAGIC, REQ_SIGNAL, 0, 0, 0, signo, 0, 0, 0, 0, 0, 0)
         with contextlib.suppress(OSError):
             self._sock.send(request)
 
     def release(self, index: int = -1) -> None:
-        if self._status is not None:
+        if self._status is not None or self._legacy:
             return
         request = _REQUEST.pack(MAGIC, REQ_RELEASE, 0, 0, 0, index, 0, 0, 0, 0, 0, 0)
         with contextlib.suppress(OSError):
@@ -315,21 +324,45 @@ async def spawn_via_init(
     env: dict[str, str],
     on_exit: Callable[[ExitStatus], ExitStatus],
     keep: Keep | None = None,
+    *,
+    legacy: bool = False,
 ) -> InitProcess:
-    """Ask the init listening at ``control_path`` to start ``spec``; raises ``OSError``."""
+    """Ask the init listening at ``control_path`` to start ``spec``; raises ``OSError``.
+
+    ``legacy``: the init of a sandbox started by an older version (protocol 1: no
+    tags, records or held fds, so ``keep`` is ignored; a shorter header).
+    """
     payload, nargv, nenv = _encode(spec, env)
     flags, cols, rows = 0, 0, 0
     if spec.pty is not None:
         flags, (cols, rows) = FLAG_PTY, spec.pty
+    if legacy:
+        keep = None
     tag, record, hold = (keep.tag, keep.record, list(keep.hold)) if keep else (0, b"", [])
     # Pipe mode: the init holds the server's ends of the three pipes, then ``hold``.
     nhold = (len(hold) + (3 if spec.pty is None else 0)) if keep else 0
     if len(record) > MAX_RECORD or nhold > MAX_HELD:
         raise ValueError("record or held fds too large")
     payload += record
-    header = _REQUEST.pack(
-        MAGIC, REQ_SPAWN, flags, cols, rows, 0, nargv, nenv, len(payload), tag, len(record), nhold
-    )
+    if legacy:
+        header = _LEGACY_REQUEST.pack(
+            _LEGACY_MAGIC, REQ_SPAWN, flags, cols, rows, 0, nargv, nenv, len(payload)
+        )
+    else:
+        header = _REQUEST.pack(
+            MAGIC,
+            REQ_SPAWN,
+            flags,
+            cols,
+            rows,
+            0,
+            nargv,
+            nenv,
+            len(payload),
+            tag,
+            len(record),
+            nhold,
+        )
     ours: list[int] = []
     theirs: list[int] = []
     sock = await _connect(control_path)
@@ -368,6 +401,7 @@ async def spawn_via_init(
             stderr_fd=None,
             pty_fd=_nonblocking(master),
             on_exit=on_exit,
+            legacy=legacy,
         )
     in_w, out_r, err_r = ours
     return InitProcess(
@@ -378,4 +412,5 @@ async def spawn_via_init(
         stderr_fd=_nonblocking(err_r),
         pty_fd=None,
         on_exit=on_exit,
+        legacy=legacy,
     )

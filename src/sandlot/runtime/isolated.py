@@ -25,6 +25,7 @@ from sandlot.runtime.base import (
 from sandlot.runtime.bwrap import SANDBOX_USER, image_entries
 from sandlot.runtime.cgroups import SandboxCgroup
 from sandlot.runtime.control import (
+    INIT_PROTOCOL,
     ControlSocketError,
     adopt_kept,
     forget_kept,
@@ -48,6 +49,8 @@ class SandboxRecord:
     image: str
     #: ``[sandbox path, host path, writable]``
     volumes: list[tuple[str, str, bool]] = field(default_factory=list)
+    #: The control protocol its init speaks (a sandbox started by an older version: 1).
+    init_protocol: int = 1
 
     @classmethod
     def load(cls, path: Path) -> SandboxRecord | None:
@@ -168,11 +171,15 @@ class IsolatedRuntime(SandboxRuntime):
         if not spec.argv:
             raise ValueError("empty argv")
         on_exit = _oom_aware(self.cgroup, self.cgroup.oom_kills())
-        return await spawn_via_init(self._control, spec, self.environment(spec), on_exit, keep)
+        legacy = self._record.init_protocol < INIT_PROTOCOL
+        return await spawn_via_init(
+            self._control, spec, self.environment(spec), on_exit, keep, legacy=legacy
+        )
 
     @property
     def keeps_processes(self) -> bool:
-        return True
+        # An init started by an older version keeps nothing (until the sandbox is recreated).
+        return self._record.init_protocol >= INIT_PROTOCOL
 
     @property
     def spool_dir(self) -> Path:

@@ -48,6 +48,7 @@ from sandlot.runtime.bwrap import (
     image_entries,
 )
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
+from sandlot.runtime.control import INIT_PROTOCOL
 from sandlot.runtime.direct import DirectRuntime
 from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
 from sandlot.runtime.isolated import IsolatedRuntime, SandboxRecord, find_init
@@ -435,6 +436,7 @@ class LocalRuntimeManager:
             workspace=str(workspace),
             image=image,
             volumes=mounted,
+            init_protocol=INIT_PROTOCOL,
         )
         record.save(run / "state.json")
         return record
