@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import replace
 from typing import Annotated, Any, TypeVar
 
 import anyio
+import pydantic_core
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
 
@@ -19,7 +19,10 @@ from sandlot.protocol.errors import Forbidden, InvalidRequest, PayloadTooLarge
 
 M = TypeVar("M", bound=BaseModel)
 
+#: Every request body is read through :func:`read_body` (413 beyond this) and every JSON
+#: body parsed by :func:`parse_json` (400 when malformed or nested deeper than this).
 MAX_BODY_BYTES = 1 << 20
+MAX_JSON_DEPTH = 32
 _USER_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,199}$")
 
 
@@ -83,17 +86,48 @@ async def read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def parse_model(model: type[M], body: bytes, *, empty_ok: bool = False) -> M:
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than ``limit`` levels (iterative: no recursion)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth >= limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def parse_json(body: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
+    """The one way a request body becomes data: a JSON object, bounded in size and depth.
+
+    The parser (pydantic-core's, in Rust) never recurses in Python, refuses invalid
+    UTF-8, lone surrogates, ``NaN`` and ``Infinity``, and stops at its own nesting
+    limit (200) before :data:`MAX_JSON_DEPTH` is checked on what it returns. A key
+    given twice counts once, with its last value (as in the dataplane).
+    """
     if not body.strip():
         if empty_ok:
-            return model.model_validate({})
+            return {}
         raise InvalidRequest("a JSON body is required")
     try:
-        data: Any = json.loads(body)
+        data: Any = pydantic_core.from_json(body, allow_inf_nan=False)
     except ValueError as exc:
-        raise InvalidRequest(f"body is not valid JSON: {exc}") from exc
+        raise InvalidRequest(f"body is not valid JSON: {exc}"[:300]) from exc
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object")
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        raise InvalidRequest(
+            f"body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+            metadata={"max_depth": MAX_JSON_DEPTH},
+        )
+    return data
+
+
+def parse_model(model: type[M], body: bytes, *, empty_ok: bool = False) -> M:
+    data = parse_json(body, empty_ok=empty_ok)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
