@@ -336,9 +336,6 @@ class Exec:
     def finish(self, status: ExitStatus) -> None:
         self.client_attached()
         self._close_readers()
-        if self.tag is not None and self.process is not None:
-            # Everything is spooled: the init need not hold the pipes any longer.
-            self.process.release(-1)
         self.stdout.close()
         self.stderr.close()
         if self.process is not None and self.process.stdin_fd is not None:
@@ -678,6 +675,9 @@ class ExecManager:
 
     def _exited(self, ex: Exec) -> None:
         self._running -= 1
+        if ex.tag is not None and self._runtime is not None:
+            # Everything is spooled: the init need not hold the pipes any longer.
+            self._background(self._runtime.release_held(ex.tag))
         status = "killed" if ex.state is ExecState.KILLED else "exited"
         self._emit(
             f"exec.{status}",

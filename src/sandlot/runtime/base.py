@@ -163,5 +163,8 @@ class SandboxRuntime(abc.ABC):
     async def forget(self, tag: int) -> None:  # noqa: B027 - optional
         """Drop the kept process ``tag``'s record and held fds."""
 
+    async def release_held(self, tag: int) -> None:  # noqa: B027 - optional
+        """Let the runtime close the fds it holds for the kept process ``tag``."""
+
     async def update_record(self, tag: int, record: bytes) -> None:  # noqa: B027 - optional
         """Replace the record kept with process ``tag``."""

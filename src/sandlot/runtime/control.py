@@ -273,6 +273,17 @@ async def record_kept(control_path: Path, tag: int, record: bytes) -> None:
         sock.close()
 
 
+async def release_kept(control_path: Path, tag: int, index: int = -1) -> None:
+    """Let the init close its copy of held fd ``index`` (``-1``: all) of process ``tag``."""
+    header = _REQUEST.pack(MAGIC, REQ_RELEASE, 0, 0, 0, index, 0, 0, 0, tag, 0, 0)
+    sock = await _connect(control_path)
+    try:
+        await _sendmsg(sock, header, [])
+        await _recv_full(sock, 0)
+    finally:
+        sock.close()
+
+
 async def forget_kept(control_path: Path, tag: int) -> None:
     """Tell the init to drop a kept process's record and held fds (no error if unknown)."""
     sock = await _connect(control_path)

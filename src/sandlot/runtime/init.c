@@ -35,7 +35,8 @@
  * tag and record after the header, then END), ADOPTs each by tag on a new
  * connection (STARTED with the held fds, then EXIT as above, at once if it
  * has exited meanwhile), RELEASEs held fds it no longer needs (signo: the
- * index, -1 for all) and FORGETs a process once it has no more use for it.
+ * index, -1 for all; on its own connection, with the tag) and FORGETs a
+ * process once it has no more use for it.
  * RECORD replaces a kept process's record (the header, then the record).
  */
 #define _GNU_SOURCE
@@ -670,6 +671,13 @@ static void on_message(struct conn *c) {
                 j->record_len = len;
             }
             send_response(c, copy ? RESP_END : RESP_ERROR, 0, copy ? 0 : ESRCH, 0, -1);
+            drop_conn(c);
+            return;
+        }
+        if (q->type == REQ_RELEASE && q->tag) {
+            struct job *j = find_job(q->tag);
+            if (j) release_held(j, q->signo);
+            send_response(c, RESP_END, 0, 0, 0, -1);
             drop_conn(c);
             return;
         }

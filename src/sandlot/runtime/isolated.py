@@ -31,6 +31,7 @@ from sandlot.runtime.control import (
     forget_kept,
     list_kept,
     record_kept,
+    release_kept,
     spawn_via_init,
 )
 
@@ -196,6 +197,9 @@ class IsolatedRuntime(SandboxRuntime):
 
     async def forget(self, tag: int) -> None:
         await forget_kept(self._control, tag)
+
+    async def release_held(self, tag: int) -> None:
+        await release_kept(self._control, tag)
 
     async def update_record(self, tag: int, record: bytes) -> None:
         await record_kept(self._control, tag, record)
