@@ -1,4 +1,4 @@
-"""The reaper: idleness, suspension, hard TTL, orphans, stuck provisioning, pools.
+"""The reaper: idleness, suspension, hard TTL, orphans, stuck provisioning and teardowns, pools.
 
 One pass (:meth:`Reaper.run_once`) is a pure function of the store, the
 provider and the clock, so tests drive it with an injected clock. The loop
@@ -98,6 +98,8 @@ class Reaper:
                 await self.sandboxes.apply_state(
                     row.id, SandboxState.FAILED, reason="sandbox lost across a restart"
                 )
+        # Teardowns the previous process accepted and did not finish.
+        await self.sandboxes.finish_terminating(grace=0.0)
         return sorted(lost)
 
     def start(self) -> None:
@@ -127,6 +129,7 @@ class Reaper:
             held = await anyio.to_thread.run_sync(self._sandboxes_with_live_leases)
             for row in live:
                 await self._visit(row, held, report)
+            report.terminated += await self.sandboxes.finish_terminating()
             await self._remove_orphans(live, report)
             await self._refill_pools(report)
             await anyio.to_thread.run_sync(self._purge)
@@ -214,7 +217,9 @@ class Reaper:
             return
         # Re-read after listing: a sandbox created meanwhile is in the store by now.
         live = await anyio.to_thread.run_sync(self.sandboxes.list_live)
-        known = {r.id for r in live}
+        # A sandbox being torn down is no orphan: its teardown finishes it.
+        ending = await anyio.to_thread.run_sync(self.sandboxes.terminating)
+        known = {r.id for r in live} | {r.id for r in ending}
         for sandbox_id in sorted(existing - known):
             log.info("removing orphaned sandbox %s", sandbox_id)
             try:

@@ -42,6 +42,10 @@ log = logging.getLogger("sandlot.broker.sandboxes")
 
 Clock = Callable[[], float]
 
+#: Seconds an accepted teardown is left to the process that accepted it before the
+#: reaper finishes it (the provider's deletion normally takes a fraction of a second).
+TEARDOWN_GRACE_SECONDS = 10.0
+
 
 @dataclass(frozen=True)
 class SandboxRow:
@@ -61,6 +65,7 @@ class SandboxRow:
     idle_timeout: int
     event_seq: int
     reason: str | None
+    updated_at: float
 
     @classmethod
     def from_row(cls, r: Any) -> SandboxRow:
@@ -81,6 +86,7 @@ class SandboxRow:
             idle_timeout=r.idle_timeout,
             event_seq=r.event_seq,
             reason=r.reason,
+            updated_at=r.updated_at,
         )
 
 
@@ -112,7 +118,8 @@ class SandboxService:
         self.templates = templates
         self.hub = hub
         self.clock = clock
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._teardowns: dict[str, asyncio.Task[bool]] = {}
 
     # --- rows -----------------------------------------------------------------------
 
@@ -294,12 +301,7 @@ class SandboxService:
             state=state.value,
             now=now,
         )
-        binding = conn.execute(
-            select(bindings.c.id).where(
-                bindings.c.sandbox_id == sandbox_id, bindings.c.live_scope.is_not(None)
-            )
-        ).first()
-        binding_id = binding.id if binding is not None else None
+        binding_id = self._binding_of(conn, sandbox_id, ended=row.state is SandboxState.TERMINATING)
         if binding_id is not None:
             append_event(
                 conn,
@@ -310,13 +312,14 @@ class SandboxService:
                 state=state.value,
                 now=now,
             )
-            if not state.live:
+            if not state.live and row.state.live:
                 self.end_binding(conn, binding_id, now=now)
-        if not state.live:
+        if not state.live and row.state is not SandboxState.TERMINATING:
+            # A teardown is recorded once, when it is accepted.
             record(
                 conn,
                 ctx,
-                "sandbox.terminate" if state is SandboxState.TERMINATED else "sandbox.fail",
+                "sandbox.fail" if state is SandboxState.FAILED else "sandbox.terminate",
                 sandbox_id=sandbox_id,
                 session_id=binding_id,
                 scope_key=row.scope_key,
@@ -324,6 +327,18 @@ class SandboxService:
                 now=now,
             )
         return True, binding_id
+
+    @staticmethod
+    def _binding_of(conn: Connection, sandbox_id: str, *, ended: bool) -> str | None:
+        """The live binding served by the sandbox; with ``ended``, the last one it served
+        (a teardown's completion goes on the log of the binding it ended)."""
+        query = select(bindings.c.id).where(bindings.c.sandbox_id == sandbox_id)
+        if ended:
+            query = query.order_by(bindings.c.created_at.desc()).limit(1)
+        else:
+            query = query.where(bindings.c.live_scope.is_not(None))
+        binding = conn.execute(query).first()
+        return binding.id if binding is not None else None
 
     def end_binding(self, conn: Connection, binding_id: str, *, now: float) -> None:
         conn.execute(
@@ -372,29 +387,103 @@ class SandboxService:
             log.exception("revocation push failed for %s", sandbox_id)
 
     async def terminate(
-        self, sandbox_id: str, *, reason: str, ctx: AuditContext | None = None
-    ) -> None:
-        """Tear a sandbox down now: revoke every token, end its binding, delete it."""
+        self, sandbox_id: str, *, reason: str, ctx: AuditContext | None = None, wait: bool = True
+    ) -> SandboxRow:
+        """Tear a sandbox down: accept, then delete it through the provider.
 
-        def tx() -> tuple[list[RevokedToken], str | None, bool]:
+        Acceptance is one transaction: every token revoked, the binding ended, the
+        sandbox ``terminating`` (out of use at once; a crash from here on is finished
+        by the reaper). The provider's deletion then moves it to ``terminated``; with
+        ``wait=False`` that runs in the background and the caller gets the accepted row,
+        whose ``event_seq`` is where to wait from; with ``wait=True`` the row after the
+        deletion (still ``terminating`` if the provider failed: the reaper retries).
+        """
+
+        def tx() -> tuple[list[RevokedToken], str | None, bool, SandboxRow]:
             with self.store.write() as conn:
                 revoked = self.revoke_tokens_in(conn, sandbox_id=sandbox_id)
                 changed, binding_id = self.apply_state_in(
-                    conn, sandbox_id, SandboxState.TERMINATED, reason=reason, ctx=ctx
+                    conn, sandbox_id, SandboxState.TERMINATING, reason=reason, ctx=ctx
                 )
-            return revoked, binding_id, changed
+                row = get_sandbox(conn, sandbox_id)
+            if row is None:
+                raise SandboxNotFound(f"no sandbox {sandbox_id}")
+            return revoked, binding_id, changed, row
 
-        revoked, binding_id, changed = await anyio.to_thread.run_sync(tx)
+        revoked, binding_id, changed, row = await anyio.to_thread.run_sync(tx)
         failpoints.hit("mid_release")
         if changed:
             self.hub.notify(sandbox_id)
             if binding_id:
                 self.hub.notify(binding_id)
         await self.push_revocations(sandbox_id, revoked)
+        if row.state is SandboxState.TERMINATED:
+            # Deleted before: the provider is asked once more (a retry after a failure).
+            await self._delete(sandbox_id)
+            return row
+        teardown = self._teardown(sandbox_id, reason)
+        if not wait:
+            return row
+        # Shielded: a caller that goes away does not stop a teardown half way.
+        await asyncio.shield(teardown)
+        return await anyio.to_thread.run_sync(self.get, sandbox_id)
+
+    def _teardown(self, sandbox_id: str, reason: str) -> asyncio.Task[bool]:
+        """The one provider deletion of an accepted teardown (joined by later requests)."""
+        task = self._teardowns.get(sandbox_id)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(self._finish(sandbox_id, reason))
+            self._teardowns[sandbox_id] = task
+            self._tasks.add(task)
+
+            def forget(t: asyncio.Task[bool]) -> None:
+                self._teardowns.pop(sandbox_id, None)
+                self._tasks.discard(t)
+
+            task.add_done_callback(forget)
+        return task
+
+    async def _finish(self, sandbox_id: str, reason: str) -> bool:
+        if not await self._delete(sandbox_id):
+            return False
+        try:
+            await self.apply_state(sandbox_id, SandboxState.TERMINATED, reason=reason)
+        except Exception:
+            log.exception("could not record the end of %s (the reaper will retry)", sandbox_id)
+            return False
+        return True
+
+    async def _delete(self, sandbox_id: str) -> bool:
         try:
             await self.provider.delete(sandbox_id)
         except Exception:
             log.exception("provider delete failed for %s (the reaper will retry)", sandbox_id)
+            return False
+        return True
+
+    def terminating(self) -> list[SandboxRow]:
+        """Sandboxes whose teardown was accepted and not yet finished."""
+        with self.store.read() as conn:
+            rows = conn.execute(
+                select(sandboxes).where(sandboxes.c.state == SandboxState.TERMINATING.value)
+            ).all()
+        return [SandboxRow.from_row(r) for r in rows]
+
+    async def finish_terminating(self, grace: float = TEARDOWN_GRACE_SECONDS) -> list[str]:
+        """Complete the teardowns a crash or a provider failure left ``terminating``.
+
+        One accepted less than ``grace`` seconds ago is left to the process that
+        accepted it (another worker, maybe), unless this process is running it.
+        """
+        rows = await anyio.to_thread.run_sync(self.terminating)
+        done = []
+        now = self.clock()
+        for row in rows:
+            if row.id not in self._teardowns and now - row.updated_at < grace:
+                continue
+            if await asyncio.shield(self._teardown(row.id, row.reason or "terminated")):
+                done.append(row.id)
+        return done
 
     async def suspend(self, sandbox_id: str, *, reason: str) -> None:
         if not self.provider.supports_suspend:

@@ -735,8 +735,17 @@ class SessionService:
         return resp
 
     async def release(
-        self, ctx: AuditContext, principal: Principal, session_id: str, *, terminate: bool
-    ) -> None:
+        self,
+        ctx: AuditContext,
+        principal: Principal,
+        session_id: str,
+        *,
+        terminate: bool,
+        wait: bool = True,
+    ) -> SessionSnapshot | None:
+        """End the caller's lease; ``terminate`` tears the sandbox down (see
+        :meth:`SandboxService.terminate` for ``wait``) and returns the binding's snapshot."""
+
         def tx() -> tuple[str, list[Any]]:
             with self.store.write() as conn:
                 binding, sandbox = self._load(conn, principal, session_id)
@@ -794,8 +803,12 @@ class SessionService:
         sandbox_id, revoked = await anyio.to_thread.run_sync(tx)
         self.hub.notify(session_id)
         await self.sandboxes.push_revocations(sandbox_id, revoked)
-        if terminate:
-            await self.sandboxes.terminate(sandbox_id, reason="terminated by request", ctx=ctx)
+        if not terminate:
+            return None
+        await self.sandboxes.terminate(
+            sandbox_id, reason="terminated by request", ctx=ctx, wait=wait
+        )
+        return await anyio.to_thread.run_sync(self.snapshot, principal, session_id)
 
     def session_for_token(self, claims: dict[str, Any]) -> str:
         """The alias ``/sandbox/refresh {token}``: the token must still be live."""

@@ -128,18 +128,22 @@ def session_release(
     terminate: bool = typer.Option(
         False, "--terminate", help="Tear the sandbox down for everyone (owner only)."
     ),
+    wait: bool = typer.Option(
+        True, "--wait/--no-wait", help="With --terminate: return once the sandbox is gone."
+    ),
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
     """Detach from the session (your tokens are revoked); --terminate ends the sandbox."""
 
-    async def body(client: AsyncSandlot, _: Any) -> str:
+    async def body(client: AsyncSandlot, _: Any) -> tuple[str, str]:
         sid = await _session_id(client, thread)
-        await client.release(sid, terminate=terminate)
-        return sid
+        snap = await client.release(sid, terminate=terminate, wait=wait)
+        state = (snap or {}).get("binding", {}).get("state") if terminate else "released"
+        return sid, str(state)
 
-    sid = run(url, api_key, body, auto_refresh=False)
-    typer.echo(f"{'terminated' if terminate else 'released'} {sid}")
+    sid, state = run(url, api_key, body, auto_refresh=False)
+    typer.echo(f"{state} {sid}")
 
 
 SANDBOX_COLUMNS = ["id", "name", "template", "state", "scope", "created_at"]
@@ -191,28 +195,42 @@ def _sandbox_action(action: str, help_text: str) -> None:
         url: str = UrlOption,
         api_key: str = KeyOption,
     ) -> None:
-        async def body(client: AsyncSandlot, _: Any) -> dict[str, Any] | None:
+        async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
             if action == "get":
                 return await client.get_sandbox(sandbox_id)
-            if action == "delete":
-                await client.delete_sandbox(sandbox_id)
-                return None
             if action == "suspend":
                 return await client.suspend_sandbox(sandbox_id)
             return await client.resume_sandbox(sandbox_id)
 
         data = run(url, api_key, body)
-        if data is None:
-            typer.echo(f"deleted {sandbox_id}")
-        else:
-            print_json(data) if as_json else print_mapping(
-                {k: data.get(k) for k in SANDBOX_COLUMNS}
-            )
+        print_json(data) if as_json else print_mapping({k: data.get(k) for k in SANDBOX_COLUMNS})
+
+
+@sandbox_app.command("delete", epilog="Example: sandlot sandbox delete sb_0123abcd --no-wait")
+def sandbox_delete(
+    sandbox_id: str = typer.Argument(..., help="The sandbox id (sb_…)."),
+    wait: bool = typer.Option(
+        True, "--wait/--no-wait", help="Return once it is gone, not once the teardown is accepted."
+    ),
+    as_json: bool = JsonOption,
+    url: str = UrlOption,
+    api_key: str = KeyOption,
+) -> None:
+    """Terminate a sandbox now (its processes are killed, its files removed)."""
+
+    async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
+        return await client.delete_sandbox(sandbox_id, wait=wait)
+
+    data = run(url, api_key, body)
+    if as_json:
+        print_json(data)
+        return
+    done = data.get("state") == "terminated"
+    typer.echo(f"{'deleted' if done else 'terminating'} {sandbox_id}")
 
 
 for _action, _help in (
     ("get", "Show one sandbox."),
-    ("delete", "Terminate a sandbox now (its processes are killed)."),
     ("suspend", "Freeze a sandbox's processes (files and processes are kept)."),
     ("resume", "Thaw a suspended sandbox."),
 ):

@@ -9,8 +9,9 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-PROTOCOL_VERSION = "1.0"
-API_VERSION = "1"
+# Re-exported: the versions live in a module the SDK can load without pydantic.
+from sandlot.protocol.version import API_VERSION as API_VERSION
+from sandlot.protocol.version import PROTOCOL_VERSION as PROTOCOL_VERSION
 
 #: Identifiers a client may choose (thread ids, scope ids, names): bounded, printable.
 Name = Annotated[

@@ -31,7 +31,8 @@ them back from the wire through :func:`error_from_wire`. The tree::
     ├── QuotaExceeded                  429 QUOTA_EXCEEDED
     ├── InternalError                  500 INTERNAL
     ├── ProviderUnavailable            503 PROVIDER_UNAVAILABLE (alias BACKEND_UNAVAILABLE)
-    └── CommandExitError               (SDK only: a command exited non-zero; carries its result)
+    ├── CommandExitError               (SDK only: a command exited non-zero; carries its result)
+    └── ProtocolVersionError           (SDK only: the server speaks another major protocol version)
 """
 
 from __future__ import annotations
@@ -204,6 +205,26 @@ class CommandExitError(SandlotError):
         super().__init__(message or f"command exited with {exit_code}")
         self.result = result
         self.exit_code = exit_code
+
+
+class ProtocolVersionError(SandlotError):
+    """A server's answer carries a ``protocol_version`` of another major version.
+
+    Raised before the answer is used; ``server_version`` and ``client_version``
+    say which versions met (also in ``metadata``).
+    """
+
+    code, status = "PROTOCOL_VERSION", 0
+
+    def __init__(self, server_version: str, client_version: str, message: str = "") -> None:
+        super().__init__(
+            message
+            or f"the server speaks sandlot protocol {server_version}, this client speaks "
+            f"{client_version}: their major versions differ (use a client made for that server)",
+            metadata={"server_version": server_version, "client_version": client_version},
+        )
+        self.server_version = server_version
+        self.client_version = client_version
 
 
 @dataclass(frozen=True)

@@ -19,32 +19,37 @@ class SandboxState(StrEnum):
     ACTIVE = "active"
     IDLE = "idle"
     SUSPENDED = "suspended"
+    #: Teardown accepted (tokens revoked, binding ended), the provider still deleting.
+    TERMINATING = "terminating"
     TERMINATED = "terminated"
     FAILED = "failed"
 
     @property
     def live(self) -> bool:
-        return self not in (SandboxState.TERMINATED, SandboxState.FAILED)
+        """Whether clients may still use it (a terminating sandbox is already out of use)."""
+        return self not in (SandboxState.TERMINATING, SandboxState.TERMINATED, SandboxState.FAILED)
+
+    @property
+    def settled(self) -> bool:
+        """Whether no further phase event is coming without a new request."""
+        return self in (SandboxState.TERMINATED, SandboxState.FAILED)
 
 
 #: Bindings follow the state of their sandbox (a binding is live while its sandbox is).
 BindingState = SandboxState
 
+_ENDING = frozenset({SandboxState.TERMINATING, SandboxState.TERMINATED, SandboxState.FAILED})
+
 _SANDBOX_MOVES: dict[SandboxState, frozenset[SandboxState]] = {
-    SandboxState.PROVISIONING: frozenset(
-        {SandboxState.ACTIVE, SandboxState.FAILED, SandboxState.TERMINATED}
-    ),
-    SandboxState.ACTIVE: frozenset(
-        {SandboxState.IDLE, SandboxState.SUSPENDED, SandboxState.TERMINATED, SandboxState.FAILED}
-    ),
-    SandboxState.IDLE: frozenset(
-        {SandboxState.ACTIVE, SandboxState.SUSPENDED, SandboxState.TERMINATED, SandboxState.FAILED}
-    ),
-    SandboxState.SUSPENDED: frozenset(
-        {SandboxState.ACTIVE, SandboxState.TERMINATED, SandboxState.FAILED}
-    ),
+    SandboxState.PROVISIONING: _ENDING | {SandboxState.ACTIVE},
+    SandboxState.ACTIVE: _ENDING | {SandboxState.IDLE, SandboxState.SUSPENDED},
+    SandboxState.IDLE: _ENDING | {SandboxState.ACTIVE, SandboxState.SUSPENDED},
+    SandboxState.SUSPENDED: _ENDING | {SandboxState.ACTIVE},
+    # Only the end of the teardown leaves it: a provider's late report of a failure
+    # does not turn a sandbox being deleted back into one to delete.
+    SandboxState.TERMINATING: frozenset({SandboxState.TERMINATED}),
     SandboxState.TERMINATED: frozenset(),
-    SandboxState.FAILED: frozenset({SandboxState.TERMINATED}),
+    SandboxState.FAILED: frozenset({SandboxState.TERMINATING, SandboxState.TERMINATED}),
 }
 
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from sandlot.protocol.version import check_protocol_version
+
 
 def parse_time(value: Any) -> float | None:
     """An RFC 3339 timestamp (or epoch seconds) as epoch seconds; ``None`` if absent."""
@@ -49,11 +51,17 @@ class Grant:
     token_ttl_seconds: float | None = None
     lease_ttl_seconds: float | None = None
     scope: dict[str, Any] | None = None
+    protocol_version: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_response(cls, body: Grant | Mapping[str, Any]) -> Grant:
-        """Parse a negotiate answer (2.1), an alias grant (2.9) or a bootstrap object (2.10)."""
+        """Parse a negotiate answer (2.1), an alias grant (2.9) or a bootstrap object (2.10).
+
+        Its ``protocol_version``, when it has one, must be of this client's major
+        version (a newer minor only adds fields, which are ignored): else
+        :class:`~sandlot.protocol.errors.ProtocolVersionError`, before anything is used.
+        """
         if isinstance(body, Grant):
             return body
         if not isinstance(body, Mapping):
@@ -61,6 +69,8 @@ class Grant:
                 f"a grant is a Grant or the broker's answer as a mapping, not "
                 f"{type(body).__name__} (ensure(thread_id) returns a ready Sandbox)"
             )
+        version = body.get("protocol_version")
+        check_protocol_version(version)
         sandbox = body.get("sandbox") or {}
         dataplane = body.get("dataplane") or sandbox or {}
         binding = body.get("binding") or {}
@@ -90,6 +100,7 @@ class Grant:
             token_ttl_seconds=policy.get("token_ttl_seconds"),
             lease_ttl_seconds=policy.get("lease_ttl_seconds"),
             scope=binding.get("scope"),
+            protocol_version=version,
             raw=dict(body),
         )
 

@@ -113,6 +113,7 @@ _BOX_STATUS: dict[SandboxState, BoxState] = {
     SandboxState.ACTIVE: "ready",
     SandboxState.IDLE: "ready",
     SandboxState.SUSPENDED: "stopped",
+    SandboxState.TERMINATING: "stopped",
     SandboxState.TERMINATED: "stopped",
     SandboxState.FAILED: "failed",
 }

@@ -6,6 +6,7 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
 
 from sandlot.broker.core import Broker
 from sandlot.broker.events import read_events
@@ -20,9 +21,11 @@ from sandlot.broker.routes.deps import (
     require_admin,
 )
 from sandlot.broker.routes.sessions import (
+    ACCEPTED_DELETE,
     Cursor,
     EventStream,
     LastEventId,
+    WaitParam,
     parse_cursor,
     sse_response,
 )
@@ -218,15 +221,25 @@ async def get_sandbox(sandbox_id: str, broker: BrokerDep, principal: PrincipalDe
     return broker.sandboxes.snapshot(row)
 
 
-@router.delete("/v1/sandboxes/{sandbox_id}", status_code=204)
+@router.delete(
+    "/v1/sandboxes/{sandbox_id}",
+    status_code=204,
+    responses={202: {"model": SandboxSnapshot, "description": ACCEPTED_DELETE}},
+)
 async def delete_sandbox(
-    request: Request, sandbox_id: str, broker: BrokerDep, principal: PrincipalDep
+    request: Request,
+    sandbox_id: str,
+    broker: BrokerDep,
+    principal: PrincipalDep,
+    wait: WaitParam = True,
 ) -> Response:
     await anyio.to_thread.run_sync(visible_sandbox, broker, principal, sandbox_id)
-    await broker.sandboxes.terminate(
-        sandbox_id, reason="deleted by request", ctx=audit_context(request, principal)
+    row = await broker.sandboxes.terminate(
+        sandbox_id, reason="deleted by request", ctx=audit_context(request, principal), wait=wait
     )
-    return Response(status_code=204)
+    if row.state is SandboxState.TERMINATED:
+        return Response(status_code=204)
+    return JSONResponse(broker.sandboxes.snapshot(row).model_dump(mode="json"), status_code=202)
 
 
 @router.post("/v1/sandboxes/{sandbox_id}/suspend", response_model=SandboxSnapshot)
@@ -284,5 +297,5 @@ async def sandbox_events(
         cursor,
         hub=broker.hub,
         stream_id=sandbox_id,
-        ended=lambda: not broker.sandboxes.get(sandbox_id).state.live,
+        ended=lambda: broker.sandboxes.get(sandbox_id).state.settled,
     )

@@ -35,6 +35,7 @@ from sandlot.protocol.sessions import (
     SessionRequest,
     SessionSnapshot,
 )
+from sandlot.protocol.states import SandboxState
 
 router = APIRouter()
 
@@ -49,6 +50,15 @@ class EventStream(StreamingResponse):
 Cursor = Annotated[int | None, Query(ge=0, le=MAX_SEQUENCE)]
 #: Where an event stream resumes (SSE reconnection); it takes precedence over ``after``.
 LastEventId = Annotated[str | None, Header(description="Resume after this sequence number")]
+#: ``wait=false`` on a teardown: answer once it is accepted (202), not once it is done.
+WaitParam = Annotated[
+    bool,
+    Query(description="false: answer 202 with the snapshot once the teardown is accepted"),
+]
+ACCEPTED_DELETE = (
+    "Teardown accepted, not finished (wait=false, or the provider is still deleting): "
+    "the snapshot in state terminating; wait on the events after its last_event_sequence"
+)
 
 
 async def idempotent(
@@ -149,18 +159,25 @@ async def heartbeat(
     return await broker.sessions.heartbeat(audit_context(request, principal), principal, session_id)
 
 
-@router.delete("/v1/sandbox/sessions/{session_id}", status_code=204)
+@router.delete(
+    "/v1/sandbox/sessions/{session_id}",
+    status_code=204,
+    responses={202: {"model": SessionSnapshot, "description": ACCEPTED_DELETE}},
+)
 async def release(
     request: Request,
     session_id: str,
     broker: BrokerDep,
     principal: PrincipalDep,
     terminate: bool = False,
+    wait: WaitParam = True,
 ) -> Response:
-    await broker.sessions.release(
-        audit_context(request, principal), principal, session_id, terminate=terminate
+    snap = await broker.sessions.release(
+        audit_context(request, principal), principal, session_id, terminate=terminate, wait=wait
     )
-    return Response(status_code=204)
+    if snap is None or snap.binding.state == SandboxState.TERMINATED.value:
+        return Response(status_code=204)
+    return JSONResponse(snap.model_dump(mode="json"), status_code=202)
 
 
 def parse_cursor(last: str | None, after: int | None) -> int:
@@ -191,14 +208,21 @@ def sse_response(
             while True:
                 seen = hub.version(stream_id)
                 items = await anyio.to_thread.run_sync(fetch, cursor)
+                finished = False
+                if not items:
+                    finished = await anyio.to_thread.run_sync(ended)
+                    if finished:
+                        # The last events may have been committed (with the final state)
+                        # between the read above and this one: send them before ending.
+                        items = await anyio.to_thread.run_sync(fetch, cursor)
                 for ev in items:
                     cursor = int(ev["sequence"])
                     data = json.dumps(ev, separators=(",", ":"))
                     yield f"id: {cursor}\nevent: {ev['event_type']}\ndata: {data}\n\n".encode()
                     last_sent = time.monotonic()
+                if finished and not items:
+                    return
                 if not items:
-                    if await anyio.to_thread.run_sync(ended):
-                        return
                     # Other worker processes do not notify this one: re-read now and then.
                     await hub.wait(stream_id, hub.POLL_SECONDS, seen)
                     if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
@@ -228,7 +252,7 @@ async def session_events(
 
     def ended() -> bool:
         snap = broker.sessions.snapshot(principal, session_id)
-        return snap.binding.state in ("terminated", "failed")
+        return SandboxState(snap.binding.state).settled
 
     return sse_response(
         lambda c: broker.sessions.events_after(principal, session_id, c),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sandlot.protocol.errors import Gone, SandlotError, Unauthenticated
@@ -30,19 +30,27 @@ from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk.types import Event, Grant
 
 _ACTIVE = ("active", "idle")
+_TERMINATED = ("terminated",)
 #: Seconds before a failed background refresh or heartbeat is tried again.
 RETRY_DELAY = 5.0
-_ENDED = ("failed", "terminated")
+#: States a sandbox does not come back from (``terminating`` leads to ``terminated``).
+_ENDED = ("terminating", "terminated", "failed")
 
 
-def _is_active(event: Event) -> bool:
-    phase = event.details.get("phase") or {}
-    return phase.get("to") in _ACTIVE or event.state in _ACTIVE
+def _reaches(states: tuple[str, ...]) -> Callable[[Event], bool]:
+    """Whether an event (dispatched on its ``phase``) leaves the sandbox in one of ``states``."""
+
+    def check(event: Event) -> bool:
+        phase = event.details.get("phase") or {}
+        return phase.get("to") in states or event.state in states
+
+    return check
 
 
-def _has_ended(event: Event) -> bool:
-    phase = event.details.get("phase") or {}
-    return phase.get("to") in _ENDED or event.state in _ENDED
+def _failing(target: tuple[str, ...]) -> tuple[str, ...]:
+    """The end states that mean ``target`` will never be reached."""
+    on_the_way = ("terminating",) if "terminated" in target else ()
+    return tuple(s for s in _ENDED if s not in target and s not in on_the_way)
 
 
 class _Lease:
@@ -251,18 +259,31 @@ class Sandlot:
     def wait_active(self, grant: Grant, *, timeout: float | None = None) -> dict[str, Any]:
         """Wait until a binding is active: subscribe after the snapshot, dispatch, re-read."""
         assert grant.session_id is not None
-        snapshot = self.session(grant.session_id, timeout=timeout)
+        deadline = self._http.deadline(timeout)
+        snapshot = self.session(grant.session_id, timeout=deadline.remaining())
+        snapshot = self._wait_binding(snapshot, _ACTIVE, deadline.remaining())
+        grant.state = (snapshot.get("binding") or {}).get("state")
+        return snapshot
+
+    def _wait_binding(
+        self, snapshot: dict[str, Any], target: tuple[str, ...], timeout: float | None
+    ) -> dict[str, Any]:
+        """Wait on a binding's events, from its snapshot's sequence, until it is in ``target``.
+
+        The snapshot is read again at the end: the events are a notice, the snapshot the truth.
+        """
+        session_id = str(snapshot.get("session_id") or (snapshot.get("binding") or {})["id"])
+        deadline = self._http.deadline(timeout)
         binding = snapshot.get("binding") or {}
-        if binding.get("state") not in _ACTIVE:
+        if binding.get("state") not in target:
             events = self.binding_events(
-                grant.session_id, after=binding.get("last_event_sequence"), timeout=timeout
+                session_id, after=binding.get("last_event_sequence"), timeout=deadline.remaining()
             )
-            wait_for_state(events, _is_active, _has_ended)
-            snapshot = self.session(grant.session_id, timeout=timeout)
+            wait_for_state(events, _reaches(target), _reaches(_failing(target)))
+            snapshot = self.session(session_id, timeout=deadline.remaining())
             binding = snapshot.get("binding") or {}
-        if binding.get("state") in _ENDED:
-            raise SandlotError(f"binding {grant.session_id} is {binding.get('state')}")
-        grant.state = binding.get("state")
+        if binding.get("state") in _failing(target):
+            raise SandlotError(f"binding {session_id} is {binding.get('state')}")
         return snapshot
 
     def session(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
@@ -280,15 +301,38 @@ class Sandlot:
         return dict(self._json("POST", path, timeout, json_body={}))
 
     def release(
-        self, session_id: str, *, terminate: bool = False, timeout: float | None = None
-    ) -> None:
-        """Detach this actor (its tokens are revoked); ``terminate=True`` tears the sandbox down."""
+        self,
+        session_id: str,
+        *,
+        terminate: bool = False,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> dict[str, Any] | None:
+        """Detach this actor (its tokens are revoked); ``terminate=True`` tears the sandbox down.
+
+        A teardown is answered as soon as the broker has accepted it (the binding
+        ``terminating``, every token revoked). With ``wait=True`` (the default) this then
+        waits on the binding's events until the sandbox is ``terminated`` and returns the
+        binding snapshot read after that; with ``wait=False`` it returns the accepted
+        snapshot (wait later with :meth:`binding_events` after its
+        ``binding.last_event_sequence``). A plain detach returns ``None``.
+        """
+        deadline = self._http.deadline(timeout)
         for key, lease in list(self._leases.items()):
             if lease.grant.session_id == session_id:
                 lease.stop()
                 del self._leases[key]
-        params = {"terminate": "true"} if terminate else None
-        self._json("DELETE", f"/v1/sandbox/sessions/{session_id}", timeout, params=params)
+        params = {"terminate": True, "wait": False} if terminate else None
+        path = f"/v1/sandbox/sessions/{session_id}"
+        body = self._json("DELETE", path, deadline.remaining(), params=params)
+        if not terminate:
+            return None
+        # A broker that answers 204 has finished the teardown already.
+        left = deadline.remaining()
+        snapshot = dict(body) if body else self.session(session_id, timeout=left)
+        if wait:
+            snapshot = self._wait_binding(snapshot, _TERMINATED, deadline.remaining())
+        return snapshot
 
     def binding_events(
         self, session_id: str, *, after: int | None = None, timeout: float | None = None
@@ -335,9 +379,26 @@ class Sandlot:
         """One sandbox's snapshot."""
         return dict(self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout))
 
-    def delete_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> None:
-        """Terminate and remove a sandbox."""
-        self._json("DELETE", f"/v1/sandboxes/{sandbox_id}", timeout)
+    def delete_sandbox(
+        self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Terminate and remove a sandbox; return its snapshot.
+
+        The broker answers once it has accepted the teardown (state ``terminating``:
+        tokens revoked, out of use). With ``wait=True`` (the default) this then waits on
+        the sandbox's events until it is ``terminated`` (its processes and files gone);
+        with ``wait=False`` it returns the accepted snapshot, to wait on later with
+        :meth:`sandbox_events` after its ``last_event_sequence``.
+        """
+        deadline = self._http.deadline(timeout)
+        path = f"/v1/sandboxes/{sandbox_id}"
+        body = self._json("DELETE", path, deadline.remaining(), params={"wait": False})
+        # A broker that answers 204 has finished the teardown already.
+        left = deadline.remaining()
+        snap = dict(body) if body else self.get_sandbox(sandbox_id, timeout=left)
+        if wait:
+            snap = self._wait_sandbox(snap, _TERMINATED, deadline.remaining())
+        return snap
 
     def suspend_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
@@ -365,25 +426,19 @@ class Sandlot:
     def _wait_sandbox(
         self, snap: dict[str, Any], target: tuple[str, ...], timeout: float | None
     ) -> dict[str, Any]:
-        if snap.get("state") in target:
-            return snap
+        """Wait on a sandbox's events, from its snapshot's sequence, until it is in ``target``;
+        then read the snapshot again (the events are a notice, the snapshot the truth)."""
         sandbox_id = snap["id"]
-        events = EventStream(
-            self._http,
-            f"/v1/sandboxes/{sandbox_id}/events",
-            after=snap.get("last_event_sequence"),
-            timeout=timeout,
-        )
-
-        def done(event: Event) -> bool:
-            phase = event.details.get("phase") or {}
-            return phase.get("to") in target or event.state in target
-
-        def failed(event: Event) -> bool:
-            return not done(event) and _has_ended(event)
-
-        wait_for_state(events, done, failed)
-        return self.get_sandbox(sandbox_id, timeout=timeout)
+        deadline = self._http.deadline(timeout)
+        if snap.get("state") not in target:
+            events = self.sandbox_events(
+                sandbox_id, after=snap.get("last_event_sequence"), timeout=deadline.remaining()
+            )
+            wait_for_state(events, _reaches(target), _reaches(_failing(target)))
+            snap = self.get_sandbox(sandbox_id, timeout=deadline.remaining())
+        if snap.get("state") in _failing(target):
+            raise SandlotError(f"sandbox {sandbox_id} is {snap.get('state')}")
+        return snap
 
     def sandbox_events(
         self, sandbox_id: str, *, after: int | None = None, timeout: float | None = None
