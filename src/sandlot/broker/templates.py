@@ -4,6 +4,10 @@ Templates of the configuration are written to the store at start (source
 ``config``); templates created through the API have source ``api``. Reads go
 through a short-lived cache because every negotiation that creates a sandbox
 needs its template.
+
+A template that does not say how much disk its sandboxes get
+(``resources.disk_mb``) gets :data:`DEFAULT_DISK_MB`: no sandbox may fill the
+host's filesystem unless a template asks for that much room.
 """
 
 from __future__ import annotations
@@ -23,6 +27,17 @@ from sandlot.protocol.common import rfc3339
 from sandlot.protocol.errors import InvalidRequest, ResourceConflict, ResourceNotFound
 from sandlot.protocol.sessions import Template, Volume
 
+#: ``resources.disk_mb`` of a template that names none (the shipped ``default`` has the same).
+DEFAULT_DISK_MB = 1024
+
+
+def with_disk_limit(tpl: Template) -> Template:
+    """``tpl`` with :data:`DEFAULT_DISK_MB` if it sets no disk limit of its own."""
+    if tpl.resources.disk_mb is not None:
+        return tpl
+    resources = tpl.resources.model_copy(update={"disk_mb": DEFAULT_DISK_MB})
+    return tpl.model_copy(update={"resources": resources})
+
 
 class TemplateService:
     CACHE_SECONDS = 2.0
@@ -38,7 +53,7 @@ class TemplateService:
         now = time.time()
         insert = pg_insert if self.store.dialect == "postgresql" else sqlite_insert
         with self.store.write() as conn:
-            for tpl in configured.values():
+            for tpl in map(with_disk_limit, configured.values()):
                 stmt = insert(templates).values(
                     name=tpl.name,
                     spec=tpl.model_dump(mode="json"),
@@ -62,7 +77,7 @@ class TemplateService:
             return self._cache
         with self.store.read() as conn:
             rows = conn.execute(select(templates)).all()
-        loaded = {r.name: Template.model_validate(r.spec) for r in rows}
+        loaded = {r.name: with_disk_limit(Template.model_validate(r.spec)) for r in rows}
         with self._lock:
             self._cache = loaded
             self._cached_at = time.monotonic()
@@ -82,6 +97,7 @@ class TemplateService:
         return sorted(self._load().values(), key=lambda t: t.name)
 
     def create(self, tpl: Template) -> Template:
+        tpl = with_disk_limit(tpl)
         with self.store.write() as conn:
             exists = conn.execute(
                 select(templates.c.name).where(templates.c.name == tpl.name)

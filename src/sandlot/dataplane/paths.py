@@ -29,6 +29,7 @@ from sandlot.protocol.errors import (
     InvalidRequest,
     PayloadTooLarge,
     PermissionDenied,
+    QuotaExceeded,
     ResourceConflict,
     SandlotError,
 )
@@ -102,8 +103,13 @@ def os_error(exc: OSError, what: str = "") -> SandlotError:
         return ResourceConflict(f"directory not empty{suffix}")
     if code == errno.EXDEV:
         return InvalidRequest(f"cannot move across mounts{suffix}")
-    if code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return PayloadTooLarge(f"no space left{suffix}")
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        # The sandbox's disk (template resources.disk_mb) is full: not retryable as is.
+        return QuotaExceeded(
+            f"no space left on the sandbox's disk{suffix}", metadata={"resource": "disk"}
+        )
+    if code == errno.EFBIG:
+        return PayloadTooLarge(f"file too large{suffix}")
     if code in (errno.ENXIO, errno.ENODEV, errno.ETXTBSY):
         return InvalidRequest(f"not a regular file{suffix}")
     return InvalidRequest(f"{os.strerror(code or 0).lower()}{suffix}")

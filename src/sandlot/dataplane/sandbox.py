@@ -9,6 +9,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from sandlot.dataplane import native
+from sandlot.dataplane.diskfull import DiskMonitor
 from sandlot.dataplane.events import EventLog, WorkspaceWatcher
 from sandlot.dataplane.execs import ExecManager
 from sandlot.dataplane.fsids import FsExecutor
@@ -66,6 +67,7 @@ class SandboxEntry:
         self.execs = ExecManager(settings, self.emit)
         self.shells = ShellManager(settings, self.emit)
         self.watcher: WorkspaceWatcher | None = None
+        self.disk: DiskMonitor | None = None
         self.connections: set[Connection] = set()
         self.last_active_at: float | None = None
         self.readopted = False
@@ -105,13 +107,19 @@ class SandboxEntry:
                     self.events,
                     s.watch_debounce_ms,
                 )
+        if runtime.disk_usage() is not None:
+            if self.disk is None:
+                self.disk = DiskMonitor(runtime.disk_usage, self.emit)
+            self.disk.usage = runtime.disk_usage
         self._start_watcher()
 
     def _start_watcher(self) -> None:
         # A provider may hand the runtime over before the loop runs: start on first use.
-        if self.watcher is not None:
-            with contextlib.suppress(RuntimeError):
+        with contextlib.suppress(RuntimeError):
+            if self.watcher is not None:
                 self.watcher.start()
+            if self.disk is not None:
+                self.disk.start()
 
     def ready(self) -> tuple[SandboxRuntime, PathResolver, FsExecutor, FileOps]:
         """The runtime and file services, or 423 SANDBOX_STARTING while provisioning."""
@@ -173,6 +181,8 @@ class SandboxEntry:
         await self.shells.close(detach=detach)
         if self.watcher is not None:
             await self.watcher.close()
+        if self.disk is not None:
+            self.disk.close()
         if self.resolver is not None:
             self.resolver.close()
         if self.executor is not None:

@@ -27,6 +27,7 @@ from sandlot.protocol.errors import (
     InternalError,
     InvalidRequest,
     PayloadTooLarge,
+    QuotaExceeded,
     SandboxNotFound,
     SandlotError,
     exception_for,
@@ -115,7 +116,12 @@ def endpoint(fn: Handler) -> Handler:
         try:
             response = await fn(request)
         except Exception as exc:
-            return error_response(as_sandlot_error(exc), rid)
+            error = as_sandlot_error(exc)
+            if isinstance(error, QuotaExceeded) and error.metadata.get("resource") == "disk":
+                entry = getattr(request.state, "sandbox_entry", None)
+                if entry is not None and entry.disk is not None:
+                    entry.disk.write_failed()
+            return error_response(error, rid)
         response.headers["X-Request-Id"] = rid
         return response
 
@@ -207,4 +213,5 @@ class Api:
             capability=capability,
         )
         entry.touch()
+        request.state.sandbox_entry = entry  # for the error path (a full disk)
         return entry, ctx

@@ -90,7 +90,9 @@ class LocalProvider(Provider):
         if self.mode == "unisolated":
             log.warning(
                 "UNISOLATED MODE: sandboxes are plain processes with the server's rights "
-                "and see the whole host. Use it only on a machine without namespaces."
+                "and see the whole host, with no disk limit (templates' disk_mb is ignored: "
+                "a sandbox can fill the host's filesystem). Use it only on a machine without "
+                "namespaces."
             )
 
     async def close(self) -> None:

@@ -134,6 +134,10 @@ class SandboxRuntime(abc.ABC):
                 return m.host_path
         raise LookupError("runtime has no workspace mount")
 
+    def disk_usage(self) -> tuple[int, int] | None:
+        """``(size, free)`` in bytes of the sandbox's size-limited disk (``None``: no limit)."""
+        return None
+
     @abc.abstractmethod
     async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
         """Start a process inside the sandbox, in a new session and process group.

@@ -34,6 +34,7 @@ from sandlot.runtime.control import (
     release_kept,
     spawn_via_init,
 )
+from sandlot.runtime.disk import DiskManager
 
 BASE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -50,6 +51,10 @@ class SandboxRecord:
     image: str
     #: ``[sandbox path, host path, writable]``
     volumes: list[tuple[str, str, bool]] = field(default_factory=list)
+    #: The host directory of ``/tmp`` (``""``: ``run_dir/<id>/tmp``).
+    tmp: str = ""
+    #: Size of the sandbox's disk (``disk.py``) holding the workspace and ``/tmp``; 0: none.
+    disk_mb: int = 0
     #: The control protocol its init speaks (a sandbox started by an older version: 1).
     init_protocol: int = 1
 
@@ -61,6 +66,10 @@ class SandboxRecord:
             return cls(**data)
         except (OSError, ValueError, TypeError):
             return None
+
+    def tmp_dir(self, run: Path) -> Path:
+        """The host directory of the sandbox's ``/tmp`` (``run`` is its run directory)."""
+        return Path(self.tmp) if self.tmp else run / "tmp"
 
     def save(self, path: Path) -> None:
         tmp = path.with_suffix(".tmp")
@@ -143,7 +152,7 @@ class IsolatedRuntime(SandboxRuntime):
     def mounts(self) -> list[Mount]:
         mounts = [
             Mount(WORKSPACE, Path(self._record.workspace), True),
-            Mount("/tmp", self._run / "tmp", True),
+            Mount("/tmp", self._record.tmp_dir(self._run), True),
         ]
         mounts += [Mount(p, Path(h), w) for p, h, w in self._record.volumes if p != WORKSPACE]
         if self._record.image == "host":
@@ -151,6 +160,11 @@ class IsolatedRuntime(SandboxRuntime):
         else:
             mounts.append(Mount("/", Path(self._record.image), False))
         return mounts
+
+    def disk_usage(self) -> tuple[int, int] | None:
+        if not self._record.disk_mb:
+            return None
+        return DiskManager.usage(self._record.tmp_dir(self._run))
 
     def environment(self, spec: ProcessSpec) -> dict[str, str]:
         env = {

@@ -50,6 +50,7 @@ from sandlot.runtime.bwrap import (
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
 from sandlot.runtime.control import INIT_PROTOCOL
 from sandlot.runtime.direct import DirectRuntime
+from sandlot.runtime.disk import DiskManager
 from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
 from sandlot.runtime.isolated import IsolatedRuntime, SandboxRecord, find_init
 from sandlot.runtime.preflight import (
@@ -176,6 +177,8 @@ class LocalRuntimeManager:
         self._etc = settings.run_dir / ".etc"
         self._runtimes: dict[str, IsolatedRuntime] = {}
         self._uids_in_use: set[int] = set()
+        #: Size-limited disks for the workspace and /tmp (``disk.py``).
+        self._disks = DiskManager(settings.run_dir / ".disks", settings.workspaces_dir)
 
     # --- preflight ------------------------------------------------------------------
 
@@ -220,6 +223,7 @@ class LocalRuntimeManager:
         build_host_etc(self._etc)
         self._bwrap, self._init_binary, self._seccomp, self._layout = bwrap, binary, seccomp, layout
         self._trial(binary, bwrap)
+        self._disks.prepare()
         self._prepared = True
 
     def _trial(self, binary: Path, bwrap: str) -> None:
@@ -325,7 +329,7 @@ class LocalRuntimeManager:
 
     def list_existing(self) -> set[str]:
         """Sandboxes with a run directory or a cgroup on this host (from this data dir)."""
-        names = self._run_entries()
+        names = self._run_entries() | self._disks.existing()
         if self.settings.mode == "isolated":
             with contextlib.suppress(CgroupError, RuntimeUnavailable):
                 names |= {n for n in self._require().existing() if _SANDBOX_ID.match(n)}
@@ -353,6 +357,8 @@ class LocalRuntimeManager:
                 await cgroup.remove()
             orphans.remove_parents_if_empty()
             with contextlib.suppress(OSError):
+                DiskManager(Path((TAG_REGISTRY / tag).read_text()) / ".disks", Path()).release_all()
+            with contextlib.suppress(OSError):
                 (TAG_REGISTRY / tag).unlink()
 
     # --- lifecycle ------------------------------------------------------------------
@@ -376,6 +382,8 @@ class LocalRuntimeManager:
         uid, gid = self._ids_for(self._allocate_uid())
         try:
             record = self._prepare_dirs(sandbox_id, generation, template, volumes, uid, gid)
+            if self._disks.available and template.resources.disk_mb:
+                await asyncio.to_thread(self._provide_disk, sandbox_id, record, template)
             if self.settings.mode == "unisolated":
                 return DirectRuntime(
                     sandbox_id,
@@ -441,6 +449,16 @@ class LocalRuntimeManager:
         record.save(run / "state.json")
         return record
 
+    def _provide_disk(self, sandbox_id: str, record: SandboxRecord, template: Template) -> None:
+        """Mount the sandbox's size-limited disk; the workspace and /tmp move onto it."""
+        size = template.resources.disk_mb or 0
+        on_disk = all(path != WORKSPACE for path, _, _ in record.volumes)
+        disk = self._disks.provide(sandbox_id, size, record.uid, record.gid, workspace=on_disk)
+        if on_disk:
+            record.workspace = str(disk.workspace)
+        record.tmp, record.disk_mb = str(disk.tmp), size
+        record.save(self.settings.run_dir / sandbox_id / "state.json")
+
     async def _launch(
         self, sandbox_id: str, generation: int, template: Template, record: SandboxRecord
     ) -> IsolatedRuntime:
@@ -483,7 +501,7 @@ class LocalRuntimeManager:
                 return STAGE_DIR / name
 
             mounts = [
-                BindMount(source(run / "tmp", "tmp"), "/tmp", True),
+                BindMount(source(record.tmp_dir(run), "tmp"), "/tmp", True),
                 BindMount(source(record.workspace, "workspace"), WORKSPACE, True),
             ]
             mounts += [
@@ -615,6 +633,8 @@ class LocalRuntimeManager:
         init_pid = find_init(cgroup)
         if init_pid is None:
             return None
+        if record.disk_mb:
+            await asyncio.to_thread(self._disks.remount, sandbox_id)
         self._uids_in_use.add(record.uid)
         runtime = IsolatedRuntime(
             sandbox_id,
@@ -663,6 +683,7 @@ class LocalRuntimeManager:
             cgroup = self._require().sandbox(sandbox_id)
             await cgroup.kill_all()
             await cgroup.remove()
+        await asyncio.to_thread(self._disks.release, sandbox_id, keep_image=keep_workspace)
         await asyncio.to_thread(_rmtree, run)
         if not keep_workspace:
             await asyncio.to_thread(_rmtree, self.settings.workspaces_dir / sandbox_id)
