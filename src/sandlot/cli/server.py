@@ -20,7 +20,10 @@ from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.principals import Principal
 from sandlot.broker.settings import BrokerSettings
+from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.auth import AuthContext
+from sandlot.dataplane.host import DataplaneHost
+from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import SandlotError, Unauthenticated
 from sandlot.providers.base import Provider, provider_class
 
@@ -70,6 +73,7 @@ def build_provider(
         "issuer": settings.issuer,
         "jwks": jwks,
         "api_key_resolver": api_key_resolver,
+        "dataplane_settings": DataplaneSettings.from_env(),
     }
     return provider_class(settings.provider_name)(config)
 
@@ -89,7 +93,8 @@ def build_app(
 ) -> tuple[ASGIApp, Broker]:
     """The whole server as one ASGI app (its lifespan starts and stops the broker).
 
-    The provider's dataplane, if it serves one, is at ``/dp``.
+    The provider's dataplane, if it serves one, is at ``/dp``; its figures are served with
+    the broker's at ``/metrics``.
 
     With ``provider_secret`` the app also exposes its provider to broker worker
     processes (see :mod:`sandlot.providers.remote`).
@@ -99,6 +104,10 @@ def build_app(
     broker = Broker(settings, provider, run_reaper=run_reaper)
     ref.append(broker)
     app = create_app(broker)
+    host = getattr(provider, "host", None)
+    if isinstance(host, DataplaneHost):
+        metrics = app.state.metrics
+        host.metrics.attach(metrics.registry, metrics.errors)
     if provider_secret is not None:
         from sandlot.providers.remote import provider_router
 
@@ -134,10 +143,17 @@ def serve(settings: BrokerSettings) -> None:
     settings = replace(settings, port=port)
     prepare_store(settings).dispose()
     app, _broker = build_app(settings)
-    server = uvicorn.Server(uvicorn_config(app))
+    server = make_server(app)
     sys.stdout.write(banner(settings))
     sys.stdout.flush()
     run_until_signalled(server, [sock])
+
+
+def make_server(app: ASGIApp) -> uvicorn.Server:
+    """``app`` under uvicorn, with requests in flight answered 503 on shutdown (see
+    :mod:`sandlot.cli.draining`)."""
+    drain = Drain(app)
+    return DrainingServer(uvicorn_config(drain), drain)
 
 
 def run_until_signalled(server: uvicorn.Server, sockets: list[socket.socket]) -> None:
@@ -158,7 +174,7 @@ def uvicorn_config(app: Any) -> uvicorn.Config:
         access_log=False,
         ws_ping_interval=20,
         ws_ping_timeout=20,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_SECONDS),
         lifespan="on",
     )
 

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI
 
 from sandlot.broker.app import create_app
@@ -36,8 +35,8 @@ from sandlot.cli.server import (
     banner,
     bind_socket,
     build_app,
+    make_server,
     run_until_signalled,
-    uvicorn_config,
 )
 from sandlot.providers.remote import RemoteProvider
 
@@ -52,7 +51,7 @@ def _run_host(
     uds.bind(uds_path)
     os.chmod(uds_path, 0o600)
     uds.listen(1024)
-    run_until_signalled(uvicorn.Server(uvicorn_config(app)), [dp_sock, uds])
+    run_until_signalled(make_server(app), [dp_sock, uds])
 
 
 def _run_worker(
@@ -73,7 +72,7 @@ def _run_worker(
             await broker.stop()
 
     app.router.lifespan_context = lifespan
-    run_until_signalled(uvicorn.Server(uvicorn_config(app)), [sock])
+    run_until_signalled(make_server(app), [sock])
 
 
 def _fork(target: Any, *args: Any) -> int:

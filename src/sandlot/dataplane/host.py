@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,9 +26,11 @@ from starlette.routing import BaseRoute, Mount, Route
 from sandlot.dataplane import openapi
 from sandlot.dataplane.auth import ApiKeyResolver, AuthContext, Authenticator, TokenVerifier
 from sandlot.dataplane.langsmith import build_langsmith_routes
+from sandlot.dataplane.metrics import UNMATCHED, DataplaneMetrics
 from sandlot.dataplane.routes import VERSION, build_routes
 from sandlot.dataplane.sandbox import Connection, SandboxEntry
 from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.dataplane.socketlimits import SocketLimits
 from sandlot.dataplane.transfer import build_transfer_routes
 from sandlot.dataplane.web import Api, endpoint, error_response, json_response, request_id_of
 from sandlot.dataplane.websockets import build_ws_routes
@@ -94,10 +98,14 @@ class _Direct:
     Starlette's middleware and route matching (a regular expression per route, one
     scope copy per level) are about a tenth of a small file operation; the endpoints
     write every error as the envelope themselves (:func:`~sandlot.dataplane.web.endpoint`).
+    Every HTTP request, either way, is counted in ``metrics``.
     """
 
-    def __init__(self, app: Starlette, routes: Sequence[BaseRoute]) -> None:
+    def __init__(
+        self, app: Starlette, routes: Sequence[BaseRoute], metrics: DataplaneMetrics
+    ) -> None:
         self.app = app
+        self.metrics = metrics
         self.table: dict[tuple[str, str], Any] = {}
         for route in routes:
             if isinstance(route, Route) and "{" not in route.path:
@@ -123,31 +131,69 @@ class _Direct:
                     # "app": what Starlette's own request code looks for (a malformed
                     # multipart body is then a 400, as behind Starlette's router).
                     child = {**scope, "app": self.app, "path_params": {"sandbox_id": sandbox_id}}
-                    await _serve(endpoint, child, receive, send)
+                    await _serve(endpoint, child, receive, send, self.metrics, parts[2][2:])
                     return
+            await measured(self.app, scope, receive, send, self.metrics)
+            return
         await self.app(scope, receive, send)
 
 
-async def _serve(endpoint: Any, scope: Any, receive: Any, send: Any) -> None:
+class _Answer:
+    """The ``send`` of one HTTP request: notes the status, counts an error's code."""
+
+    __slots__ = ("counted", "metrics", "send", "status")
+
+    def __init__(self, send: Any, metrics: DataplaneMetrics) -> None:
+        self.send = send
+        self.metrics = metrics
+        self.status = 0
+        self.counted = False
+
+    async def __call__(self, message: Any) -> None:
+        if not self.status:
+            self.status = message["status"]  # http.response.start comes first
+        elif self.status >= 400 and not self.counted:
+            self.counted = True
+            self.metrics.error_answer(self.status, message.get("body", b""))
+        await self.send(message)
+
+
+async def _serve(
+    endpoint: Any, scope: Any, receive: Any, send: Any, metrics: DataplaneMetrics, route: str
+) -> None:
     """What Starlette's route and error middleware do around an endpoint, for one that
     answers every error itself: an exception escaping it (or its response) is still a
     500 envelope if nothing was sent yet."""
-    started = False
-
-    async def tracked(message: Any) -> None:
-        nonlocal started
-        started = True
-        await send(message)
-
+    started = time.perf_counter()
+    answer = _Answer(send, metrics)
     request = Request(scope, receive, send)
     try:
         response = await endpoint(request)
-        await response(scope, receive, tracked)
+        await response(scope, receive, answer)
     except Exception:
-        if started:
+        if answer.status:
             raise
         log.exception("unexpected error in the dataplane")
-        await _server_error_response(request)(scope, receive, send)
+        await _server_error_response(request)(scope, receive, answer)
+    finally:
+        metrics.request(scope["method"], route, answer.status or 500, time.perf_counter() - started)
+
+
+async def measured(
+    app: Any, scope: Any, receive: Any, send: Any, metrics: DataplaneMetrics
+) -> None:
+    """An HTTP request served by a Starlette app, counted under its route's template."""
+    started = time.perf_counter()
+    answer = _Answer(send, metrics)
+    try:
+        await app(scope, receive, answer)
+    finally:
+        # Starlette's router notes the route it matched in the scope.
+        route = scope.get("route")
+        template = route.path if isinstance(route, Route) else UNMATCHED
+        metrics.request(
+            scope["method"], template, answer.status or 500, time.perf_counter() - started
+        )
 
 
 def _server_error_response(request: Request) -> Response:
@@ -170,6 +216,10 @@ class DataplaneHost:
         self.settings = settings or DataplaneSettings()
         self.authenticator = Authenticator(verifier, api_key_resolver)
         self._entries: dict[str, SandboxEntry] = {}
+        self.sockets = SocketLimits(
+            self.settings.max_websockets_per_token, self.settings.max_websockets_per_sandbox
+        )
+        self.metrics = DataplaneMetrics(self)
         self._api = Api(self)
         sandbox_routes = _sandbox_routes(self._api)
         self.app: Any = _Direct(
@@ -181,6 +231,7 @@ class DataplaneHost:
                 ]
             ),
             sandbox_routes,
+            self.metrics,
         )
 
     # --- registration -------------------------------------------------------------------
@@ -311,6 +362,9 @@ class _StandaloneApp:
                         await self.host.close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
+        if scope["type"] == "http":
+            await measured(self.app, scope, receive, send, self.host.metrics)
+            return
         await self.app(scope, receive, send)
 
 
@@ -323,14 +377,19 @@ def create_standalone_app(
 ) -> Any:
     """A dataplane for one sandbox running where this process runs (``DirectRuntime``).
 
-    Serves both ``/v1/...`` and ``/{sandbox_id}/v1/...``.
+    Serves both ``/v1/...`` and ``/{sandbox_id}/v1/...``, and its figures at ``/metrics``.
     """
     host = DataplaneHost(verifier=verifier, settings=settings, api_key_resolver=api_key_resolver)
     api = Api(host, default_sandbox=runtime.sandbox_id)
+
+    async def metrics(request: Request) -> Response:
+        return Response(host.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     app = _app(
         [
             Route("/healthz", _version, methods=["GET"]),
             Route("/__meta/version", _version, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
             Mount("/v1", routes=_sandbox_routes(api)),
             Mount("/{sandbox_id}/v1", routes=_sandbox_routes(host._api)),
         ]

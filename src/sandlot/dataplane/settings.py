@@ -20,6 +20,9 @@
 - ``watch_fs``: report changes made by commands in the workspace as ``fs`` events.
 - ``watch_debounce_ms``: coalescing window for those.
 - ``auth_timeout_seconds``: how long a WebSocket may wait before its ``auth`` frame.
+- ``max_websockets_per_token`` / ``max_websockets_per_sandbox``: WebSockets open at once
+  (every route together) with one token, and on one sandbox; beyond, closed with 4429.
+  Sockets waiting for their ``auth`` frame count as one token of their sandbox.
 - ``starting_retry_after``: ``Retry-After`` for 423 SANDBOX_STARTING.
 """
 
@@ -59,6 +62,8 @@ class DataplaneSettings:
     watch_fs: bool = True
     watch_debounce_ms: int = 50
     auth_timeout_seconds: float = 10.0
+    max_websockets_per_token: int = 64
+    max_websockets_per_sandbox: int = 256
     starting_retry_after: float = 1.0
 
     @classmethod

@@ -5,7 +5,11 @@ output from the shared stream buffers at the client's own pace (see
 :mod:`sandlot.dataplane.streams`). Auth: the header, or a first
 ``{"type": "auth"}`` frame answered by ``auth_ok`` (also accepted later to
 refresh the token of a long-lived socket). Close codes: 4401 unauthenticated
-or revoked, 4403 capability denied, 4404 unknown sandbox/exec/shell.
+or revoked, 4403 capability denied, 4404 unknown sandbox/exec/shell, 4429 too many
+sockets (see :mod:`sandlot.dataplane.socketlimits`).
+
+Only a driver (``shell``) creates a shell: an observer of a shell that does not run
+gets 4404, whatever its ``create`` says.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 from sandlot.dataplane.auth import AuthContext, bearer_from_header
 from sandlot.dataplane.execs import Exec, parse_signal
 from sandlot.dataplane.sandbox import SandboxEntry
+from sandlot.dataplane.socketlimits import Place
 from sandlot.dataplane.streams import Cursor, check_offsets
 from sandlot.dataplane.web import Api, as_sandlot_error, dumps_text
 from sandlot.protocol import frames as F
@@ -31,6 +36,7 @@ from sandlot.protocol.errors import (
     Forbidden,
     InvalidRequest,
     NotFound,
+    RateLimited,
     SandlotError,
     Unauthenticated,
 )
@@ -39,6 +45,7 @@ from sandlot.protocol.states import ExecState
 CLOSE_UNAUTHENTICATED = 4401
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+CLOSE_TOO_MANY = 4429
 CLOSE_TRY_AGAIN = 1013
 
 
@@ -60,18 +67,21 @@ def close_code_for(exc: SandlotError) -> int:
         return CLOSE_FORBIDDEN
     if isinstance(exc, NotFound):
         return CLOSE_NOT_FOUND
+    if isinstance(exc, RateLimited):
+        return CLOSE_TOO_MANY
     if exc.retryable:
         return CLOSE_TRY_AGAIN
     return 1008
 
 
 class Socket:
-    """One accepted WebSocket with its auth, send lock and registration."""
+    """One accepted WebSocket with its auth, send lock, registration and place."""
 
-    def __init__(self, api: Api, ws: WebSocket, entry: SandboxEntry) -> None:
+    def __init__(self, api: Api, ws: WebSocket, entry: SandboxEntry, place: Place) -> None:
         self.api = api
         self.ws = ws
         self.entry = entry
+        self.place = place
         self.ctx: AuthContext | None = None
         self._send_lock = asyncio.Lock()
         self.closed = asyncio.Event()
@@ -88,6 +98,7 @@ class Socket:
                 await self.ws.close(code, reason[:120])
 
     async def fail(self, exc: SandlotError, *, langsmith: bool = False) -> None:
+        self.api.host.metrics.error(exc.wire_code)
         if langsmith:
             # LangSmith clients dispatch on these error types.
             error_type = "CommandNotFound" if isinstance(exc, NotFound) else exc.wire_code
@@ -120,6 +131,7 @@ class Socket:
                 await self.send(F.AUTH_OK)
             else:
                 ctx = await self._verify(bearer, api_key, capability)
+            self.place.claim(ctx)
         except (WebSocketDisconnect, RuntimeError):
             return False
         except (ValidationError, ValueError):
@@ -147,6 +159,7 @@ class Socket:
     async def reauth(self, token: str, capability: Capability) -> None:
         """A later ``auth`` frame: switch the socket to a refreshed token."""
         ctx = await self._verify(token, None, capability)
+        self.place.switch(ctx)
         host = self.api.host
         if self.conn is not None:
             host._untrack(self.entry, self.conn)
@@ -155,24 +168,42 @@ class Socket:
         await self.send(F.AUTH_OK)
 
     def release(self) -> None:
+        """Once the socket's handler is done: untracked, its place given back."""
         if self.conn is not None:
             self.api.host._untrack(self.entry, self.conn)
             self.conn = None
+        self.place.release()
 
 
-async def open_socket(api: Api, ws: WebSocket, capability: Capability) -> Socket | None:
-    await ws.accept()
+async def open_socket(api: Api, ws: WebSocket, capability: Capability, route: str) -> Socket | None:
+    """The socket accepted and authenticated, or ``None`` once it has been closed.
+
+    Its place (:mod:`~sandlot.dataplane.socketlimits`) is taken before it is accepted;
+    the caller gives it back with :meth:`Socket.release` when it is done.
+    """
+    host = api.host
     try:
-        entry = api.host._entry(api.sandbox_id(ws.path_params))
+        entry = host._entry(api.sandbox_id(ws.path_params))
+        headers = ws.headers
+        authenticated = "authorization" in headers or "x-api-key" in headers
+        place = host.sockets.admit(entry.sandbox_id, route, authenticated=authenticated)
     except SandlotError as exc:
+        host.metrics.error(exc.wire_code)
         with contextlib.suppress(Exception):
-            await ws.send_text(dumps_text(F.error_frame(exc.wire_code, exc.message)))
-            await ws.close(close_code_for(exc))
+            await ws.accept()
+            await ws.send_text(dumps_text(F.error_frame(exc.wire_code, exc.message, exc.retryable)))
+            await ws.close(close_code_for(exc), exc.message[:120])
         return None
-    sock = Socket(api, ws, entry)
-    if not await sock.authenticate(capability):
-        return None
-    return sock
+    sock = Socket(api, ws, entry, place)
+    try:
+        await ws.accept()
+        if await sock.authenticate(capability):
+            return sock
+    except BaseException:
+        sock.release()
+        raise
+    sock.release()
+    return None
 
 
 async def run_until_closed(sock: Socket, reader: Awaitable[None], pump: Awaitable[None]) -> None:
@@ -277,7 +308,7 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
 
 
 async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
-    sock = await open_socket(api, ws, Capability.EXEC)
+    sock = await open_socket(api, ws, Capability.EXEC, "/execute/ws" if langsmith else "/exec/ws")
     if sock is None:
         return
     entry = sock.entry
@@ -410,7 +441,7 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
         await ws.close(1008, "role must be driver or observer")
         return
     cap = Capability.SHELL if role == "driver" else Capability.SHELL_OBSERVE
-    sock = await open_socket(api, ws, cap)
+    sock = await open_socket(api, ws, cap, "/shell/ws")
     if sock is None:
         return
     entry = sock.entry
@@ -423,7 +454,8 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
         profile = q.get("profile", "default")
         cols = _int(q.get("cols"), 80)
         rows = _int(q.get("rows"), 24)
-        create = q.get("create", "true").lower() not in ("0", "false", "no")
+        # Only a driver starts a shell: an observer watches one that runs, or gets 4404.
+        create = role == "driver" and q.get("create", "true").lower() not in ("0", "false", "no")
         runtime, *_ = entry.ready()
         shell = await entry.shells.open(
             runtime,
@@ -527,7 +559,7 @@ def _int(raw: str | None, default: int) -> int:
 
 
 async def events_socket(api: Api, ws: WebSocket) -> None:
-    sock = await open_socket(api, ws, Capability.FS_READ)
+    sock = await open_socket(api, ws, Capability.FS_READ, "/events/ws")
     if sock is None:
         return
     entry = sock.entry
