@@ -82,7 +82,7 @@ async def raw_throughput(port: int, key: str, seconds: float, concurrency: int) 
     server does."""
     done = 0
     stop = time.monotonic() + seconds
-    body = json.dumps({"thread_id": "warm"}).encode()
+    body = json.dumps({"thread_id": "warm", "mode": "ensure"}).encode()
     request = (
         f"POST /v1/sandbox/sessions HTTP/1.1\r\nHost: bench\r\nAuthorization: Bearer {key}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
@@ -115,7 +115,9 @@ async def throughput(url: str, headers: dict, seconds: float, concurrency: int) 
         nonlocal done
         while time.monotonic() < stop:
             r = await client.post(
-                "/v1/sandbox/sessions", json={"thread_id": "warm"}, headers=headers
+                "/v1/sandbox/sessions",
+                json={"thread_id": "warm", "mode": "ensure"},
+                headers=headers,
             )
             assert r.status_code == 200
             done += 1
@@ -123,6 +125,9 @@ async def throughput(url: str, headers: dict, seconds: float, concurrency: int) 
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         await asyncio.gather(*(worker(client) for _ in range(concurrency)))
     return done / seconds
+
+
+WARM = {"thread_id": "warm", "mode": "ensure"}
 
 
 def main() -> None:
@@ -137,13 +142,13 @@ def main() -> None:
             key = srv.key("bench")
             headers = {"Authorization": f"Bearer {key}"}
             client = httpx.Client(base_url=srv.url, timeout=30)
-            client.post("/v1/sandbox/sessions", json={"thread_id": "warm"}, headers=headers)
+            client.post("/v1/sandbox/sessions", json=WARM, headers=headers)
             warm, floor = [], []
             for _ in range(args.n):
                 t0 = time.perf_counter()
                 client.get("/healthz")
                 t1 = time.perf_counter()
-                r = client.post("/v1/sandbox/sessions", json={"thread_id": "warm"}, headers=headers)
+                r = client.post("/v1/sandbox/sessions", json=WARM, headers=headers)
                 t2 = time.perf_counter()
                 assert r.status_code == 200
                 floor.append(t1 - t0)
@@ -155,7 +160,9 @@ def main() -> None:
             for i in range(args.cold):
                 t0 = time.perf_counter()
                 g = client.post(
-                    "/v1/sandbox/sessions", json={"thread_id": f"cold{i}"}, headers=headers
+                    "/v1/sandbox/sessions",
+                    json={"thread_id": f"cold{i}", "mode": "ensure"},
+                    headers=headers,
                 ).json()
                 wait_active(client, headers, g)
                 cold.append(time.perf_counter() - t0)
@@ -166,7 +173,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 g = client.post(
                     "/v1/sandbox/sessions",
-                    json={"thread_id": f"pool{i}", "template": "pooled"},
+                    json={"thread_id": f"pool{i}", "mode": "ensure", "template": "pooled"},
                     headers=headers,
                 ).json()
                 wait_active(client, headers, g)

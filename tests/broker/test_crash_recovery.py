@@ -62,7 +62,7 @@ def assert_no_orphans(srv: SandlotServer) -> None:
 def ensure(srv: SandlotServer, headers: dict, key: str) -> httpx.Response:
     return httpx.post(
         f"{srv.url}/v1/sandbox/sessions",
-        json={"thread_id": "thr_crash"},
+        json={"thread_id": "thr_crash", "mode": "ensure"},
         headers={**headers, "Idempotency-Key": key},
         timeout=30,
     )

@@ -52,7 +52,11 @@ def test_serve_keys_ensure_exec_release(tmp_path: Path) -> None:
     with running(tmp_path / "d") as srv:
         alice = srv.headers("alice")
         agent = srv.headers("alice", "agent")
-        r = httpx.post(f"{srv.url}/v1/sandbox/sessions", json={"thread_id": "thr_1"}, headers=alice)
+        r = httpx.post(
+            f"{srv.url}/v1/sandbox/sessions",
+            json={"thread_id": "thr_1", "mode": "ensure"},
+            headers=alice,
+        )
         assert r.status_code == 200, r.text
         grant = r.json()
         wait_active(srv.url, alice, grant)
@@ -130,7 +134,11 @@ async def _storm(url: str, headers: dict, thread: str, n: int) -> list[httpx.Res
     async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
         return await asyncio.gather(
             *(
-                client.post("/v1/sandbox/sessions", json={"thread_id": thread}, headers=headers)
+                client.post(
+                    "/v1/sandbox/sessions",
+                    json={"thread_id": thread, "mode": "ensure"},
+                    headers=headers,
+                )
                 for _ in range(n)
             )
         )

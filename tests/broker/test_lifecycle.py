@@ -126,7 +126,9 @@ async def test_warm_pool_claimed_and_refilled(make_harness: MakeHarness) -> None
 async def test_binding_events_sse_with_resume(make_harness: MakeHarness) -> None:
     h = await make_harness(FakeProvider({"ready_after": 0.2}))
     k = h.key("alice")
-    r = await h.client.post("/v1/sandbox/sessions", json={"thread_id": "t"}, headers=k)
+    r = await h.client.post(
+        "/v1/sandbox/sessions", json={"thread_id": "t", "mode": "ensure"}, headers=k
+    )
     g = r.json()
     assert g["binding"]["state"] == "provisioning"
     sid, after = g["session_id"], g["binding"]["last_event_sequence"]

@@ -49,7 +49,7 @@ def existing_objects(base: str, headers: dict[str, str]) -> dict[str, dict[str, 
         assert r.status_code in (200, 201), r.text
         return dict(r.json())
 
-    grant = post("/v1/sandbox/sessions", {"thread_id": THREAD})
+    grant = post("/v1/sandbox/sessions", {"thread_id": THREAD, "mode": "ensure"})
     sandbox = post("/v1/sandboxes", {"name": "fuzz-sandbox"})
     post("/v2/sandboxes/boxes", {"name": "fuzz-box"})
     post("/v1/volumes", {"name": "fuzz-volume"})

@@ -251,7 +251,7 @@ async def test_idempotency(harness: Harness, record_property: RecordProperty) ->
     # Another caller's identical key is a different key.
     other = {**harness.key("bob"), "Idempotency-Key": "8e03978e-40d5-43e8-bc93-6894a57f9324"}
     r4 = await harness.client.post(
-        "/v1/sandbox/sessions", json={"thread_id": "thr_b"}, headers=other
+        "/v1/sandbox/sessions", json={"thread_id": "thr_b", "mode": "ensure"}, headers=other
     )
     assert r4.status_code == 200 and r4.json()["session_id"] != r1.json()["session_id"]
     report(
@@ -277,10 +277,14 @@ async def test_idempotency_in_flight(
     h.broker.sessions.negotiate = slow  # type: ignore[method-assign]
     headers = {**alice, "Idempotency-Key": "same"}
     first = asyncio.create_task(
-        h.client.post("/v1/sandbox/sessions", json={"thread_id": "t"}, headers=headers)
+        h.client.post(
+            "/v1/sandbox/sessions", json={"thread_id": "t", "mode": "ensure"}, headers=headers
+        )
     )
     await asyncio.sleep(0.2)
-    second = await h.client.post("/v1/sandbox/sessions", json={"thread_id": "t"}, headers=headers)
+    second = await h.client.post(
+        "/v1/sandbox/sessions", json={"thread_id": "t", "mode": "ensure"}, headers=headers
+    )
     err = assert_error(second, 409, "IDEMPOTENCY_IN_FLIGHT")
     assert err["retryable"] is True
     gate.set()

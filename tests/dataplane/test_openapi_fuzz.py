@@ -38,7 +38,11 @@ DIRECTORY = "/workspace/fuzz"
 
 
 def active_grant(base: str, headers: dict[str, str]) -> dict[str, object]:
-    r = httpx.post(f"{base}/v1/sandbox/sessions", json={"thread_id": "thr_fuzz"}, headers=headers)
+    r = httpx.post(
+        f"{base}/v1/sandbox/sessions",
+        json={"thread_id": "thr_fuzz", "mode": "ensure"},
+        headers=headers,
+    )
     assert r.status_code == 200, r.text
     grant = dict(r.json())
     deadline = time.monotonic() + 30

@@ -11,6 +11,7 @@ from sqlalchemy import Connection, select
 from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import audit
+from sandlot.protocol.common import Actor
 
 _INSERT = audit.insert()
 
@@ -21,6 +22,8 @@ class AuditContext:
 
     request_id: str | None
     principal: Principal | None
+    #: The actor named by the request (``actor.id``), when it is not the principal itself.
+    actor: Actor | None = None
 
 
 def record(
@@ -47,7 +50,7 @@ def record(
             "principal_id": p.id if p else "system",
             "user_id": p.effective_user if p else None,
             "actor_type": p.actor_type.value if p else None,
-            "actor_id": p.id if p else None,
+            "actor_id": ctx.actor.id if ctx and ctx.actor else p.id if p else None,
             "scope_key": scope_key,
             "session_id": session_id,
             "sandbox_id": sandbox_id,

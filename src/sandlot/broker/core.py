@@ -15,6 +15,7 @@ from sandlot.broker.keys import KeyService
 from sandlot.broker.pools import PoolService
 from sandlot.broker.ratelimit import RateLimiter
 from sandlot.broker.reaper import Reaper
+from sandlot.broker.revocations import RevocationWatcher
 from sandlot.broker.sandboxes import SandboxService
 from sandlot.broker.sessions import SessionService
 from sandlot.broker.settings import BrokerSettings
@@ -91,6 +92,7 @@ class Broker:
             idempotency=self.idempotency,
             hub=self.hub,
         )
+        self.revocations = RevocationWatcher(self.store, provider, clock)
         self.run_reaper = run_reaper
         self.started = False
         failpoints.arm(settings.failpoints)
@@ -105,6 +107,10 @@ class Broker:
         await self.provider.start(self.sandboxes.on_provider_status)
         if recover:
             await self.reaper.recover()
+            # The process that serves the sandboxes pushes every revocation to them,
+            # whichever process recorded it (a worker, ``sandlot keys revoke``).
+            await self.revocations.run_once()
+            self.revocations.start()
         if self.run_reaper:
             self.reaper.start()
         self.started = True
@@ -116,6 +122,7 @@ class Broker:
         self.keyring.ensure_key()
 
     async def stop(self) -> None:
+        await self.revocations.stop()
         await self.reaper.stop()
         await self.sandboxes.drain()
         await self.provider.close()

@@ -4,6 +4,13 @@ A key reads ``sl_<prefix>_<secret>``. Only the prefix (an index) and the
 SHA-256 of the secret are stored. The secret has 256 bits of entropy, so a
 fast hash is enough (slow password hashes protect *guessable* secrets), and it
 keeps authentication off the critical path of every request.
+
+Revoking a key revokes, in the same transaction, every live token minted for
+its callers; revoking a user's keys also revokes the tokens minted for that
+user by a service acting on their behalf. Only the store is written, so the
+CLI can do it while servers run: each server that serves sandboxes finds the
+new revocations in the store within a fraction of a second and pushes them to
+its dataplane (:mod:`sandlot.broker.revocations`).
 """
 
 from __future__ import annotations
@@ -15,11 +22,11 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import ColumnElement, Connection, bindparam, or_, select, update
 
 from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
-from sandlot.broker.store.schema import api_keys
+from sandlot.broker.store.schema import api_keys, tokens
 from sandlot.protocol.common import PrincipalType, new_id
 from sandlot.protocol.errors import InvalidRequest, ResourceNotFound, Unauthenticated
 
@@ -150,11 +157,47 @@ class KeyService:
             for r in rows
         ]
 
-    def revoke(self, key_id: str, *, user_id: str | None = None) -> None:
+    def revoke(self, key_id: str, *, user_id: str | None = None) -> int:
+        """Revoke a key and every live token minted with it; returns how many tokens."""
         query = update(api_keys).where(api_keys.c.id == key_id, api_keys.c.revoked_at.is_(None))
         if user_id is not None:
             query = query.where(api_keys.c.user_id == user_id)
+        now = time.time()
         with self.store.write() as conn:
-            if conn.execute(query.values(revoked_at=time.time())).rowcount == 0:
+            if conn.execute(query.values(revoked_at=now)).rowcount == 0:
                 raise ResourceNotFound(f"no active key {key_id}")
+            count = _revoke_tokens(conn, tokens.c.key_id == key_id, now)
         self._cache.clear()
+        return count
+
+    def revoke_user(self, user_id: str) -> tuple[int, int]:
+        """Revoke every key of a user and every live token minted for them (by their own
+        keys, or by a service acting on their behalf); returns (keys, tokens)."""
+        now = time.time()
+        with self.store.write() as conn:
+            ids = [
+                r.id
+                for r in conn.execute(
+                    select(api_keys.c.id).where(
+                        api_keys.c.user_id == user_id, api_keys.c.revoked_at.is_(None)
+                    )
+                )
+            ]
+            if ids:
+                conn.execute(update(api_keys).where(api_keys.c.id.in_(ids)).values(revoked_at=now))
+            count = _revoke_tokens(
+                conn, or_(tokens.c.user_id == user_id, tokens.c.key_id.in_(ids)), now
+            )
+        self._cache.clear()
+        return len(ids), count
+
+
+def _revoke_tokens(conn: Connection, which: ColumnElement[bool], now: float) -> int:
+    """Mark live tokens revoked; the servers push them to their dataplanes."""
+    return int(
+        conn.execute(
+            update(tokens)
+            .where(which, tokens.c.revoked_at.is_(None), tokens.c.expires_at > now)
+            .values(revoked_at=now)
+        ).rowcount
+    )

@@ -28,6 +28,9 @@ class Metrics:
             "sandlot_errors_total", "Error responses by code", ["code"], registry=self.registry
         )
 
+    def error(self, code: str) -> None:
+        self.errors.labels(code).inc()
+
     def negotiation(self, mode: str, seconds: float) -> None:
         self.negotiations.labels(mode).observe(seconds)
 

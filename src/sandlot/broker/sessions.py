@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import anyio
@@ -40,6 +40,7 @@ from sandlot.broker.tokens import KeyRing
 from sandlot.protocol.common import (
     Actor,
     Capability,
+    PrincipalType,
     Scope,
     ScopeType,
     expand_capabilities,
@@ -185,14 +186,34 @@ class SessionService:
             caps = frozenset(requested)
         return sorted(expand_capabilities(caps), key=lambda c: c.value)
 
+    @staticmethod
+    def acting_actor(principal: Principal, requested: Actor | None) -> Actor:
+        """Who acts: the token's ``act`` claim and the audit's actor (docs/BROKER.md).
+
+        The type always comes from the key. An agent or service key may name any of
+        its agents (``actor.id``); a human key acts only as its own human.
+        """
+        if requested is None:
+            return principal.actor
+        if requested.type is not principal.actor_type:
+            raise Forbidden(
+                f"this key acts as {principal.actor_type}, not {requested.type}",
+                metadata={"actor_type": principal.actor_type.value},
+            )
+        if principal.type is PrincipalType.HUMAN and requested.id not in (
+            principal.id,
+            principal.user_id,
+        ):
+            raise Forbidden(
+                "a human key acts only as its own human",
+                metadata={"actor_id": principal.id},
+            )
+        return requested
+
     async def negotiate(
         self, ctx: AuditContext, principal: Principal, req: SessionRequest
     ) -> SessionGrant:
-        if req.actor is not None and req.actor.type is not principal.actor_type:
-            raise Forbidden(
-                f"this key acts as {principal.actor_type}, not {req.actor.type}",
-                metadata={"actor_type": principal.actor_type.value},
-            )
+        ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
         scope = self.effective_scope(req)
         caps = self.granted_capabilities(principal, req.requested_capabilities)
         result = await anyio.to_thread.run_sync(
@@ -248,6 +269,7 @@ class SessionService:
         now = self.clock()
         key = scope.key()
         user = principal.effective_user
+        actor = ctx.actor or principal.actor
         live = conn.execute(_LIVE_BINDING, {"key": key}).first()
         owner = None
         if live is not None:
@@ -311,13 +333,13 @@ class SessionService:
                 "binding.created",
                 {"binding": {"op": "created", "scope": key, "sandbox_id": sandbox.id}},
                 state=sandbox.state.value,
-                actor=principal.actor,
+                actor=actor,
                 now=now,
             )
             row = conn.execute(select(bindings).where(bindings.c.id == binding_id)).first()
             binding = BindingRow.from_row(row)
             created = True
-        lease_expires = self._attach(conn, principal, binding, caps, now)
+        lease_expires = self._attach(conn, principal, actor, binding, caps, now)
         seq = append_event(
             conn,
             bindings,
@@ -325,10 +347,10 @@ class SessionService:
             "binding.attached",
             {"binding": {"op": "attached", "principal": principal.id, "caps": caps}},
             state=sandbox.state.value,
-            actor=principal.actor,
+            actor=actor,
             now=now,
         )
-        minted = self._mint(conn, principal, binding, sandbox, caps, now)
+        minted = self._mint(conn, principal, actor, binding, sandbox, caps, now)
         record(
             conn,
             ctx,
@@ -381,14 +403,15 @@ class SessionService:
             if not hinted.state.live:
                 raise SessionExpired(f"sandbox {hinted.id} is {hinted.state}")
             in_use = conn.execute(
-                select(bindings.c.id).where(
+                select(bindings.c.id, bindings.c.owner_user_id).where(
                     bindings.c.sandbox_id == hinted.id, bindings.c.live_scope.is_not(None)
                 )
             ).first()
             if in_use is not None:
+                # The session is named only to its own user (a shared scope may be another's).
                 raise SessionConflict(
                     f"sandbox {hinted.id} already serves another scope",
-                    metadata={"session_id": in_use.id},
+                    metadata={"session_id": in_use.id} if in_use.owner_user_id == user else {},
                 )
             conn.execute(update(sandboxes).where(sandboxes.c.id == hinted.id).values(scope_key=key))
             return hinted, None
@@ -451,12 +474,14 @@ class SessionService:
             )
         ).first()
         if member is None:
-            raise Forbidden(f"scope {key} belongs to another user", metadata={"scope": key})
+            # Nothing about the scope: a caller may have named only a session id.
+            raise Forbidden("this scope belongs to another user")
 
     def _attach(
         self,
         conn: Connection,
         principal: Principal,
+        actor: Actor,
         binding: BindingRow,
         caps: list[Capability],
         now: float,
@@ -465,7 +490,8 @@ class SessionService:
         values = {
             "user_id": principal.effective_user,
             "actor_type": principal.actor_type.value,
-            "actor_id": principal.id,
+            # The actor that attached last: refresh mints its tokens for it.
+            "actor_id": actor.id,
             "caps": [c.value for c in caps],
             "expires_at": expires,
             "released_at": None,
@@ -493,6 +519,7 @@ class SessionService:
         self,
         conn: Connection,
         principal: Principal,
+        actor: Actor,
         binding: BindingRow,
         sandbox: SandboxRow,
         caps: list[Capability],
@@ -500,7 +527,7 @@ class SessionService:
     ) -> Any:
         minted = self.keyring.mint(
             principal_id=principal.id,
-            actor=principal.actor,
+            actor=actor,
             session_id=binding.id,
             sandbox_id=sandbox.id,
             scope_key=binding.scope_key,
@@ -516,6 +543,8 @@ class SessionService:
                 "binding_id": binding.id,
                 "sandbox_id": sandbox.id,
                 "principal_id": principal.lease_holder,
+                "key_id": principal.key_id,
+                "user_id": principal.effective_user,
                 "issued_at": minted.issued_at,
                 "expires_at": minted.expires_at,
             },
@@ -666,7 +695,9 @@ class SessionService:
                 ),
                 key=lambda c: c.value,
             )
-            minted = self._mint(conn, principal, binding, sandbox, caps, now)
+            # The actor that attached (``actor.id`` of the negotiation) keeps its tokens.
+            actor = Actor(type=principal.actor_type, id=lease.actor_id)
+            minted = self._mint(conn, principal, actor, binding, sandbox, caps, now)
             append_event(
                 conn,
                 bindings,
@@ -674,12 +705,12 @@ class SessionService:
                 "binding.refreshed",
                 {"binding": {"op": "refreshed", "principal": principal.id}},
                 state=sandbox.state.value,
-                actor=principal.actor,
+                actor=actor,
                 now=now,
             )
             record(
                 conn,
-                ctx,
+                replace(ctx, actor=actor),
                 "session.refresh",
                 scope_key=binding.scope_key,
                 session_id=binding.id,

@@ -104,14 +104,28 @@ def list_keys(
     console.print(table)
 
 
-@app.command("revoke", epilog="Example: sandlot keys revoke key_0123abcd")
+@app.command(
+    "revoke",
+    epilog="Examples: sandlot keys revoke key_0123abcd; sandlot keys revoke --user alice",
+)
 def revoke(
-    key_id: str = typer.Argument(..., help="The key's id (see sandlot keys list)."),
+    key_id: str | None = typer.Argument(None, help="The key's id (see sandlot keys list)."),
+    user: str | None = typer.Option(
+        None, "--user", help="Instead: every key of this user, and every token minted for them."
+    ),
     data_dir: Path = DataDir,
     store: str = StoreUrl,
     config: Path = ConfigFile,
 ) -> None:
-    """Revoke an API key at once."""
+    """Revoke an API key, and every token minted with it, at once (running servers too)."""
+    if (key_id is None) == (user is None):
+        raise fail("give a key id or --user, not both", 2)
     with friendly_errors():
-        _services(data_dir, store, config).revoke(key_id)
-    typer.echo(f"revoked {key_id}")
+        keys = _services(data_dir, store, config)
+        if user is not None:
+            count, revoked = keys.revoke_user(user)
+            typer.echo(f"revoked {count} keys of {user} and {revoked} tokens")
+            return
+        assert key_id is not None
+        revoked = keys.revoke(key_id)
+    typer.echo(f"revoked {key_id} and {revoked} tokens")

@@ -44,7 +44,8 @@ class SessionRequest(WireModel):
 
     thread_id: Name | None = None
     scope: Scope | None = None
-    mode: SessionMode = SessionMode.ENSURE
+    #: Required, as in the MVP: a client always says whether it may create a sandbox.
+    mode: SessionMode
     actor: Actor | None = None
     requested_capabilities: list[Capability] | None = None
     template: Slug | None = None
@@ -299,9 +300,14 @@ class AliasReleaseRequest(WireModel):
 
 
 class BoxCreate(WireModel):
+    """LangSmith's box creation. The template is named by any one of ``template_name``,
+    ``snapshot``, ``snapshot_name`` or ``snapshot_id`` (none: the server's default)."""
+
     name: Slug | None = None
+    template_name: Slug | None = None
     snapshot: Slug | None = None
     snapshot_name: Slug | None = None
+    snapshot_id: Slug | None = None
     wait_for_ready: bool = False
     timeout: float = Field(default=60.0, gt=0, le=3600)
 
@@ -313,6 +319,7 @@ class Box(WireModel):
     name: str
     id: str
     status: BoxState
+    template_name: str
     dataplane_url: str
     created_at: str
     updated_at: str

@@ -24,6 +24,7 @@ from sandlot.broker.store.schema import sandboxes
 from sandlot.protocol.common import rfc3339
 from sandlot.protocol.errors import (
     Forbidden,
+    InvalidRequest,
     ProviderUnavailable,
     SandboxNotFound,
 )
@@ -124,6 +125,7 @@ def _box(broker: Broker, row: SandboxRow, updated_at: float | None = None) -> di
         name=row.name or row.id,
         id=row.id,
         status=_BOX_STATUS[row.state],
+        template_name=row.template,
         dataplane_url=broker.sandboxes.coordinates(row.id).http_base_url,
         created_at=rfc3339(row.created_at) or "",
         updated_at=rfc3339(updated_at or row.created_at) or "",
@@ -169,8 +171,14 @@ async def _wait_ready(broker: Broker, sandbox_id: str, timeout: float) -> Sandbo
 async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(BoxCreate, await read_body(request), empty_ok=True)
     broker.ratelimit.check(principal.lease_holder)
+    named = {n for n in (req.template_name, req.snapshot, req.snapshot_name, req.snapshot_id) if n}
+    if len(named) > 1:
+        raise InvalidRequest(
+            "template_name, snapshot, snapshot_name and snapshot_id name different templates"
+        )
+    # An unknown template is 404 NOT_FOUND, never the default in its place.
     template = await anyio.to_thread.run_sync(
-        broker.templates.get, req.snapshot or req.snapshot_name or broker.settings.default_template
+        broker.templates.get, named.pop() if named else broker.settings.default_template
     )
     name = req.name or f"box-{secrets.token_hex(4)}"
     ctx = audit_context(request, principal)

@@ -24,6 +24,10 @@ def envelope_for(request: Request, exc: SandlotError) -> dict[str, Any]:
 
 
 def error_response(request: Request, exc: SandlotError) -> JSONResponse:
+    """The one place the broker answers an error (every exception handler comes here)."""
+    metrics = getattr(request.app.state, "metrics", None)
+    if metrics is not None:
+        metrics.error(exc.code)
     headers = {}
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))

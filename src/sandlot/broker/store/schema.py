@@ -118,7 +118,12 @@ tokens = Table(
     Column("principal_id", String(200), nullable=False),
     Column("issued_at", Float, nullable=False),
     Column("expires_at", Float, nullable=False, index=True),
-    Column("revoked_at", Float),
+    # Indexed: every process that serves sandboxes polls for new revocations.
+    Column("revoked_at", Float, index=True),
+    #: The API key whose caller the token was minted for (revoking the key revokes it).
+    Column("key_id", String(40), index=True),
+    #: The user the token acts for (revoking all of a user's keys revokes it too).
+    Column("user_id", String(200), index=True),
     Index("ix_tokens_binding_principal", "binding_id", "principal_id"),
 )
 
