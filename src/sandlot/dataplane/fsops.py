@@ -20,20 +20,24 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from sandlot.dataplane import native
-from sandlot.dataplane.globbing import GlobPattern, split_base
+from sandlot.dataplane import globworker, native
+from sandlot.dataplane.globbing import split_base
 from sandlot.dataplane.paths import PathResolver, Resolved, normalize, os_error
 from sandlot.protocol.errors import (
     InvalidRequest,
     PayloadTooLarge,
     PreconditionFailed,
+    ProviderUnavailable,
+    RateLimited,
     ResourceConflict,
+    exception_for,
 )
 
 _O_READ = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
@@ -179,6 +183,16 @@ class FileOps:
     max_write_bytes: int
     max_list_entries: int
     max_glob_results: int
+    #: A glob stops (``truncated``) after this long or this many directory entries.
+    glob_deadline_seconds: float = 10.0
+    max_glob_visits: int = 2_000_000
+    #: Globs of this sandbox running at once (the others wait their turn).
+    _glob_slots: threading.BoundedSemaphore = field(
+        default_factory=lambda: threading.BoundedSemaphore(2), repr=False
+    )
+
+    def __post_init__(self) -> None:
+        globworker.warm()
 
     # --- reading ----------------------------------------------------------------------
 
@@ -498,80 +512,81 @@ class FileOps:
         include_dirs: bool = False,
         limit: int | None = None,
     ) -> dict[str, Any]:
-        """deepagents semantics by default; ``relative`` (LangSmith): the pattern always
+        """:meth:`glob_json`, parsed."""
+        body = self.glob_json(
+            pattern, path, relative=relative, include_dirs=include_dirs, limit=limit
+        )
+        result: dict[str, Any] = json.loads(body)
+        return result
+
+    def glob_json(
+        self,
+        pattern: str,
+        path: str,
+        *,
+        relative: bool = False,
+        include_dirs: bool = False,
+        limit: int | None = None,
+        size_bytes: bool = False,
+    ) -> bytes:
+        """The ``/fs/glob`` answer as JSON text, walked by a helper process
+        (:mod:`globworker`) as the calling thread's filesystem identity.
+
+        deepagents semantics by default; ``relative`` (LangSmith): the pattern always
         matches the path relative to ``path`` (``*`` lists one level) and directories
-        are included with ``include_dirs``."""
+        are included with ``include_dirs``; ``size_bytes`` repeats ``size`` under
+        LangSmith's name. Stops, ``truncated``, after :attr:`glob_deadline_seconds`
+        or :attr:`max_glob_visits` entries.
+        """
         if "\x00" in pattern:
             raise InvalidRequest("pattern contains a NUL byte")
-        cap = min(limit, self.max_glob_results) if limit else self.max_glob_results
+        deadline = time.monotonic() + self.glob_deadline_seconds
         base, rest = split_base(pattern)
-        anchored = "/" in pattern or relative
         root = normalize(base if base.startswith("/") else _join(normalize(path), base))
-        try:
-            matcher = GlobPattern(rest, anchored=anchored)
-        except ValueError as exc:
-            raise InvalidRequest(str(exc)) from None
-        out: list[dict[str, Any]] = []
-        truncated = False
+        request: dict[str, Any] = {
+            "pattern": rest,
+            "anchored": "/" in pattern or relative,
+            "include_dirs": include_dirs,
+            "size_bytes": size_bytes,
+            "cap": min(limit, self.max_glob_results) if limit else self.max_glob_results,
+            "visits": self.max_glob_visits,
+            "fs_ids": current_fs_ids(),
+        }
+        if not self._glob_slots.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise RateLimited("too many globs running in this sandbox", retry_after=1.0)
         try:
             with self.resolver.resolve(root) as res:
                 top = res.open(_O_DIR)
                 try:
-                    prefix = res.sandbox_path.rstrip("/")
-                    for dirpath, dirnames, filenames, dfd in os.fwalk(
-                        ".", dir_fd=top, follow_symlinks=False
-                    ):
-                        if not matcher.enters_hidden:
-                            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-                        rel_dir = dirpath[2:] if dirpath != "." else ""
-                        if include_dirs:
-                            for name in dirnames:
-                                rel = f"{rel_dir}/{name}" if rel_dir else name
-                                if not matcher.match(rel, name):
-                                    continue
-                                if len(out) >= cap:
-                                    truncated = True
-                                    break
-                                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                                out.append(
-                                    {
-                                        "path": f"{prefix}/{rel}",
-                                        "is_dir": True,
-                                        "size": st.st_size,
-                                        "modified_at": iso(st.st_mtime),
-                                    }
-                                )
-                        for name in filenames:
-                            rel = f"{rel_dir}/{name}" if rel_dir else name
-                            if not matcher.match(rel, name):
-                                continue
-                            if name.startswith(".") and not matcher.matches_hidden_names:
-                                continue
-                            try:
-                                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                            except OSError:
-                                continue
-                            if not stat.S_ISREG(st.st_mode):
-                                continue
-                            if len(out) >= cap:
-                                truncated = True
-                                break
-                            out.append(
-                                {
-                                    "path": f"{prefix}/{rel}",
-                                    "is_dir": False,
-                                    "size": st.st_size,
-                                    "modified_at": iso(st.st_mtime),
-                                }
-                            )
-                        if truncated:
-                            break
+                    request["prefix"] = res.sandbox_path.rstrip("/")
+                    request["seconds"] = max(0.0, deadline - time.monotonic())
+                    answer = globworker.run(top, request, deadline)
                 finally:
                     os.close(top)
         except OSError as exc:
             raise os_error(exc) from None
-        out.sort(key=lambda e: e["path"])
-        return {"matches": out, "truncated": truncated}
+        except globworker.Busy as exc:
+            raise RateLimited(str(exc), retry_after=1.0) from None
+        except globworker.Unavailable as exc:
+            raise ProviderUnavailable(str(exc), retry_after=1.0) from None
+        finally:
+            self._glob_slots.release()
+        if answer.startswith(b'{"error"'):
+            err = json.loads(answer)["error"]
+            if "errno" in err:
+                raise os_error(OSError(err["errno"], err["message"]))
+            raise exception_for(err["code"])(err["message"])
+        return answer
+
+
+def current_fs_ids() -> tuple[int, int] | None:
+    """The calling thread's filesystem identity, when the server may switch identities."""
+    if os.geteuid() != 0:
+        return None
+    from sandlot.dataplane.fsids import _libc
+
+    libc = _libc()
+    return libc.setfsuid(-1), libc.setfsgid(-1)
 
 
 def replace_file(res: Resolved, chunks: list[bytes], mode: int | None) -> None:

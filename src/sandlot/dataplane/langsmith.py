@@ -8,8 +8,6 @@ the 3.6 bodies. ``/execute/ws`` lives in :mod:`sandlot.dataplane.websockets`.
 
 from __future__ import annotations
 
-from typing import Any
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -49,15 +47,17 @@ def build_langsmith_routes(api: Api, fs_routes: dict[str, Route]) -> list[Route]
         _, _, executor, files = entry.ready()
         body = await parse_json(request, GlobRequest)
 
-        def run() -> Any:
-            return files.glob(
-                body.pattern, body.path, relative=True, include_dirs=True, limit=body.limit
+        def run() -> bytes:
+            return files.glob_json(
+                body.pattern,
+                body.path,
+                relative=True,
+                include_dirs=True,
+                limit=body.limit,
+                size_bytes=True,
             )
 
-        result = await executor.heavy(run)
-        for m in result["matches"]:
-            m["size_bytes"] = m["size"]
-        return json_response(result)
+        return Response(await executor.heavy(run), media_type="application/json")
 
     return [
         Route("/execute", execute, methods=["POST"]),

@@ -196,10 +196,10 @@ def build_routes(api: Api) -> list[Route]:
         _, _, executor, files = entry.ready()
         body = await parse_json(request, GlobRequest)
 
-        def glob() -> Any:
-            return files.glob(body.pattern, body.path, limit=body.limit)
+        def glob() -> bytes:
+            return files.glob_json(body.pattern, body.path, limit=body.limit)
 
-        return json_response(await executor.heavy(glob))
+        return Response(await executor.heavy(glob), media_type="application/json")
 
     @endpoint
     async def fs_grep(request: Request) -> Response:

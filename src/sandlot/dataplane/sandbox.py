@@ -93,6 +93,8 @@ class SandboxEntry:
             max_write_bytes=s.max_write_bytes,
             max_list_entries=s.max_list_entries,
             max_glob_results=s.max_glob_results,
+            glob_deadline_seconds=s.glob_deadline_seconds,
+            max_glob_visits=s.max_glob_visits,
         )
         if old_resolver is not None:
             old_resolver.close()

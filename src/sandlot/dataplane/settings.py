@@ -17,6 +17,8 @@
 - ``max_read_bytes`` / ``max_write_bytes``: JSON file reads/writes (``/fs/read``, ``/fs/write``).
 - ``max_upload_bytes`` / ``max_archive_bytes`` / ``max_archive_members``: streamed transfers.
 - ``max_list_entries`` / ``max_glob_results`` / ``max_grep_matches``: result caps (``truncated``).
+- ``glob_deadline_seconds`` / ``max_glob_visits``: a glob stops (``truncated``) after this
+  long or this many directory entries.
 - ``watch_fs``: report changes made by commands in the workspace as ``fs`` events.
 - ``watch_debounce_ms``: coalescing window for those.
 - ``auth_timeout_seconds``: how long a WebSocket may wait before its ``auth`` frame.
@@ -58,6 +60,8 @@ class DataplaneSettings:
     max_archive_members: int = 200_000
     max_list_entries: int = 10_000
     max_glob_results: int = 10_000
+    glob_deadline_seconds: float = 10.0
+    max_glob_visits: int = 2_000_000
     max_grep_matches: int = 10_000
     watch_fs: bool = True
     watch_debounce_ms: int = 50
