@@ -7,6 +7,9 @@ ensure_system_packages() {
   command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
   command -v cc >/dev/null 2>&1 || missing+=(gcc libc6-dev)
   [ -e /usr/include/seccomp.h ] || missing+=(libseccomp-dev)
+  # mkfs.ext4 formats the sandboxes' size-limited disks (often outside a user's PATH).
+  command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] \
+    || missing+=(e2fsprogs)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing system packages: ${missing[*]}" >&2

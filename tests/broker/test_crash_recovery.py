@@ -3,6 +3,7 @@ and a retry with the same Idempotency-Key gets a consistent answer."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sandlot.runtime.disk import loops_backed_by, mounts_of
 from sandlot.runtime.local import LocalRuntimeManager, RuntimeSettings
 from tests.broker.test_e2e import wait_active
 from tests.figures import RecordProperty, report
@@ -38,13 +40,22 @@ def existing_on_host(data: Path, mode: str) -> set[str]:
             mode=mode,  # type: ignore[arg-type]
         )
     )
-    on_host = manager.list_existing()
+    on_host = manager.list_existing()  # run dirs, cgroups, disk images
     workspaces = (
         {p.name for p in (data / "workspaces").iterdir()}
         if (data / "workspaces").exists()
         else set()
     )
-    return on_host | workspaces
+    # Sandbox disks still attached to a loop device, or still mounted.
+    images = Path(os.path.realpath(data / "run" / ".disks"))
+    attached = {
+        dev: Path(file)
+        for dev, file in loops_backed_by(images).items()
+        if Path(file).parent == images
+    }
+    loops = {file.stem for file in attached.values()}
+    mounted = {mountpoint.name for mountpoint in mounts_of(set(attached))}
+    return on_host | workspaces | loops | mounted
 
 
 def assert_no_orphans(srv: SandlotServer) -> None:
@@ -62,7 +73,7 @@ def assert_no_orphans(srv: SandlotServer) -> None:
 def ensure(srv: SandlotServer, headers: dict, key: str) -> httpx.Response:
     return httpx.post(
         f"{srv.url}/v1/sandbox/sessions",
-        json={"thread_id": "thr_crash", "mode": "ensure"},
+        json={"thread_id": "thr_crash"},
         headers={**headers, "Idempotency-Key": key},
         timeout=30,
     )
