@@ -320,3 +320,17 @@ def test_serve_full_disk_typed_error_event_and_restart(server: SandlotServer) ->
     while disk_leftovers(settings, sandbox) or (settings.workspaces_dir / sandbox).exists():
         assert time.monotonic() < deadline, disk_leftovers(settings, sandbox)
         time.sleep(0.1)
+
+
+async def test_a_workspace_from_before_disk_limits_is_kept_not_hidden(
+    manager: LocalRuntimeManager, settings: RuntimeSettings, disk_template: Template
+) -> None:
+    # A sandbox made by an older server, re-created after a crash: its files stay visible.
+    old = settings.workspaces_dir / "sb-old"
+    old.mkdir(parents=True)
+    (old / "notes.txt").write_text("mine\n")
+    rt = await manager.create("sb-old", 1, disk_template, {})
+    assert (await run(rt, ["cat", "/workspace/notes.txt"])).stdout == "mine\n"
+    assert rt.disk_usage() is None
+    await manager.destroy("sb-old")
+    assert not old.exists()

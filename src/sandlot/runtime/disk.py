@@ -246,6 +246,18 @@ def _sparse_copy(src: Path, dst: Path) -> None:
         os.close(fin)
 
 
+def _has_entries(path: Path) -> bool:
+    try:
+        with os.scandir(path) as it:
+            return any(True for _ in it)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+
+
+def _pid_alive(pid: str) -> bool:
+    return pid.isdigit() and os.path.exists(f"/proc/{pid}")
+
+
 def _chown_tree(path: Path, uid: int, gid: int) -> None:
     os.lchown(path, uid, gid)
     for root, dirs, files in os.walk(path):
@@ -276,6 +288,7 @@ class DiskManager:
 
     def prepare(self) -> None:
         """Check that disks can be made here; warn loudly if not (``disk_mb`` is then ignored)."""
+        self._sweep()
         problem = self.check()
         if problem is not None:
             log.warning(
@@ -318,11 +331,13 @@ class DiskManager:
 
     def provide(
         self, sandbox_id: str, size_mb: int, uid: int, gid: int, *, workspace: bool
-    ) -> SandboxDisk:
+    ) -> SandboxDisk | None:
         """Make (or find) the sandbox's disk and mount it, its directories owned by ``uid``.
 
         An image left by an earlier attempt (a create retried after a crash) is
-        kept, with the user's files and its size.
+        kept, with the user's files and its size. ``None``: the sandbox keeps a
+        workspace made before disk limits existed (a disk mounted over it would
+        hide the user's files), without a limit.
         """
         if not self._mkfs:
             raise DiskError("sandbox disks are not available here (see the server's warning)")
@@ -330,6 +345,9 @@ class DiskManager:
         self.mounts.mkdir(parents=True, exist_ok=True)
         with self._lock:
             fresh = not disk.image.exists()
+            if fresh and _has_entries(disk.mountpoint) and not os.path.ismount(disk.mountpoint):
+                log.warning("sandbox %s keeps its workspace of before disk limits", sandbox_id)
+                return None
             if fresh:
                 self._make_room(size_mb << 20)
                 template = self._template(size_mb)
@@ -404,6 +422,22 @@ class DiskManager:
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     # --- internals ------------------------------------------------------------------
+
+    def _sweep(self) -> None:
+        """Remove what a server killed while making a disk left behind (trial, staging)."""
+        try:
+            entries = list(os.scandir(self.images))
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            path = Path(entry.path)
+            if entry.name.startswith((".trial-", ".root-")) and entry.is_dir():
+                with contextlib.suppress(OSError):
+                    if os.path.ismount(path / "mnt"):
+                        _umount(path / "mnt")
+                shutil.rmtree(path, ignore_errors=True)
+            elif entry.name.endswith(".tmp") and not _pid_alive(entry.name.split(".")[-2]):
+                path.unlink(missing_ok=True)
 
     def _mount(self, disk: SandboxDisk, *, fresh: bool) -> None:
         # A disk still attached (its sandbox's mount namespace holds it) is mounted

@@ -454,6 +454,8 @@ class LocalRuntimeManager:
         size = template.resources.disk_mb or 0
         on_disk = all(path != WORKSPACE for path, _, _ in record.volumes)
         disk = self._disks.provide(sandbox_id, size, record.uid, record.gid, workspace=on_disk)
+        if disk is None:
+            return
         if on_disk:
             record.workspace = str(disk.workspace)
         record.tmp, record.disk_mb = str(disk.tmp), size
