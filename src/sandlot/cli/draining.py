@@ -53,6 +53,7 @@ class Drain:
         self.grace = grace
         self.draining = False
         self._in_flight: set[_InFlight] = set()
+        self._timer: asyncio.TimerHandle | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -75,7 +76,11 @@ class Drain:
     def begin(self) -> None:
         """Shutdown has begun: requests unanswered ``grace`` seconds from now are cut."""
         self.draining = True
-        asyncio.get_running_loop().call_later(self.grace, self._cut)
+        self._timer = asyncio.get_running_loop().call_later(self.grace, self._cut)
+
+    def end(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
 
     def _cut(self) -> None:
         for request in list(self._in_flight):
@@ -101,4 +106,7 @@ class DrainingServer(uvicorn.Server):
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         self.drain.begin()
-        await super().shutdown(sockets=sockets)
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            self.drain.end()
