@@ -56,11 +56,24 @@ for i in {" ".join(map(str, LEVELS))}; do
 done
 """
 
+#: ~11 MiB of lower-case words (no digit, nothing outside ASCII): grep's slow patterns
+#: below match nothing in them and keep ripgrep busy for seconds per MiB.
+WORDS = """
+import random
+random.seed(7)
+words = ["".join(random.choices("abcdefghijklmnopqrstuvwxyz", k=random.randint(1, 10)))
+         for _ in range(5000)]
+with open("/workspace/words/words.txt", "w") as f:
+    for _ in range(150000):
+        f.write(" ".join(random.choices(words, k=12)) + "\\n")
+"""
+
 #: Run once in the attacker's sandbox: the trees the requests walk.
 SETUP = f"""
 {DEEP_SETUP}
 mkdir -p /workspace/long/{LONG_NAME}
 touch /workspace/long/{LONG_NAME}/{LONG_NAME} /workspace/long/{LONG_NAME}b
+mkdir -p /workspace/words && python3 -c '{WORDS}'
 mkdir -p /workspace/huge && cd /workspace/huge
 for d in $(seq 1 100); do
   mkdir -p d$d && (cd d$d && seq -f f%g.txt 1 {HUGE_FILES // 100} | xargs touch)
@@ -68,6 +81,10 @@ done
 """
 
 NESTED = "**/" * 20 + "*.txt"
+#: Linear for ripgrep, but its lazy DFA gives up on it: ~1 MiB/s, no match in WORDS.
+SLOW_REGEX = r"(?:.{0,40}a){10}[^\x00-\x7f]"
+#: The grep deadline of the server under test (the default is 30 s).
+GREP_DEADLINE = 10
 STARS = "*a" * 1000 + "b"  # one name, 1,000 stars, against names of 250 a's
 BRACES_ALLOWED = "{a,b}" * 8  # 256 alternatives: the most there may be
 
@@ -121,6 +138,49 @@ ABUSE: dict[str, list[Abuse]] = {
         ),
         Abuse("huge tree", "POST", "/fs/glob", {"pattern": "**/*.txt", "path": "/workspace/huge"}),
         Abuse("huge tree, names", "POST", "/fs/glob", {"pattern": "f1*", "path": "/workspace"}),
+    ],
+    "/fs/grep": [
+        Abuse(
+            "a{1000}{1000}",
+            "POST",
+            "/fs/grep",
+            {"pattern": "a{1000}{1000}", "regex": True, "path": "/workspace"},
+            (400,),
+        ),
+        Abuse(
+            "slow regex to its deadline",
+            "POST",
+            "/fs/grep",
+            {"pattern": SLOW_REGEX, "regex": True, "path": "/workspace/words"},
+        ),
+        Abuse(
+            "every line, case folded",
+            "POST",
+            "/fs/grep",
+            {"pattern": "[a-z]", "regex": True, "ignore_case": True, "path": "/workspace"},
+        ),
+        Abuse("huge tree", "POST", "/fs/grep", {"pattern": "x", "path": "/workspace/huge"}),
+        Abuse(
+            "repetitions, deep tree",
+            "POST",
+            "/fs/grep",
+            {"pattern": r"(\w+\s*){1,200}\d", "regex": True, "path": "/workspace/deep"},
+        ),
+    ],
+    "/grep": [
+        Abuse(
+            "slow regex to its deadline",
+            "POST",
+            "/grep",
+            {"pattern": SLOW_REGEX, "regex": True, "path": "/workspace/words", "limit": 10},
+        ),
+        Abuse(
+            "(?i)\\w{1000}",
+            "POST",
+            "/grep",
+            {"pattern": "(?i)\\w{1000}", "regex": True, "path": "/workspace"},
+            (400,),
+        ),
     ],
 }
 
@@ -176,7 +236,8 @@ def with_4k(t: Tenant) -> Tenant:
 
 @pytest.fixture(scope="module")
 def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandlotServer]:
-    with running(tmp_path_factory.mktemp("abuse") / "d", config=CONFIG) as srv:
+    env = {"SANDLOT_DP_GREP_TIMEOUT_SECONDS": str(GREP_DEADLINE)}
+    with running(tmp_path_factory.mktemp("abuse") / "d", config=CONFIG, env=env) as srv:
         yield srv
 
 
@@ -322,7 +383,7 @@ def test_worst_patterns_do_not_slow_other_tenants(
             t.join(REQUEST_DEADLINE + 10)
     health, reads = p99(prober.health) * 1000, p99(prober.reads) * 1000
     figure = (
-        f"{ATTACKERS} clients x {DURATION:.0f} s of the worst globs "
+        f"{ATTACKERS} clients x {DURATION:.0f} s of the worst globs and greps "
         f"({sum(sent.values())} requests, slowest {max(slowest.values()):.2f} s): "
         f"/healthz p99 {health:.1f} ms ({len(prober.health)} probes), "
         f"other tenant's 4 KiB read p99 {reads:.1f} ms ({len(prober.reads)} probes)"

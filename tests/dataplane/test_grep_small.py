@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,9 @@ import pytest
 
 from sandlot.dataplane import grep as grep_mod
 from sandlot.dataplane.paths import PathResolver
+from sandlot.protocol.sessions import Template
 from sandlot.runtime.base import Mount
+from sandlot.runtime.direct import DirectRuntime
 
 
 @pytest.fixture
@@ -53,13 +56,22 @@ def _close_resolvers() -> Any:
         _opened.pop().close()
 
 
+def _ripgrep(resolver: PathResolver, root: Path, path: str, args: list[str], cap: int) -> Any:
+    """ripgrep's answer, as ``/fs/grep`` runs it (through a plain-process runtime)."""
+    runtime = DirectRuntime("sb_small", 1, Template(name="t", image="host"), root)
+
+    async def run() -> Any:
+        with resolver.resolve(path) as res:
+            target = grep_mod._Target.of(res)
+        return await grep_mod._ripgrep(runtime, target, args, cap, 30.0, None)
+
+    return asyncio.run(run())
+
+
 def _both(root: Path, path: str, pattern: str, glob: str | None, cap: int = 1000) -> Any:
-    rg = grep_mod.ripgrep_path()
-    assert rg is not None
     flags = ["--fixed-strings"] + ([f"--glob={glob}"] if glob else [])
     with PathResolver([Mount("/workspace", root, True)]) as resolver:
-        with resolver.resolve(path) as res:
-            slow = grep_mod._search(rg, res, flags, pattern, cap, None)
+        slow = _ripgrep(resolver, root, path, [*flags, "-e", pattern], cap)
         with resolver.resolve(path) as res:
             fast = grep_mod._search_small(res, pattern.encode(), glob, cap)
     assert fast is not None

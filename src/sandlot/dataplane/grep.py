@@ -1,21 +1,37 @@
-"""``/fs/grep`` through ripgrep (PyPI ``ripgrep==14.1.0`` or the system ``rg``).
+"""``/fs/grep``: small trees in process, anything else by ripgrep inside the sandbox.
 
-ripgrep gets the confined directory as ``/proc/self/fd/N`` (an fd the
-resolver opened and the child inherits), never a host path that a symlink
-swap could redirect, and it does not follow symlinks while walking. Patterns
+ripgrep (PyPI ``ripgrep==14.1.0`` or the system ``rg``) is started through the
+sandbox's runtime (:meth:`~sandlot.runtime.base.SandboxRuntime.spawn_tool`), like
+the sandbox's own commands: in an isolated sandbox it runs in its namespaces,
+cgroup and limits, as its user, seeing the sandbox's files only. It is bounded:
+
+- a deadline (``grep_timeout_seconds``, 30 s by default): the search is killed and
+  the answer is what it found so far, ``truncated``;
+- the regex: ripgrep's engines are linear in the input, and its size limits
+  (:data:`REGEX_SIZE_LIMIT`) refuse a pattern whose compiled form would be huge
+  (``a{1000}{1000}``) at once: 400 INVALID_REQUEST;
+- its output: at most the match cap and :data:`MAX_OUTPUT_BYTES` are read, then it
+  is killed (``truncated``);
+- it is killed when the request ends early (the client went away) and, by the
+  runtime's launcher (``runtime/limit.c``), as soon as nobody reads its output: a
+  server that died or stopped leaves no search running.
+
+Its output is read on the event loop as it comes (a chunk per wakeup). Patterns
 are literal unless ``regex`` is set. ``.git`` directories are skipped; hidden
-files and ignored files are searched (like ``grep -r``).
-
-A search by ripgrep (spawn, read, parse) runs on one worker thread: no child
-watcher, no await per output line, and the event loop stays free.
+files and ignored files are searched (like ``grep -r``); symlinks are not followed
+while walking.
 
 Starting ripgrep costs a few milliseconds, far more than searching the small
 trees agents usually grep. A literal, case-sensitive search of a small tree
 (at most ``SMALL_TREE_FILES`` files and ``SMALL_TREE_BYTES`` bytes) is done in
-process with ripgrep's semantics, on the same confined descriptors (no
-symlink followed, hidden files searched, ``.git`` skipped, files with a NUL
-byte skipped as binary) and with the same identity as every file operation;
-anything else, or a tree found larger while walking, goes to ripgrep.
+process with ripgrep's semantics, on confined descriptors (no symlink followed,
+hidden files searched, ``.git`` skipped, files with a NUL byte skipped as binary)
+and with the same identity as every file operation; anything else, or a tree
+found larger while walking, goes to ripgrep. A user's regular expression is never
+run in process (Python's ``re`` backtracks): ``regex`` and ``ignore_case`` always
+go to ripgrep; the in-process search looks for a literal (``bytes.find`` or
+``memmem``, linear) and matches file names with a glob of ``*``, ``?`` and
+character classes (linear, see ``native.c``'s ``glob_match`` and ``fnmatch``).
 
 The in-process search is done by the C library (:mod:`sandlot.dataplane.native`)
 when it is built, else in Python (:func:`_search_small`, the reference the C
@@ -33,17 +49,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fnmatch
-import functools
 import itertools
 import json
 import logging
 import os
-import shutil
+import posixpath
+import signal
 import stat
-import subprocess
-import sys
-from collections.abc import Generator
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from typing import Any
 
 from sandlot.dataplane import grepcache, native
@@ -51,6 +65,8 @@ from sandlot.dataplane.fsids import FsExecutor
 from sandlot.dataplane.paths import PathResolver, Resolved, os_error
 from sandlot.dataplane.web import dumps
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
+from sandlot.runtime.base import SandboxProcess, SandboxRuntime
+from sandlot.runtime.tools import RIPGREP, ToolUnavailable, host_ripgrep
 
 log = logging.getLogger("sandlot.dataplane.grep")
 
@@ -62,17 +78,43 @@ MAX_DEPTH = 64
 #: A tree searched on the event loop thread (by the C library) holds no more than this.
 INLINE_FILES = 64
 INLINE_BYTES = 1 << 20
+#: How long one search may run unless the caller says otherwise (``grep_timeout_seconds``).
+DEFAULT_TIMEOUT = 30.0
+#: ripgrep's ``--regex-size-limit`` and ``--dfa-size-limit`` (the regex crate's own default
+#: size limit; ripgrep's defaults, 100M and 1000M, let ``a{1000}{1000}`` compile).
+REGEX_SIZE_LIMIT = "10M"
+#: ripgrep output read per search at most (then ``truncated``).
+MAX_OUTPUT_BYTES = 64 << 20
+#: A longer output line is skipped (ripgrep's own are under ~12 KiB: ``--max-columns``).
+MAX_OUTPUT_LINE = 64 << 10
+#: The launcher's own deadline is this much later than the server's: the server is the
+#: one that stops a search, unless it is not there any more.
+LIMIT_GRACE = 2.0
 
+#: ripgrep on the host (kept for callers that run it directly: the benchmarks).
+ripgrep_path = host_ripgrep
 
-@functools.cache
-def ripgrep_path() -> str | None:
-    local = Path(sys.executable).parent / "rg"
-    if local.is_file() and os.access(local, os.X_OK):
-        return str(local)
-    return shutil.which("rg")
+_RG_OPTIONS = (
+    "--no-config",
+    "--no-heading",
+    "--with-filename",
+    "--line-number",
+    "--null",
+    "--color=never",
+    "--no-messages",
+    "--hidden",
+    "--no-ignore",
+    "--glob=!.git",
+    # Bound what one line can cost (minified files): keep a preview of it.
+    "--max-columns=8192",
+    "--max-columns-preview",
+    f"--regex-size-limit={REGEX_SIZE_LIMIT}",
+    f"--dfa-size-limit={REGEX_SIZE_LIMIT}",
+)
 
 
 async def grep(
+    runtime: SandboxRuntime,
     resolver: PathResolver,
     executor: FsExecutor,
     *,
@@ -83,11 +125,14 @@ async def grep(
     regex: bool,
     ignore_case: bool,
     limit: int,
+    timeout: float = DEFAULT_TIMEOUT,
+    disconnected: Callable[[], Awaitable[object]] | None = None,
 ) -> bytes:
-    """The ``/fs/grep`` answer (JSON text)."""
-    rg = ripgrep_path()
-    if rg is None:
-        raise ProviderUnavailable("ripgrep is not installed")
+    """The ``/fs/grep`` answer (JSON text).
+
+    ``timeout``: how long ripgrep may search; ``disconnected``: resolves when the
+    client has gone away (the search then stops).
+    """
     if "\x00" in pattern or (glob is not None and "\x00" in glob):
         raise InvalidRequest("pattern contains a NUL byte")
     cap = min(limit, max_count) if max_count else limit
@@ -112,7 +157,7 @@ async def grep(
         if found == native.USE_PYTHON:
             fast = None
 
-    def run() -> bytes:
+    def run() -> bytes | _Target:
         try:
             with resolver.resolve(path) as res:
                 found: bytes | int = native.USE_PYTHON if small else native.TOO_BIG
@@ -124,14 +169,28 @@ async def grep(
                     result = _search_small(res, pattern.encode(), glob, cap)
                     if result is not None:
                         return dumps(result)
-                return dumps(_search(rg, res, flags, pattern, cap, executor.fs_ids))
+                return _Target.of(res)
         except OSError as exc:
             raise os_error(exc) from None
 
-    answer = await executor.heavy(run)
+    # Resolving alone is cheap (inline); a small search may read files (on the pool).
+    answer = await (executor.heavy(run) if small else executor.light(run))
     if fast is not None:
         fast.copy_later(executor, resolver, path)
-    return answer
+    if isinstance(answer, bytes):
+        return answer
+    result = await _ripgrep(runtime, answer, [*flags, "-e", pattern], cap, timeout, disconnected)
+    return dumps(result)
+
+
+async def client_gone(receive: Callable[[], Awaitable[Any]]) -> None:
+    """Resolves once the HTTP client has gone away (ASGI ``http.disconnect``); for a
+    request whose body has been read already."""
+    while True:
+        message = await receive()
+        if message.get("type") == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # never expected once the body is read: no busy loop
 
 
 class _NativeSearch:
@@ -250,109 +309,213 @@ class _NativeSearch:
 _copies: set[asyncio.Task[None]] = set()
 
 
-def _search(
-    rg: str,
-    res: Resolved,
-    flags: list[str],
-    pattern: str,
+@dataclass
+class _Target:
+    """What ripgrep searches: ``arg`` (``.`` or a file's name) in directory ``cwd``."""
+
+    #: The directory, opened by the server (owned: closed once ripgrep started).
+    fd: int
+    #: Its sandbox path.
+    cwd: str
+    arg: str
+    #: Sandbox path of the directory or file searched.
+    base: str
+    is_dir: bool
+
+    @classmethod
+    def of(cls, res: Resolved) -> _Target:
+        fd, is_dir = _open_target(res)
+        if is_dir or res.name is None:
+            return cls(fd, res.sandbox_path, ".", res.sandbox_path.rstrip("/"), True)
+        os.close(fd)  # a regular file (checked): ripgrep opens it by name in its directory
+        parent = os.dup(res.dir_fd)
+        return cls(parent, posixpath.dirname(res.sandbox_path), res.name, res.sandbox_path, False)
+
+
+class _Output:
+    """ripgrep's ``--null`` output, parsed as it comes, bounded in matches and bytes."""
+
+    def __init__(self, target: _Target, cap: int) -> None:
+        self.target = target
+        self.cap = cap
+        self.matches: list[dict[str, Any]] = []
+        #: Stopped before ripgrep finished (cap, size, deadline, client gone).
+        self.truncated = False
+        self.read = 0
+        self._pending = b""
+        self._skipping = False
+        self._skip = len(target.arg.encode())
+        self._paths: dict[bytes, str] = {}
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take a chunk of output; ``True`` once no more is wanted (``truncated``)."""
+        self.read += len(chunk)
+        lines = (self._pending + chunk).split(b"\n")
+        self._pending = lines.pop()
+        for raw in lines:
+            if self._skipping:
+                self._skipping = False
+                continue
+            name, sep, rest = raw.partition(b"\x00")
+            lineno, _, text = rest.partition(b":")
+            if not sep or not lineno.isdigit():
+                continue
+            if len(self.matches) >= self.cap:
+                self.truncated = True
+                return True
+            self.matches.append(
+                {"path": self._path(name), "line": int(lineno), "text": _line(text)}
+            )
+        if len(self._pending) > MAX_OUTPUT_LINE:
+            self._pending, self._skipping = b"", True
+        if self.read > MAX_OUTPUT_BYTES:
+            self.truncated = True
+            return True
+        return False
+
+    def _path(self, name: bytes) -> str:
+        spath = self._paths.get(name)
+        if spath is None:
+            target = self.target
+            rel = name[self._skip :].lstrip(b"/").decode("utf-8", "replace")
+            spath = f"{target.base}/{rel}" if target.is_dir and rel else target.base
+            self._paths[name] = spath
+        return spath
+
+
+def _line(text: bytes) -> str:
+    return text[: MAX_LINE_CHARS * 4].decode("utf-8", "replace")[:MAX_LINE_CHARS]
+
+
+async def _ripgrep(
+    runtime: SandboxRuntime,
+    target: _Target,
+    args: list[str],
     cap: int,
-    fs_ids: tuple[int, int] | None,
+    timeout: float,
+    disconnected: Callable[[], Awaitable[object]] | None,
 ) -> dict[str, Any]:
-    fd, is_dir = _open_target(res)
-    # A directory becomes the child's working directory through its fd (one magic-link
-    # lookup) and is searched as "."; naming every file through /proc/self/fd/N would
-    # pay that lookup per file.
-    magic = f"/proc/self/fd/{fd}"
-    target = "." if is_dir else magic
-    argv = [
-        rg,
-        "--no-config",
-        "--no-heading",
-        "--with-filename",
-        "--line-number",
-        "--null",
-        "--color=never",
-        "--no-messages",
-        "--hidden",
-        "--no-ignore",
-        "--glob=!.git",
-        # Bound what one line can cost (minified files): keep a preview of it.
-        "--max-columns=8192",
-        "--max-columns-preview",
-        *flags,
-        "-e",
-        pattern,
-        "--",
-        target,
-    ]
-    ids: dict[str, Any] = {}
-    if fs_ids is not None:
-        setpriv = _setpriv()
-        if setpriv is not None:
-            # Popen(user=…) forks the whole server (no vfork with a uid change), which
-            # costs milliseconds; setpriv drops to the sandbox user after a cheap vfork.
-            argv = [
-                setpriv,
-                f"--reuid={fs_ids[0]}",
-                f"--regid={fs_ids[1]}",
-                "--clear-groups",
-                "--",
-                *argv,
-            ]
-        else:
-            ids = {"user": fs_ids[0], "group": fs_ids[1], "extra_groups": []}
+    """Run ripgrep for ``target`` through the runtime and collect its matches."""
+    argv = [*_RG_OPTIONS, *args, "--", target.arg]
     try:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            pass_fds=(fd,),
-            cwd=magic if is_dir else None,
-            **ids,
+        try:
+            proc = await runtime.spawn_tool(
+                RIPGREP, argv, cwd=target.cwd, cwd_fd=target.fd, deadline=timeout + LIMIT_GRACE
+            )
+        finally:
+            os.close(target.fd)
+    except (ToolUnavailable, FileNotFoundError):
+        raise ProviderUnavailable(
+            "ripgrep is not available in this sandbox (a sandbox started by an older "
+            "version has none: recreate it)"
+        ) from None
+    except OSError as exc:
+        raise ProviderUnavailable(f"cannot start ripgrep: {exc.strerror or exc}") from None
+    out = _Output(target, cap)
+    err, stopped = await _collect(proc, out, timeout, disconnected)
+    status = None
+    if not stopped:
+        with contextlib.suppress(TimeoutError):
+            status = await asyncio.wait_for(proc.wait(), 5.0)
+    if status is None:  # stopped by us (or it lingers after closing its output)
+        proc.send_signal(signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):  # reaped (a frozen sandbox: later)
+            await asyncio.wait_for(proc.wait(), 2.0)
+        return {"matches": out.matches, "truncated": True}
+    if status.exit_code == 2 and not out.matches:
+        _check_usage(err)
+    if status.exit_code in (126, 127) and b"sandlot-limit" in err:
+        message = err.decode("utf-8", "replace").strip().splitlines()[-1]
+        raise ProviderUnavailable(f"cannot run ripgrep in this sandbox: {message}")
+    # Exit statuses 0 (matches), 1 (none) and 2 (some files unreadable) are answers; a
+    # search ended otherwise (its launcher's deadline, a signal, the sandbox's memory
+    # limit) answers what it found.
+    truncated = out.truncated or status.exit_code not in (0, 1, 2)
+    return {"matches": out.matches, "truncated": truncated}
+
+
+def _check_usage(err: bytes) -> None:
+    """A pattern or glob ripgrep refused: 400 with its reason."""
+    text = err.decode("utf-8", "replace")
+    first = text.strip().splitlines()[0][:300] if text.strip() else ""
+    if "exceeds size limit" in text:
+        raise InvalidRequest(
+            f"regular expression too large: its compiled form exceeds {REGEX_SIZE_LIMIT}B "
+            "(bounded repetitions multiply: a{1000}{1000} is a million states)"
         )
-    finally:
-        os.close(fd)
-    matches: list[dict[str, Any]] = []
-    truncated = False
-    base = res.sandbox_path.rstrip("/")
-    skip = len(target.encode())
-    paths: dict[bytes, str] = {}
-    assert proc.stdout is not None and proc.stderr is not None
+    if "regex" in text.lower():
+        detail = " ".join(line.strip() for line in text.strip().splitlines()[1:])[:300]
+        raise InvalidRequest(f"invalid regular expression: {detail or first}")
+    if "glob" in text.lower():
+        raise InvalidRequest(f"invalid glob: {first.removeprefix('rg: ')}")
+
+
+async def _collect(
+    proc: SandboxProcess,
+    out: _Output,
+    timeout: float,
+    disconnected: Callable[[], Awaitable[object]] | None,
+) -> tuple[bytes, bool]:
+    """Read ripgrep's output until it ends, the output is enough, ``timeout`` passes or
+    the client goes away; ``(its stderr (the start of it), whether it was stopped)``.
+    Whatever ends the wait (a cancellation included), ripgrep is killed unless it ended."""
+    assert proc.stdout_fd is not None and proc.stderr_fd is not None
+    if proc.stdin_fd is not None:
+        os.close(proc.stdin_fd)
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    err = bytearray()
+    fds = {proc.stdout_fd, proc.stderr_fd}
+
+    def closed(fd: int) -> None:
+        loop.remove_reader(fd)
+        fds.discard(fd)
+        if not fds and not done.done():
+            done.set_result(None)
+
+    def on_stdout(fd: int) -> None:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            closed(fd)
+        elif out.feed(chunk) and not done.done():
+            done.set_result(None)  # enough: stopped below
+
+    def on_stderr(fd: int) -> None:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            closed(fd)
+        elif len(err) < 4096:
+            err.extend(chunk[: 4096 - len(err)])
+
+    loop.add_reader(proc.stdout_fd, on_stdout, proc.stdout_fd)
+    loop.add_reader(proc.stderr_fd, on_stderr, proc.stderr_fd)
+    gone = asyncio.ensure_future(disconnected()) if disconnected is not None else None
+    ended = False
     try:
-        pending = b""
-        while not truncated:
-            chunk = os.read(proc.stdout.fileno(), 1 << 16)
-            if not chunk:
-                break
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            for raw in lines:
-                name, sep, rest = raw.partition(b"\x00")
-                lineno, _, text = rest.partition(b":")
-                if not sep or not lineno.isdigit():
-                    continue
-                if len(matches) >= cap:
-                    truncated = True
-                    break
-                spath = paths.get(name)
-                if spath is None:
-                    rel = name[skip:].lstrip(b"/").decode("utf-8", "replace")
-                    spath = f"{base}/{rel}" if is_dir and rel else res.sandbox_path
-                    paths[name] = spath
-                line = text[: MAX_LINE_CHARS * 4].decode("utf-8", "replace")
-                matches.append({"path": spath, "line": int(lineno), "text": line[:MAX_LINE_CHARS]})
+        waiting: set[asyncio.Future[Any]] = {done} if gone is None else {done, gone}
+        await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        ended = done.done() and not out.truncated
     finally:
-        if truncated:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        proc.stdout.close()
-        err = proc.stderr.read(4096)
-        proc.stderr.close()
-        proc.wait()
-    if proc.returncode == 2 and not matches and b"regex" in err.lower():
-        raise InvalidRequest("invalid regular expression")
-    return {"matches": matches, "truncated": truncated}
+        if gone is not None:
+            gone.cancel()
+        for fd in (proc.stdout_fd, proc.stderr_fd):
+            if fd in fds:
+                loop.remove_reader(fd)
+            os.close(fd)
+        if not ended:
+            out.truncated = True
+            proc.send_signal(signal.SIGKILL)
+    return bytes(err), not ended
 
 
 def _simple_glob(glob: str | None) -> bool:
@@ -514,8 +677,3 @@ def _open_target(res: Resolved) -> tuple[int, bool]:
         os.close(fd)
         raise InvalidRequest("not a regular file or directory")
     return fd, stat.S_ISDIR(st.st_mode)
-
-
-@functools.cache
-def _setpriv() -> str | None:
-    return shutil.which("setpriv", path="/usr/bin:/bin")

@@ -204,9 +204,10 @@ def build_routes(api: Api) -> list[Route]:
     @endpoint
     async def fs_grep(request: Request) -> Response:
         entry, _ = await api.auth(request, Capability.FS_READ)
-        _, resolver, executor, _ = entry.ready()
+        runtime, resolver, executor, _ = entry.ready()
         body = await parse_json(request, GrepRequest)
         body_json = await grep_mod.grep(
+            runtime,
             resolver,
             executor,
             pattern=body.pattern,
@@ -216,6 +217,8 @@ def build_routes(api: Api) -> list[Route]:
             regex=body.regex,
             ignore_case=body.ignore_case,
             limit=settings.max_grep_matches,
+            timeout=settings.grep_timeout_seconds,
+            disconnected=lambda: grep_mod.client_gone(request.receive),
         )
         return Response(body_json, media_type="application/json")
 

@@ -19,6 +19,7 @@
 - ``max_list_entries`` / ``max_glob_results`` / ``max_grep_matches``: result caps (``truncated``).
 - ``glob_deadline_seconds`` / ``max_glob_visits``: a glob stops (``truncated``) after this
   long or this many directory entries.
+- ``grep_timeout_seconds``: how long one ``/fs/grep`` may search (then ``truncated``).
 - ``watch_fs``: report changes made by commands in the workspace as ``fs`` events.
 - ``watch_debounce_ms``: coalescing window for those.
 - ``auth_timeout_seconds``: how long a WebSocket may wait before its ``auth`` frame.
@@ -63,6 +64,7 @@ class DataplaneSettings:
     glob_deadline_seconds: float = 10.0
     max_glob_visits: int = 2_000_000
     max_grep_matches: int = 10_000
+    grep_timeout_seconds: float = 30.0
     watch_fs: bool = True
     watch_debounce_ms: int = 50
     auth_timeout_seconds: float = 10.0

@@ -69,7 +69,7 @@ class LocalProvider(Provider):
         self.verifier = TokenVerifier(jwks, issuer=str(config["issuer"]))
         self.host = DataplaneHost(
             verifier=self.verifier,
-            settings=config.get("dataplane_settings") or DataplaneSettings(),
+            settings=config.get("dataplane_settings") or DataplaneSettings.from_env(),
             api_key_resolver=config.get("api_key_resolver"),
         )
         self._listener: StatusListener | None = None

@@ -10,11 +10,13 @@ directories, so that file operations can be done natively and confined.
 from __future__ import annotations
 
 import abc
+import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
+from sandlot.runtime.tools import LIMIT, TOOLS, TOOLS_DIR, ToolUnavailable, limited_argv
 
 #: The sandbox's home, default working directory, and what relative paths resolve from.
 WORKSPACE = "/workspace"
@@ -172,3 +174,30 @@ class SandboxRuntime(abc.ABC):
 
     async def update_record(self, tag: int, record: bytes) -> None:  # noqa: B027 - optional
         """Replace the record kept with process ``tag``."""
+
+    async def spawn_tool(
+        self,
+        tool: str,
+        args: list[str],
+        *,
+        cwd: str,
+        cwd_fd: int | None = None,
+        deadline: float,
+    ) -> SandboxProcess:
+        """Start the helper program ``tool`` (``"rg"``) on the sandbox's behalf, with pipes.
+
+        It runs where the sandbox's commands run (namespaces, cgroup, uid, limits), in
+        ``cwd`` (a sandbox path; ``cwd_fd``, the same directory opened by the server, is
+        used instead by a runtime that shares the server's view of files, so that nothing
+        swapped in meanwhile redirects it). It is killed ``deadline`` seconds after its
+        start, as soon as nobody reads its stdout (the server died or is done with it) and
+        with its parent, whether or not the server is there to kill it (``limit.c``).
+
+        This default runs both from :data:`~sandlot.runtime.tools.TOOLS_DIR` through
+        :meth:`spawn`, for a runtime that binds them there (the isolated one). Raises
+        :class:`~sandlot.runtime.tools.ToolUnavailable` for a tool it does not provide.
+        """
+        if tool not in TOOLS:
+            raise ToolUnavailable(errno.ENOENT, f"no helper program {tool!r}")
+        argv = limited_argv(f"{TOOLS_DIR}/{LIMIT}", f"{TOOLS_DIR}/{tool}", args, deadline)
+        return await self.spawn(ProcessSpec(argv=argv, cwd=cwd))

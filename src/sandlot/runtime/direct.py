@@ -9,13 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import fcntl
+import functools
 import os
 import signal
 import struct
 import subprocess
 import termios
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
@@ -28,6 +33,7 @@ from sandlot.runtime.base import (
     SandboxProcess,
     SandboxRuntime,
 )
+from sandlot.runtime.tools import RIPGREP, ToolUnavailable, host_limit, host_ripgrep, limited_argv
 
 
 def exit_status_from_returncode(returncode: int) -> ExitStatus:
@@ -131,12 +137,18 @@ async def spawn_direct(
         return DirectProcess(
             popen, stdin_fd=None, stdout_fd=None, stderr_fd=None, pty_fd=_nonblocking(master)
         )
+    return _spawn_pipes(spec.argv, cwd=cwd, env=env)
+
+
+def _spawn_pipes(
+    argv: list[str], *, cwd: Path | str, env: dict[str, str], **popen: Any
+) -> DirectProcess:
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        popen = subprocess.Popen(
-            spec.argv,
+        proc = subprocess.Popen(
+            argv,
             stdin=in_r,
             stdout=out_w,
             stderr=err_w,
@@ -144,6 +156,7 @@ async def spawn_direct(
             env=env,
             start_new_session=True,
             close_fds=True,
+            **popen,
         )
     except BaseException:
         for fd in (in_w, out_r, err_r):
@@ -153,12 +166,42 @@ async def spawn_direct(
         for fd in (in_r, out_w, err_w):
             os.close(fd)
     return DirectProcess(
-        popen,
+        proc,
         stdin_fd=_nonblocking(in_w),
         stdout_fd=_nonblocking(out_r),
         stderr_fd=_nonblocking(err_r),
         pty_fd=None,
     )
+
+
+@functools.cache
+def _prctl() -> Any:
+    return ctypes.CDLL(None, use_errno=True).prctl
+
+
+def _die_with_server(server: int) -> Callable[[], None]:
+    """For the child, before exec: SIGKILL when the server's thread that started it ends
+    (``PR_SET_PDEATHSIG``), or at once if the server is gone already."""
+    prctl = _prctl()  # looked up before the fork: nothing to load in the child
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != server:
+            os._exit(137)
+
+    return preexec
+
+
+_launcher_built = False
+
+
+async def _launcher() -> str | None:
+    """The host's ``sandlot-limit`` (built on a thread the first time), or ``None``."""
+    global _launcher_built
+    if not _launcher_built:
+        await asyncio.to_thread(host_limit)
+        _launcher_built = True
+    return host_limit()
 
 
 class DirectRuntime(SandboxRuntime):
@@ -204,11 +247,41 @@ class DirectRuntime(SandboxRuntime):
             return self._workspace / cwd[len(WORKSPACE) :].lstrip("/")
         return Path(cwd)
 
-    async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
-        base_env = {
+    def _base_env(self) -> dict[str, str]:
+        return {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": str(self._workspace),
             "LANG": "C.UTF-8",
             **self.template.env,
         }
-        return await spawn_direct(spec, cwd=self._host_cwd(spec.cwd), base_env=base_env)
+
+    async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
+        return await spawn_direct(spec, cwd=self._host_cwd(spec.cwd), base_env=self._base_env())
+
+    async def spawn_tool(
+        self,
+        tool: str,
+        args: list[str],
+        *,
+        cwd: str,
+        cwd_fd: int | None = None,
+        deadline: float,
+    ) -> SandboxProcess:
+        """The host's ripgrep as a plain process, under ``sandlot-limit`` (as the sandbox
+        user with ``fs_ids``). Without a C compiler for the launcher: with
+        ``PR_SET_PDEATHSIG`` only, the deadline then kept by the caller alone."""
+        program = host_ripgrep() if tool == RIPGREP else None
+        if program is None:
+            raise ToolUnavailable(errno.ENOENT, f"{tool} is not installed")
+        ids = self.fs_ids
+        host_cwd = f"/proc/self/fd/{cwd_fd}" if cwd_fd is not None else self._host_cwd(cwd)
+        limit = await _launcher()
+        if limit is not None:
+            argv = limited_argv(limit, program, args, deadline)
+            if ids is not None:
+                argv[1:1] = ["--ids", f"{ids[0]}:{ids[1]}"]
+            return _spawn_pipes(argv, cwd=host_cwd, env=self._base_env())
+        popen: dict[str, Any] = {"preexec_fn": _die_with_server(os.getpid())}
+        if ids is not None:
+            popen.update(user=ids[0], group=ids[1], extra_groups=[])
+        return _spawn_pipes([program, *args], cwd=host_cwd, env=self._base_env(), **popen)

@@ -47,6 +47,7 @@ from sandlot.runtime.bwrap import (
     bwrap_args,
     image_entries,
 )
+from sandlot.runtime.cbuild import BuildError
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
 from sandlot.runtime.control import INIT_PROTOCOL
 from sandlot.runtime.direct import DirectRuntime
@@ -60,6 +61,7 @@ from sandlot.runtime.preflight import (
     check_user_namespaces,
     find_bwrap,
 )
+from sandlot.runtime.tools import TOOLS_DIR, prepare_tools_dir
 
 __all__ = [
     "IsolatedRuntime",
@@ -177,6 +179,8 @@ class LocalRuntimeManager:
         self._etc = settings.run_dir / ".etc"
         self._runtimes: dict[str, IsolatedRuntime] = {}
         self._uids_in_use: set[int] = set()
+        #: ripgrep and its launcher, bound read-only into every sandbox (``tools.py``).
+        self._tools: Path | None = None
         #: Size-limited disks for the workspace and /tmp (``disk.py``).
         self._disks = DiskManager(settings.run_dir / ".disks", settings.workspaces_dir)
 
@@ -221,6 +225,10 @@ class LocalRuntimeManager:
                 "(or use the explicit 'unisolated' mode)"
             ) from exc
         build_host_etc(self._etc)
+        try:
+            self._tools = prepare_tools_dir(self.settings.run_dir / ".tools", binary.parent)
+        except BuildError as exc:
+            raise RuntimeUnavailable(f"building the helper launcher failed: {exc}") from exc
         self._bwrap, self._init_binary, self._seccomp, self._layout = bwrap, binary, seccomp, layout
         self._trial(binary, bwrap)
         self._disks.prepare()
@@ -511,6 +519,8 @@ class LocalRuntimeManager:
                 for i, (path, host, writable) in enumerate(record.volumes)
                 if path != WORKSPACE
             ]
+            if self._tools is not None:
+                mounts.append(BindMount(source(self._tools, "tools"), TOOLS_DIR, False))
             host_image = record.image == "host"
             etc = source(self._etc, "etc") if host_image else None
             image_root = None if host_image else source(record.image, "image")
