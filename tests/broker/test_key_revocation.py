@@ -236,3 +236,32 @@ def test_revoking_a_user_revokes_tokens_minted_for_them(
         f"token acting for him closed (4401) {latency * 1000:.0f} ms after; the service "
         "keeps working for others",
     )
+
+
+def test_a_key_revoked_meanwhile_mints_nothing(tmp_path: Path) -> None:
+    """A server trusts a looked-up key for a second: within it, a key revoked by another
+    process must not mint a token that its revocation did not see."""
+    from sandlot.broker.keys import KeyService
+    from sandlot.broker.store import Store
+
+    with running(tmp_path / "data") as srv:
+        key, key_id = new_key(srv, "ivan")
+        grant = negotiate(srv, key, "thr_race")
+        store = Store(f"sqlite:///{srv.data_dir / 'sandlot.db'}")
+        try:
+            # As `sandlot keys revoke` does, from another process's point of view.
+            KeyService(store).revoke(key_id)
+        finally:
+            store.dispose()
+        r = httpx.post(
+            f"{srv.url}/v1/sandbox/sessions",
+            json={"thread_id": "thr_race", "mode": "ensure"},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+        assert r.status_code == 401, r.text
+        with sqlite3.connect(srv.data_dir / "sandlot.db") as conn:
+            live = conn.execute(
+                "SELECT jti FROM tokens WHERE key_id = ? AND revoked_at IS NULL", (key_id,)
+            ).fetchall()
+        assert live == [], "a token minted with a revoked key is live"
+        assert grant["token"]

@@ -47,6 +47,22 @@ class KeyInfo:
 
 
 _BY_PREFIX = select(api_keys).where(api_keys.c.prefix == bindparam("prefix"))
+_KEY_REVOKED = select(api_keys.c.revoked_at).where(api_keys.c.id == bindparam("id"))
+#: On PostgreSQL the row stays share-locked until the minting transaction commits, so a
+#: concurrent revocation waits for it and then revokes the token it minted.
+_KEY_REVOKED_LOCKED = _KEY_REVOKED.with_for_update(read=True)
+
+
+def check_key_live(conn: Connection, key_id: str) -> None:
+    """Inside a transaction that mints a token: the caller's key is not revoked.
+
+    A server trusts a looked-up key for up to a second; a key revoked meanwhile
+    (by another process) must not mint a token its revocation did not see.
+    """
+    stmt = _KEY_REVOKED_LOCKED if conn.dialect.name == "postgresql" else _KEY_REVOKED
+    row = conn.execute(stmt, {"id": key_id}).first()
+    if row is None or row.revoked_at is not None:
+        raise Unauthenticated("invalid API key")
 
 
 def _hash(secret: str) -> str:

@@ -23,6 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.events import EventHub, append_event, read_events
+from sandlot.broker.keys import check_key_live
 from sandlot.broker.principals import Principal
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
 from sandlot.broker.settings import BrokerSettings
@@ -525,6 +526,7 @@ class SessionService:
         caps: list[Capability],
         now: float,
     ) -> Any:
+        check_key_live(conn, principal.key_id)
         minted = self.keyring.mint(
             principal_id=principal.id,
             actor=actor,
