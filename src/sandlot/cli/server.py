@@ -19,7 +19,7 @@ from starlette.types import ASGIApp
 from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.principals import Principal
-from sandlot.broker.settings import BrokerSettings
+from sandlot.broker.settings import BrokerSettings, ConfigError
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.auth import AuthContext
 from sandlot.dataplane.host import DataplaneHost
@@ -65,6 +65,10 @@ def build_provider(
             generation=row.generation,
         )
 
+    try:
+        dataplane_settings = DataplaneSettings.from_env()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     config: dict[str, Any] = {
         **settings.provider_config,
         "mode": settings.provider_mode,
@@ -73,7 +77,7 @@ def build_provider(
         "issuer": settings.issuer,
         "jwks": jwks,
         "api_key_resolver": api_key_resolver,
-        "dataplane_settings": DataplaneSettings.from_env(),
+        "dataplane_settings": dataplane_settings,
     }
     return provider_class(settings.provider_name)(config)
 

@@ -80,15 +80,20 @@ class DataplaneSettings:
         env = os.environ if environ is None else environ
         values: dict[str, Any] = {}
         for field in dataclasses.fields(cls):
-            raw = env.get(f"SANDLOT_DP_{field.name.upper()}")
+            name = f"SANDLOT_DP_{field.name.upper()}"
+            raw = env.get(name)
             if raw is None:
                 continue
             default = field.default
-            if isinstance(default, bool):
-                values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif isinstance(default, int):
-                values[field.name] = int(raw)
-            else:
-                values[field.name] = float(raw)
+            try:
+                if isinstance(default, bool):
+                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif isinstance(default, int):
+                    values[field.name] = int(raw)
+                else:
+                    values[field.name] = float(raw)
+            except ValueError:
+                kind = type(default).__name__
+                raise ValueError(f"{name}: {raw!r} is not a valid {kind}") from None
         values.update(overrides)
         return cls(**values)
