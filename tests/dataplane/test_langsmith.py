@@ -58,6 +58,7 @@ def test_execute_ws_without_command_id_then_reconnect(server: Server) -> None:
                 "exit_code": 0,
                 "signal": None,
                 "timed_out": False,
+                "oom_killed": False,
             }
         async with websockets.connect(url, additional_headers=hdr) as ws:
             await ws.send(json.dumps({"type": "reconnect", "command_id": "cmd_missing"}))
