@@ -128,10 +128,11 @@ class Socket:
                     raise Unauthenticated("first frame must be auth")
                 bearer = frame.token
                 ctx = await self._verify(bearer, None, capability)
+                self.place.claim(ctx)
                 await self.send(F.AUTH_OK)
             else:
                 ctx = await self._verify(bearer, api_key, capability)
-            self.place.claim(ctx)
+                self.place.claim(ctx)
         except (WebSocketDisconnect, RuntimeError):
             return False
         except (ValidationError, ValueError):
