@@ -261,37 +261,6 @@ async def test_idempotency(harness: Harness, record_property: RecordProperty) ->
     )
 
 
-@pytest.mark.reliability
-async def test_idempotency_in_flight(
-    make_harness: MakeHarness, record_property: RecordProperty
-) -> None:
-    h = await make_harness()
-    alice = h.key("alice")
-    orig = h.broker.sessions.negotiate
-    gate = asyncio.Event()
-
-    async def slow(*a, **kw):  # type: ignore[no-untyped-def]
-        await gate.wait()
-        return await orig(*a, **kw)
-
-    h.broker.sessions.negotiate = slow  # type: ignore[method-assign]
-    headers = {**alice, "Idempotency-Key": "same"}
-    first = asyncio.create_task(
-        h.client.post(
-            "/v1/sandbox/sessions", json={"thread_id": "t", "mode": "ensure"}, headers=headers
-        )
-    )
-    await asyncio.sleep(0.2)
-    second = await h.client.post(
-        "/v1/sandbox/sessions", json={"thread_id": "t", "mode": "ensure"}, headers=headers
-    )
-    err = assert_error(second, 409, "IDEMPOTENCY_IN_FLIGHT")
-    assert err["retryable"] is True
-    gate.set()
-    assert (await first).status_code == 200
-    report(record_property, "idempotency: a retry while the first is in flight gets 409, retryable")
-
-
 async def test_rate_limit_and_quota(make_harness: MakeHarness) -> None:
     h = await make_harness(negotiation_rate_per_second=1.0, negotiation_burst=2)
     k = h.key("rl")

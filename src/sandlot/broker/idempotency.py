@@ -3,12 +3,23 @@
 A key is looked up together with the caller's identity. The first request
 with a key records a fingerprint of its body and runs; a retry with the same
 key and body gets the stored status and body back (errors included); the
-same key with another body is 422; a retry while the first is still running
-is 409 IDEMPOTENCY_IN_FLIGHT. An in-flight record left by a server that died
-(its ``owner`` process is gone, or after ``STALE_SECONDS`` for one on another
-machine) is taken over, so
-a client retrying after a crash gets an answer consistent with what was
-committed: the retried ``ensure`` attaches to the binding that was created.
+same key with another body is 422.
+
+The key is claimed, and the answer recorded, **in the transaction that does
+the work** (:class:`Claim`): the answer is committed together with what it
+describes, or not at all, and a key costs two statements in that transaction
+rather than two transactions of its own. Writers are serialized (SQLite's
+write lock; on PostgreSQL the claim's insert waits for a concurrent one with
+the same key), so a retry sent while the first request runs waits for it and
+gets its answer. What runs outside one transaction (the resume of a suspended
+sandbox after ``ensure``) leaves the claim ``in_flight`` until
+:meth:`IdempotencyStore.finish`; a retry meanwhile is 409
+IDEMPOTENCY_IN_FLIGHT. An in-flight record left by a server that died (its
+``owner`` process is gone, or after ``STALE_SECONDS`` for one on another
+machine) is taken over.
+
+:meth:`IdempotencyStore.begin` / :meth:`~IdempotencyStore.finish` claim and
+settle a key in transactions of their own, for work that has none.
 """
 
 from __future__ import annotations
@@ -22,8 +33,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import Connection, bindparam, delete, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.sql.expression import Executable
 
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import idempotency
@@ -72,84 +85,184 @@ def fingerprint(method: str, path: str, body: bytes) -> str:
     return hashlib.sha256(f"{method} {path}\n{canonical}".encode()).hexdigest()
 
 
+def check_key(key: str) -> None:
+    if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
+        raise InvalidRequest("Idempotency-Key must be 1-255 printable characters")
+
+
+# Statements built once: building a SQLAlchemy statement and its cache key costs more
+# than running it on SQLite. Bind names differ from column names (SQLAlchemy reserves
+# those in INSERT and UPDATE).
+_WHERE_KEY = (idempotency.c.principal_id == bindparam("p")) & (idempotency.c.key == bindparam("k"))
+_GET = select(
+    idempotency.c.fingerprint,
+    idempotency.c.state,
+    idempotency.c.owner,
+    idempotency.c.status,
+    idempotency.c.response,
+    idempotency.c.created_at,
+    idempotency.c.expires_at,
+).where(_WHERE_KEY)
+_CLAIM_VALUES = {
+    "principal_id": bindparam("p"),
+    "key": bindparam("k"),
+    "fingerprint": bindparam("fp"),
+    "state": "in_flight",
+    "owner": bindparam("owner"),
+    "created_at": bindparam("now"),
+    "expires_at": bindparam("until"),
+}
+_RECORD_VALUES = {
+    **_CLAIM_VALUES,
+    "state": "done",
+    "status": bindparam("st"),
+    "response": bindparam("body"),
+}
+_FINISH = (
+    update(idempotency)
+    .where(_WHERE_KEY)
+    .values(state="done", status=bindparam("st"), response=bindparam("body"))
+)
+_SETTLE = (
+    update(idempotency)
+    .where(_WHERE_KEY, idempotency.c.state == "in_flight")
+    .values(state="done", status=bindparam("st"), response=bindparam("body"))
+)
+_TAKE_OVER = (
+    update(idempotency)
+    .where(_WHERE_KEY)
+    .values(owner=bindparam("owner"), created_at=bindparam("now"))
+)
+_DELETE = delete(idempotency).where(_WHERE_KEY)
+_ABANDON = delete(idempotency).where(_WHERE_KEY, idempotency.c.state == "in_flight")
+
+
+def _insert_unless_present(dialect: str, values: dict[str, Any]) -> tuple[Executable, bool]:
+    """An INSERT that does nothing when the key is taken (rowcount 0), and whether the
+    dialect has one; else a plain INSERT (IntegrityError when taken)."""
+    keys = ["principal_id", "key"]
+    if dialect == "sqlite":
+        return sqlite.insert(idempotency).values(values).on_conflict_do_nothing(keys), True
+    if dialect == "postgresql":
+        stmt = postgresql.insert(idempotency).values(values)
+        return stmt.on_conflict_do_nothing(index_elements=keys), True
+    return idempotency.insert().values(values), False
+
+
 class IdempotencyStore:
     STALE_SECONDS = 30.0
 
     def __init__(self, store: Store, ttl_seconds: int) -> None:
         self.store = store
         self.ttl = ttl_seconds
+        self._claim, self._claim_quiet = _insert_unless_present(store.dialect, _CLAIM_VALUES)
+        self._record, self._record_quiet = _insert_unless_present(store.dialect, _RECORD_VALUES)
+
+    def claim(self, principal_id: str, key: str, fp: str) -> Claim:
+        """A key to settle in the transaction of the work (:meth:`Claim.begin_in`)."""
+        check_key(key)
+        return Claim(self, principal_id, key, fp)
+
+    # --- inside the caller's transaction ---------------------------------------------------
+
+    def begin_in(
+        self, conn: Connection, principal_id: str, key: str, fp: str
+    ) -> StoredResponse | None:
+        """Claim the key in ``conn``'s transaction, or return the stored response of an
+        earlier identical request."""
+        now = time.time()
+        params = {
+            "p": principal_id,
+            "k": key,
+            "fp": fp,
+            "owner": PROCESS_OWNER,
+            "now": now,
+            "until": now + self.ttl,
+        }
+        # The common case, a new key, is one statement.
+        if self._insert(conn, self._claim, self._claim_quiet, params):
+            return None
+        row = conn.execute(_GET, params).first()
+        if row is None or row.expires_at < now:
+            if row is not None:
+                conn.execute(_DELETE, params)
+            if self._insert(conn, self._claim, self._claim_quiet, params):
+                return None
+            raise IdempotencyInFlight("a request with this key is in progress", retry_after=1.0)
+        if row.fingerprint != fp:
+            raise IdempotencyKeyReused(
+                "this Idempotency-Key was used with a different request body"
+            )
+        if row.state == "done":
+            return StoredResponse(row.status, row.response)
+        stale = row.owner != PROCESS_OWNER and (
+            not owner_alive(row.owner) or now - row.created_at > self.STALE_SECONDS
+        )
+        if not stale:
+            raise IdempotencyInFlight("a request with this key is in progress", retry_after=1.0)
+        conn.execute(_TAKE_OVER, params)
+        return None
+
+    def finish_in(
+        self, conn: Connection, principal_id: str, key: str, status: int, body: Any
+    ) -> None:
+        """Record the answer of a claimed key in ``conn``'s transaction."""
+        conn.execute(_FINISH, {"p": principal_id, "k": key, "st": status, "body": body})
+
+    def record_in(
+        self, conn: Connection, principal_id: str, key: str, fp: str, status: int, body: Any
+    ) -> None:
+        """Record an answer whether or not the key's claim was committed (an error raised
+        in the transaction that held the claim rolled it back with the rest)."""
+        if conn.execute(
+            _FINISH, {"p": principal_id, "k": key, "st": status, "body": body}
+        ).rowcount:
+            return
+        now = time.time()
+        params = {
+            "p": principal_id,
+            "k": key,
+            "fp": fp,
+            "owner": PROCESS_OWNER,
+            "now": now,
+            "until": now + self.ttl,
+            "st": status,
+            "body": body,
+        }
+        # Taken meanwhile by an identical request: its answer stands.
+        self._insert(conn, self._record, self._record_quiet, params)
+
+    @staticmethod
+    def _insert(conn: Connection, stmt: Executable, quiet: bool, params: dict[str, Any]) -> bool:
+        if quiet:
+            return bool(conn.execute(stmt, params).rowcount)
+        try:
+            with conn.begin_nested():
+                conn.execute(stmt, params)
+        except IntegrityError:
+            return False
+        return True
+
+    # --- in transactions of their own ------------------------------------------------------
 
     def begin(self, principal_id: str, key: str, fp: str) -> StoredResponse | None:
         """Claim the key, or return the stored response of an earlier identical request."""
-        if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
-            raise InvalidRequest("Idempotency-Key must be 1-255 printable characters")
-        now = time.time()
+        check_key(key)
         with self.store.write() as conn:
-            row = conn.execute(
-                select(idempotency).where(
-                    idempotency.c.principal_id == principal_id, idempotency.c.key == key
-                )
-            ).first()
-            if row is not None and row.expires_at < now:
-                conn.execute(
-                    delete(idempotency).where(
-                        idempotency.c.principal_id == principal_id, idempotency.c.key == key
-                    )
-                )
-                row = None
-            if row is None:
-                try:
-                    with conn.begin_nested():
-                        conn.execute(
-                            idempotency.insert().values(
-                                principal_id=principal_id,
-                                key=key,
-                                fingerprint=fp,
-                                state="in_flight",
-                                owner=PROCESS_OWNER,
-                                created_at=now,
-                                expires_at=now + self.ttl,
-                            )
-                        )
-                except IntegrityError as exc:
-                    raise IdempotencyInFlight("a request with this key is in progress") from exc
-                return None
-            if row.fingerprint != fp:
-                raise IdempotencyKeyReused(
-                    "this Idempotency-Key was used with a different request body"
-                )
-            if row.state == "done":
-                return StoredResponse(row.status, row.response)
-            stale = row.owner != PROCESS_OWNER and (
-                not owner_alive(row.owner) or now - row.created_at > self.STALE_SECONDS
-            )
-            if not stale:
-                raise IdempotencyInFlight("a request with this key is in progress", retry_after=1.0)
-            conn.execute(
-                update(idempotency)
-                .where(idempotency.c.principal_id == principal_id, idempotency.c.key == key)
-                .values(owner=PROCESS_OWNER, created_at=now)
-            )
-            return None
+            return self.begin_in(conn, principal_id, key, fp)
 
     def finish(self, principal_id: str, key: str, status: int, body: Any) -> None:
         with self.store.write() as conn:
-            conn.execute(
-                update(idempotency)
-                .where(idempotency.c.principal_id == principal_id, idempotency.c.key == key)
-                .values(state="done", status=status, response=body)
-            )
+            self.finish_in(conn, principal_id, key, status, body)
+
+    def record(self, principal_id: str, key: str, fp: str, status: int, body: Any) -> None:
+        with self.store.write() as conn:
+            self.record_in(conn, principal_id, key, fp, status, body)
 
     def abandon(self, principal_id: str, key: str) -> None:
         """Forget a claim whose request failed before any outcome could be stored."""
         with self.store.write() as conn:
-            conn.execute(
-                delete(idempotency).where(
-                    idempotency.c.principal_id == principal_id,
-                    idempotency.c.key == key,
-                    idempotency.c.state == "in_flight",
-                )
-            )
+            conn.execute(_ABANDON, {"p": principal_id, "k": key})
 
     def purge_expired(self) -> int:
         with self.store.write() as conn:
@@ -158,3 +271,39 @@ class IdempotencyStore:
                     delete(idempotency).where(idempotency.c.expires_at < time.time())
                 ).rowcount
             )
+
+
+@dataclass
+class Claim:
+    """One request's ``Idempotency-Key``, settled in the transaction that does its work.
+
+    The work's transaction calls :meth:`begin_in` first: ``True`` means an earlier
+    identical request's answer is stored (:attr:`replay`) and the work must not run.
+    Once the answer is known, still in that transaction, :meth:`finish_in` records it
+    (:attr:`status`, :attr:`body`). Work whose answer comes only after its transaction
+    leaves the claim in flight; the caller then settles it with
+    :meth:`IdempotencyStore.finish`.
+    """
+
+    store: IdempotencyStore
+    principal_id: str
+    key: str
+    fingerprint: str
+    #: The stored answer of an earlier identical request.
+    replay: StoredResponse | None = None
+    #: Whether this request holds the key (claimed or taken over): only then may it
+    #: record an outcome or abandon the claim.
+    owned: bool = False
+    status: int | None = None
+    body: Any = None
+
+    def begin_in(self, conn: Connection) -> bool:
+        self.replay, self.status, self.body = None, None, None
+        self.owned = False
+        self.replay = self.store.begin_in(conn, self.principal_id, self.key, self.fingerprint)
+        self.owned = self.replay is None
+        return self.replay is not None
+
+    def finish_in(self, conn: Connection, status: int, body: Any) -> None:
+        self.store.finish_in(conn, self.principal_id, self.key, status, body)
+        self.status, self.body = status, body

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 import anyio
 from sqlalchemy import Connection, bindparam, select, update
@@ -23,6 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.events import EventHub, append_event, read_events
+from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.principals import Principal
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
@@ -211,15 +212,34 @@ class SessionService:
             )
         return requested
 
+    @overload
     async def negotiate(
         self, ctx: AuditContext, principal: Principal, req: SessionRequest
-    ) -> SessionGrant:
+    ) -> SessionGrant: ...
+
+    @overload
+    async def negotiate(
+        self, ctx: AuditContext, principal: Principal, req: SessionRequest, *, claim: Claim | None
+    ) -> SessionGrant | None: ...
+
+    async def negotiate(
+        self,
+        ctx: AuditContext,
+        principal: Principal,
+        req: SessionRequest,
+        *,
+        claim: Claim | None = None,
+    ) -> SessionGrant | None:
+        """Attach or create; ``claim`` (an ``Idempotency-Key``) is settled in the same
+        transaction. ``None``: the claim holds an earlier identical request's answer."""
         ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
         scope = self.effective_scope(req)
         caps = self.granted_capabilities(principal, req.requested_capabilities)
         result = await anyio.to_thread.run_sync(
-            self._negotiate_tx, ctx, principal, req, scope, caps
+            self._negotiate_tx, ctx, principal, req, scope, caps, claim
         )
+        if result is None:
+            return None
         if result.provision is not None:
             failpoints.hit("after_binding_insert")
             self.sandboxes.spawn(self.sandboxes.provision(result.provision, result.template))
@@ -241,7 +261,8 @@ class SessionService:
         req: SessionRequest,
         scope: Scope,
         caps: list[Capability],
-    ) -> _Negotiated:
+        claim: Claim | None = None,
+    ) -> _Negotiated | None:
         self._warm_caches()
         template: Template | None = None
         if req.mode.creates:
@@ -249,7 +270,13 @@ class SessionService:
         for _ in range(5):
             try:
                 with self.store.write() as conn:
-                    return self._negotiate_in(conn, ctx, principal, req, scope, caps, template)
+                    if claim is not None and claim.begin_in(conn):
+                        return None
+                    result = self._negotiate_in(conn, ctx, principal, req, scope, caps, template)
+                    if claim is not None and not result.resume:
+                        # Recorded with the work; a resume changes the answer after this.
+                        claim.finish_in(conn, 200, result.grant.model_dump(mode="json"))
+                    return result
             except _LostRace:
                 continue
             except IntegrityError:

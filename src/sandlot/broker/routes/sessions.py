@@ -12,7 +12,7 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from sandlot.broker.events import EventHub
-from sandlot.broker.idempotency import MAX_KEY_LENGTH, fingerprint
+from sandlot.broker.idempotency import MAX_KEY_LENGTH, Claim, fingerprint
 from sandlot.broker.principals import Principal
 from sandlot.broker.routes.deps import (
     BrokerDep,
@@ -66,34 +66,46 @@ async def idempotent(
     broker: Any,
     principal: Principal,
     body: bytes,
-    run: Callable[[], Awaitable[tuple[int, Any]]],
+    run: Callable[[Claim | None], Awaitable[tuple[int, Any]]],
     key: str | None,
 ) -> JSONResponse:
-    """Run a creating request under its ``Idempotency-Key`` (if any)."""
+    """Run a creating request under its ``Idempotency-Key`` (if any).
+
+    ``run`` gets the key's :class:`Claim` and settles it in the transaction that does
+    the work (see :mod:`sandlot.broker.idempotency`); what it leaves unsettled is
+    settled here, in a transaction of its own.
+    """
     if key is None:
-        status, payload = await run()
+        status, payload = await run(None)
         return JSONResponse(payload, status_code=status)
-    fp = fingerprint(request.method, request.url.path, body)
+    store = broker.idempotency
     who = principal.lease_holder
-    stored = await anyio.to_thread.run_sync(broker.idempotency.begin, who, key, fp)
-    if stored is not None:
-        return JSONResponse(
-            stored.body, status_code=stored.status, headers={"Idempotent-Replayed": "true"}
-        )
+    claim = store.claim(who, key, fingerprint(request.method, request.url.path, body))
     try:
-        status, payload = await run()
+        status, payload = await run(claim)
     except SandlotError as exc:
-        if exc.retryable:
-            # A transient failure is not an outcome: let the retry run again.
-            await anyio.to_thread.run_sync(broker.idempotency.abandon, who, key)
-            raise
-        payload = envelope_for(request, exc)
-        await anyio.to_thread.run_sync(broker.idempotency.finish, who, key, exc.status, payload)
+        if claim.owned:
+            if exc.retryable:
+                # A transient failure is not an outcome: let the retry run again.
+                await anyio.to_thread.run_sync(store.abandon, who, key)
+            else:
+                outcome = envelope_for(request, exc)
+                await anyio.to_thread.run_sync(
+                    store.record, who, key, claim.fingerprint, exc.status, outcome
+                )
         raise
     except BaseException:
-        await anyio.to_thread.run_sync(broker.idempotency.abandon, who, key)
+        if claim.owned:
+            await anyio.to_thread.run_sync(store.abandon, who, key)
         raise
-    await anyio.to_thread.run_sync(broker.idempotency.finish, who, key, status, payload)
+    if claim.replay is not None:
+        return JSONResponse(
+            claim.replay.body,
+            status_code=claim.replay.status,
+            headers={"Idempotent-Replayed": "true"},
+        )
+    if claim.status is None:
+        await anyio.to_thread.run_sync(store.finish, who, key, status, payload)
     return JSONResponse(payload, status_code=status)
 
 
@@ -118,10 +130,14 @@ async def negotiate(
     broker.ratelimit.check(principal.lease_holder)
     ctx = audit_context(request, principal)
 
-    async def run() -> tuple[int, Any]:
+    async def run(claim: Claim | None) -> tuple[int, Any]:
         started = time.perf_counter()
-        grant = await broker.sessions.negotiate(ctx, principal, req)
+        grant = await broker.sessions.negotiate(ctx, principal, req, claim=claim)
+        if grant is None:  # the claim holds an earlier identical request's answer
+            return 0, None
         request.app.state.metrics.negotiation(req.mode.value, time.perf_counter() - started)
+        if claim is not None and claim.status is not None:
+            return claim.status, claim.body  # recorded with the work, already serialized
         return 200, grant.model_dump(mode="json")
 
     return await idempotent(request, broker, principal, body, run, idempotency_key)
