@@ -265,3 +265,43 @@ def test_a_key_revoked_meanwhile_mints_nothing(tmp_path: Path) -> None:
             ).fetchall()
         assert live == [], "a token minted with a revoked key is live"
         assert grant["token"]
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(120)
+def test_revoking_a_key_closes_what_it_opened_directly_on_the_dataplane(
+    tmp_path: Path, record_property: RecordProperty
+) -> None:
+    """The LangSmith surface takes the API key itself (``X-Api-Key``): a revoked key stops
+    working there within a second and the sockets it opened close, as a token's do."""
+    with running(tmp_path / "data") as srv:
+        key, key_id = new_key(srv, "alice", "agent")
+        grant = negotiate(srv, key, "thr_direct_key")
+        wait_active(grant)
+        dp = grant["dataplane"]["http_base_url"]
+        ws_base = grant["dataplane"]["ws_base_url"]
+        headers = {"X-Api-Key": key}
+        r = httpx.post(f"{dp}/execute", json={"command": "true"}, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+
+        async def run() -> list[Any]:
+            ws = await websockets.connect(f"{ws_base}/execute/ws", additional_headers=headers)
+            await ws.send(json.dumps({"type": "execute", "command": "sleep 60"}))
+            while json.loads(await ws.recv())["type"] != "started":
+                pass
+            try:
+                return await revoke_and_watch(srv, [ws], key_id)
+            finally:
+                await ws.close()
+
+        [(code, closed)] = asyncio.run(run())
+        latency = closed - revoked_at(srv, [key_id])
+        assert code == 4401
+        assert latency < 1.0, f"socket closed {latency:.3f} s after the revocation"
+        r = httpx.post(f"{dp}/execute", json={"command": "true"}, headers=headers, timeout=30)
+        assert r.status_code == 401, r.text
+    report(
+        record_property,
+        f"key revocation on the dataplane (X-Api-Key): its socket closed (4401) "
+        f"{latency * 1000:.0f} ms after `sandlot keys revoke`, the key 401 at once",
+    )

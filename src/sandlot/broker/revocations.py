@@ -9,6 +9,11 @@ dataplane refuse the tokens and close their sockets (4401). The first look
 after a start pushes every revoked token that has not expired, so a
 restarted server refuses them as before.
 
+An API key used on the dataplane itself (``X-Api-Key``, the LangSmith surface)
+stands for a token whose id is :func:`api_key_jti` of the key: a revoked key is
+pushed as that id, to every live sandbox, so the dataplane's cache of keys stops
+honouring it and the sockets opened with it close too.
+
 Revocation times come from the clocks of several processes, and a
 transaction may commit after a later one: each look starts ``OVERLAP_SECONDS``
 before the newest revocation already seen, and tokens already pushed are
@@ -26,11 +31,25 @@ import anyio
 from sqlalchemy import bindparam, select
 
 from sandlot.broker.store import Store
-from sandlot.broker.store.schema import tokens
+from sandlot.broker.store.schema import api_keys, sandboxes, tokens
 from sandlot.protocol.tokens import TOKEN_LEEWAY_SECONDS
 from sandlot.providers.base import Provider, RevokedToken
 
 log = logging.getLogger("sandlot.broker.revocations")
+
+#: How long the dataplane remembers a revoked key (its own cache of keys lasts seconds).
+KEY_REVOCATION_TTL = 3600.0
+
+
+def api_key_jti(key_id: str) -> str:
+    """The revocation id of API key ``key_id`` when it is used on the dataplane."""
+    return f"key:{key_id}"
+
+
+_KEYS_REVOKED_SINCE = select(api_keys.c.id, api_keys.c.revoked_at).where(
+    api_keys.c.revoked_at >= bindparam("since")
+)
+_LIVE_SANDBOXES = select(sandboxes.c.id).where(sandboxes.c.state.not_in(("terminated", "failed")))
 
 _REVOKED_SINCE = select(
     tokens.c.jti, tokens.c.sandbox_id, tokens.c.expires_at, tokens.c.revoked_at
@@ -51,22 +70,45 @@ class RevocationWatcher:
         self.provider = provider
         self.clock = clock
         self._since = 0.0
+        #: The same for revoked API keys, by revocation time: a key revoked longer ago than
+        #: the dataplane remembers is refused by the store anyway.
+        self._keys_since = clock() - KEY_REVOCATION_TTL
         #: jti → revocation time, of the tokens pushed (forgotten once before ``_since``).
         self._pushed: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def _fetch(self) -> list[Any]:
+    def _fetch(self) -> tuple[list[Any], list[Any], list[str]]:
         with self.store.read() as conn:
-            return list(
+            rows = list(
                 conn.execute(
                     _REVOKED_SINCE,
                     {"since": self._since, "now": self.clock() - TOKEN_LEEWAY_SECONDS},
                 ).all()
             )
+            keys = list(conn.execute(_KEYS_REVOKED_SINCE, {"since": self._keys_since}).all())
+            keys = [k for k in keys if api_key_jti(k.id) not in self._pushed]
+            live = [r.id for r in conn.execute(_LIVE_SANDBOXES).all()] if keys else []
+        return rows, keys, live
+
+    async def _push_keys(self, keys: list[Any], live: list[str]) -> None:
+        """Revoked keys go to every live sandbox (a key may be used on any it may reach)."""
+        revoked = [RevokedToken(api_key_jti(k.id), k.revoked_at + KEY_REVOCATION_TTL) for k in keys]
+        for sandbox_id in live:
+            try:
+                await self.provider.revoke(sandbox_id, revoked)
+            except Exception:
+                log.exception("key revocation push failed for %s", sandbox_id)
+                return  # tried again at the next look
+        for k in keys:
+            self._pushed[api_key_jti(k.id)] = k.revoked_at
+        newest = max(k.revoked_at for k in keys)
+        self._keys_since = max(self._keys_since, newest - self.OVERLAP_SECONDS)
 
     async def run_once(self) -> int:
         """Push the revocations not pushed yet; returns how many tokens were pushed."""
-        rows = await anyio.to_thread.run_sync(self._fetch)
+        rows, keys, live = await anyio.to_thread.run_sync(self._fetch)
+        if keys:
+            await self._push_keys(keys, live)
         fresh: dict[str, list[Any]] = {}
         for row in rows:
             if row.jti not in self._pushed:
@@ -87,7 +129,8 @@ class RevocationWatcher:
         if rows:
             newest = max(r.revoked_at for r in rows)
             self._since = max(self._since, newest - self.OVERLAP_SECONDS)
-            self._pushed = {j: t for j, t in self._pushed.items() if t >= self._since}
+            horizon = min(self._since, self._keys_since)
+            self._pushed = {j: t for j, t in self._pushed.items() if t >= horizon}
         return pushed
 
     async def _loop(self) -> None:

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp
 from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.principals import Principal
+from sandlot.broker.revocations import api_key_jti
 from sandlot.broker.settings import BrokerSettings, ConfigError
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.auth import AuthContext
@@ -63,6 +64,8 @@ def build_provider(
             caps=frozenset(policy.allowed),
             sandbox_id=sandbox_id,
             generation=row.generation,
+            # Revoking the key revokes this id: its sockets close like a token's.
+            jti=api_key_jti(principal.key_id),
         )
 
     try:

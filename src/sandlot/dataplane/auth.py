@@ -286,7 +286,7 @@ class Authenticator:
             if len(self._api_keys) > 4096:
                 self._api_keys.clear()
             self._api_keys[cache_key] = (now + self.API_KEY_TTL, ctx)
-        if ctx is None or ctx.sandbox_id != sandbox_id:
+        if ctx is None or ctx.sandbox_id != sandbox_id or self.verifier.is_revoked(ctx.jti):
             raise Unauthenticated("invalid API key")
         return ctx
 
