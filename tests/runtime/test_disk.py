@@ -188,6 +188,16 @@ async def test_delete_and_crash_cleanup_leave_no_image_mount_or_loop(
     assert successor.list_existing() == set()
     await wait_no_leftovers(settings, "sb-orphan")
 
+    # A disk still mounted whose image someone deleted (a test's temporary directory
+    # removed under a server, say) is still found, and unmounted.
+    disk = successor._disks.provide("sb-stray", 16, os.getuid(), os.getgid(), workspace=True)
+    assert disk is not None
+    disk.image.unlink()
+    assert successor.list_existing() == {"sb-stray"}
+    await successor.cleanup_leftovers(set())
+    await wait_no_leftovers(settings, "sb-stray")
+    assert not disk.mountpoint.exists()
+
 
 # --- through sandlot serve ------------------------------------------------------------
 
@@ -334,3 +344,34 @@ async def test_a_workspace_from_before_disk_limits_is_kept_not_hidden(
     assert rt.disk_usage() is None
     await manager.destroy("sb-old")
     assert not old.exists()
+
+
+async def test_a_create_cancelled_while_its_disk_is_made_leaves_nothing(
+    manager: LocalRuntimeManager,
+    settings: RuntimeSettings,
+    disk_template: Template,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A sandbox deleted while it is being created: the provider cancels the create,
+    # waits for it, then destroys. The disk is made in a thread that a cancel cannot
+    # stop; held up here so that the cancel lands while it runs.
+    disks = manager._disks
+    provide = disks.provide
+    started = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def slow_provide(*args: object, **kw: object) -> object:
+        loop.call_soon_threadsafe(started.set)
+        time.sleep(0.5)
+        return provide(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disks, "provide", slow_provide)
+    task = asyncio.ensure_future(manager.create("sb-cancel", 1, disk_template, {}))
+    await asyncio.wait_for(started.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await manager.destroy("sb-cancel")
+    await asyncio.sleep(0.6)  # past the moment a stray thread would have mounted it
+    await wait_no_leftovers(settings, "sb-cancel")
+    assert not (settings.workspaces_dir / "sb-cancel").exists()

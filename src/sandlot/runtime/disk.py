@@ -50,6 +50,7 @@ manager warns loudly, as for the unisolated mode).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import errno
@@ -62,12 +63,15 @@ import struct
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 log = logging.getLogger("sandlot.runtime.disk")
+T = TypeVar("T")
 
-#: Kept free on the host's filesystem beyond everything the sandbox disks may still take.
+#: Kept free on the host's filesystem beside a new disk's full size (the server's own data).
 HOST_RESERVE_BYTES = 1 << 30
 
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -91,7 +95,7 @@ _MKFS = (
     "-O",
     "^has_journal",
     "-E",
-    "nodiscard,lazy_itable_init=1,lazy_journal_init=1",
+    "nodiscard,lazy_itable_init=1",
     "-L",
     "sandlot",
 )
@@ -270,6 +274,21 @@ def find_mkfs() -> str | None:
     return shutil.which("mkfs.ext4") or shutil.which("mkfs.ext4", path="/usr/sbin:/sbin")
 
 
+async def in_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a thread; cancelled, wait for it to end before raising.
+
+    ``asyncio.to_thread`` lets a cancelled caller go on while the thread still
+    runs: a destroy that follows would find no disk, and the thread would then
+    mount one nobody removes.
+    """
+    task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await asyncio.wait([task])
+        raise
+
+
 class DiskManager:
     """Makes, mounts and removes the disks of one server's sandboxes."""
 
@@ -383,7 +402,7 @@ class DiskManager:
             disk.mountpoint.mkdir(mode=0o755, parents=True, exist_ok=True)
             self._mount(disk, fresh=False)
 
-    def release(self, sandbox_id: str, *, keep_image: bool = False) -> None:
+    def release(self, sandbox_id: str, keep_image: bool = False) -> None:
         """Unmount the sandbox's disk and, unless ``keep_image``, delete its image (idempotent).
 
         The mount point stays (an empty directory): it is the workspace
@@ -408,12 +427,19 @@ class DiskManager:
                 _umount(mountpoint)
 
     def existing(self) -> set[str]:
-        """Sandboxes with an image here."""
+        """Sandboxes with an image here, or a disk of ours still mounted."""
         try:
             names = [e.name for e in os.scandir(self.images)]
         except FileNotFoundError:
             return set()
-        return {n[:-4] for n in names if n.endswith(".img") and _ID.match(n[:-4])}
+        found = {n[:-4] for n in names if n.endswith(".img") and _ID.match(n[:-4])}
+        attached = loops_backed_by(self.images)
+        if attached:
+            mounts = self.mounts.resolve()
+            found |= {
+                m.name for m in mounts_of(set(attached)) if m.parent == mounts and _ID.match(m.name)
+            }
+        return found
 
     @staticmethod
     def usage(path: Path) -> tuple[int, int]:

@@ -51,7 +51,7 @@ from sandlot.runtime.cbuild import BuildError
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
 from sandlot.runtime.control import INIT_PROTOCOL
 from sandlot.runtime.direct import DirectRuntime
-from sandlot.runtime.disk import DiskManager
+from sandlot.runtime.disk import DiskManager, in_thread
 from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
 from sandlot.runtime.isolated import IsolatedRuntime, SandboxRecord, find_init
 from sandlot.runtime.preflight import (
@@ -391,7 +391,8 @@ class LocalRuntimeManager:
         try:
             record = self._prepare_dirs(sandbox_id, generation, template, volumes, uid, gid)
             if self._disks.available and template.resources.disk_mb:
-                await asyncio.to_thread(self._provide_disk, sandbox_id, record, template)
+                await in_thread(self._provide_disk, sandbox_id, record, template)
+                record.save(run / "state.json")
             if self.settings.mode == "unisolated":
                 return DirectRuntime(
                     sandbox_id,
@@ -467,7 +468,6 @@ class LocalRuntimeManager:
         if on_disk:
             record.workspace = str(disk.workspace)
         record.tmp, record.disk_mb = str(disk.tmp), size
-        record.save(self.settings.run_dir / sandbox_id / "state.json")
 
     async def _launch(
         self, sandbox_id: str, generation: int, template: Template, record: SandboxRecord
@@ -646,7 +646,7 @@ class LocalRuntimeManager:
         if init_pid is None:
             return None
         if record.disk_mb:
-            await asyncio.to_thread(self._disks.remount, sandbox_id)
+            await in_thread(self._disks.remount, sandbox_id)
         self._uids_in_use.add(record.uid)
         runtime = IsolatedRuntime(
             sandbox_id,
@@ -695,7 +695,7 @@ class LocalRuntimeManager:
             cgroup = self._require().sandbox(sandbox_id)
             await cgroup.kill_all()
             await cgroup.remove()
-        await asyncio.to_thread(self._disks.release, sandbox_id, keep_image=keep_workspace)
+        await in_thread(self._disks.release, sandbox_id, keep_workspace)
         await asyncio.to_thread(_rmtree, run)
         if not keep_workspace:
             await asyncio.to_thread(_rmtree, self.settings.workspaces_dir / sandbox_id)
