@@ -108,7 +108,9 @@ class _Lease:
         """Refresh the token; re-negotiate when the binding is gone."""
         with self.lock:
             body: dict[str, Any] | None = None
-            if self.grant.session_id is not None:
+            # A refresh mints for the actor that attached last through the key: a lease
+            # that names its actor negotiates again instead, to stay that actor.
+            if self.grant.session_id is not None and "actor" not in self.request:
                 try:
                     body = self.client.refresh(self.grant.session_id)
                     self.grant.update_token(body)
@@ -163,7 +165,7 @@ class Sandlot:
         self._wire = wire or Wire()
         self._owns_wire = wire is None
         self._http = HTTP(self.url, self._auth, timeout=timeout, wire=self._wire)
-        self._leases: dict[tuple[str, str, str], _Lease] = {}
+        self._leases: dict[tuple[str, str, str, str], _Lease] = {}
 
     def _auth(self) -> dict[str, str]:
         headers = {"Authorization": f"Bearer {self._api_key}"}
@@ -194,6 +196,8 @@ class Sandlot:
         template: str | None = None,
         sandbox_hint: str | None = None,
         assistant_id: str | None = None,
+        actor_id: str | None = None,
+        actor_type: str = "agent",
         wait: bool = True,
         timeout: float | None = None,
     ) -> Sandbox:
@@ -203,6 +207,9 @@ class Sandlot:
         ``scope_id`` name any other scope). With ``wait=True`` (the default)
         this returns once the binding is active, waiting on its event stream.
         The grant is cached per scope and kept fresh until :meth:`release`.
+        ``actor_id`` names who acts (one agent of a framework, say) in the token
+        and the audit; ``actor_type`` must be the key's (``agent`` for agent and
+        service keys, ``human`` for a human's).
         """
         sid = scope_id or thread_id
         if not sid:
@@ -216,7 +223,9 @@ class Sandlot:
         ):
             if value is not None:
                 request[name] = value
-        key = (scope_type, sid, ",".join(sorted(capabilities or [])))
+        if actor_id is not None:
+            request["actor"] = {"type": actor_type, "id": actor_id}
+        key = (scope_type, sid, ",".join(sorted(capabilities or [])), actor_id or "")
         lease = self._leases.get(key)
         if lease is None or lease.stale() or mode == "create_only":
             deadline = self._http.deadline(timeout)
