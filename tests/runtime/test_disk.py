@@ -30,7 +30,7 @@ import pytest
 
 from sandlot.protocol.sessions import Resources, Template
 from sandlot.runtime.base import SandboxRuntime
-from sandlot.runtime.disk import loops_backed_by, mounts_of
+from sandlot.runtime.disk import MOUNT_ROOT, loops_backed_by, mounts_of
 from sandlot.runtime.local import IsolatedRuntime, LocalRuntimeManager, RuntimeSettings
 from tests.broker.test_e2e import wait_active
 from tests.runtime.conftest import require_isolation, run
@@ -86,13 +86,17 @@ async def assert_full_at(rt: SandboxRuntime, directory: str) -> None:
     assert 32 * MIB < int(written.stdout) <= 64 * MIB
 
 
+def mountpoint_of(settings: RuntimeSettings, sandbox_id: str) -> Path:
+    return MOUNT_ROOT / LocalRuntimeManager(settings).tag / sandbox_id
+
+
 def disk_leftovers(settings: RuntimeSettings, sandbox_id: str) -> list[str]:
-    """What remains of a sandbox's disk on the host: image, mount, loop device."""
+    """What remains of a sandbox's disk on the host: image, mount (point), loop device."""
     image = settings.run_dir / ".disks" / f"{sandbox_id}.img"
-    mountpoint = settings.workspaces_dir / sandbox_id
+    mountpoint = mountpoint_of(settings, sandbox_id)
     found = [str(image)] if image.exists() else []
     found += [str(m) for m in mounts_of(set(loops_backed_by(settings.run_dir)))]
-    found += [str(mountpoint)] if os.path.ismount(mountpoint) else []
+    found += [str(mountpoint)] if mountpoint.exists() else []
     found += list(loops_backed_by(image))
     return found
 
@@ -150,7 +154,7 @@ async def test_the_limit_holds_through_suspend_resume_and_restarts(
     # again from the loop device the sandbox still holds, never a second copy.
     assert isinstance(adopted, IsolatedRuntime)
     adopted.close()
-    mountpoint = settings.workspaces_dir / "sb-keep"
+    mountpoint = mountpoint_of(settings, "sb-keep")
     subprocess.run(["umount", "--lazy", str(mountpoint)], check=True)
     assert not os.path.ismount(mountpoint)
     third = LocalRuntimeManager(settings)
@@ -190,7 +194,8 @@ async def test_delete_and_crash_cleanup_leave_no_image_mount_or_loop(
 
     # A disk still mounted whose image someone deleted (a test's temporary directory
     # removed under a server, say) is still found, and unmounted.
-    disk = successor._disks.provide("sb-stray", 16, os.getuid(), os.getgid(), workspace=True)
+    plain = settings.workspaces_dir / "sb-stray"
+    disk = successor._disks.provide("sb-stray", 16, os.getuid(), os.getgid(), workspace=plain)
     assert disk is not None
     disk.image.unlink()
     assert successor.list_existing() == {"sb-stray"}

@@ -8,10 +8,15 @@ unprivileged uid and cannot mount anything, binds the image's ``workspace`` and
 in the sandbox and in the dataplane alike, and nothing a sandbox writes lands
 anywhere else on the host. Per sandbox::
 
-    run_dir/.disks/<id>.img          the image (sparse: it takes what is written, at most its size)
-    workspaces_dir/<id>/             where it is mounted (nosuid, nodev, noatime)
-    workspaces_dir/<id>/workspace/   the sandbox's /workspace (unless a volume is mounted there)
-    workspaces_dir/<id>/tmp/         the sandbox's /tmp
+    run_dir/.disks/<id>.img                 the image (sparse: what was written, at most its size)
+    /run/sandlot/disks/<tag>/<id>/          where it is mounted (nosuid, nodev, noatime)
+    /run/sandlot/disks/<tag>/<id>/workspace the sandbox's /workspace (unless a volume is there)
+    /run/sandlot/disks/<tag>/<id>/tmp       the sandbox's /tmp
+
+Mount points are outside the data directory (``tag`` is the runtime's, one per
+data directory), so removing a data directory never walks into a mounted disk
+and deletes its files on the way, or fails on a busy mount point; they are as
+reachable by other host users as the workspaces directory is.
 
 Choices, and why:
 
@@ -70,6 +75,10 @@ from typing import Any, TypeVar
 
 log = logging.getLogger("sandlot.runtime.disk")
 T = TypeVar("T")
+
+#: Where the disks are mounted, per server (``<tag>/<id>``): outside the data directory,
+#: so that removing one never walks into a mounted disk.
+MOUNT_ROOT = Path("/run/sandlot/disks")
 
 #: Kept free on the host's filesystem beside a new disk's full size (the server's own data).
 HOST_RESERVE_BYTES = 1 << 30
@@ -193,8 +202,8 @@ def loops_backed_by(prefix: Path) -> dict[str, str]:
     """Attached loop devices whose backing file is ``prefix`` or lies under it: device → file."""
     root = os.path.realpath(prefix)
     found = {}
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.scandir("/sys/block"):
+    with contextlib.suppress(FileNotFoundError), os.scandir("/sys/block") as it:
+        for entry in it:
             if not entry.name.startswith("loop"):
                 continue
             try:
@@ -258,6 +267,14 @@ def _has_entries(path: Path) -> bool:
         return False
 
 
+def _traversable(path: Path) -> bool:
+    """Whether every uid may walk down to ``path`` (itself included)."""
+    try:
+        return all(p.stat().st_mode & 0o001 for p in (path, *path.parents))
+    except OSError:
+        return False
+
+
 def _pid_alive(pid: str) -> bool:
     return pid.isdigit() and os.path.exists(f"/proc/{pid}")
 
@@ -292,11 +309,13 @@ async def in_thread(fn: Callable[..., T], *args: Any) -> T:
 class DiskManager:
     """Makes, mounts and removes the disks of one server's sandboxes."""
 
-    def __init__(self, images: Path, mounts: Path) -> None:
+    def __init__(self, images: Path, mounts: Path, like: Path) -> None:
         #: ``<id>.img`` files, and the formatted ``.template-<MiB>.img`` they are copied from.
         self.images = images
-        #: ``<id>/`` mount points.
+        #: ``<id>/`` mount points; other uids may walk through it only if they may walk
+        #: through ``like`` (the workspaces directory it stands in for).
         self.mounts = mounts
+        self._like = like
         self._lock = threading.Lock()
         self._mkfs = ""
 
@@ -349,22 +368,26 @@ class DiskManager:
     # --- per sandbox ----------------------------------------------------------------
 
     def provide(
-        self, sandbox_id: str, size_mb: int, uid: int, gid: int, *, workspace: bool
+        self, sandbox_id: str, size_mb: int, uid: int, gid: int, *, workspace: Path | None
     ) -> SandboxDisk | None:
         """Make (or find) the sandbox's disk and mount it, its directories owned by ``uid``.
 
+        ``workspace``: the plain directory the disk's ``workspace`` replaces
+        (``None``: a volume is the workspace, the disk holds ``/tmp`` only).
         An image left by an earlier attempt (a create retried after a crash) is
         kept, with the user's files and its size. ``None``: the sandbox keeps a
-        workspace made before disk limits existed (a disk mounted over it would
-        hide the user's files), without a limit.
+        workspace made before disk limits existed, with its files, and no limit.
         """
         if not self._mkfs:
             raise DiskError("sandbox disks are not available here (see the server's warning)")
         disk = self.disk(sandbox_id)
-        self.mounts.mkdir(parents=True, exist_ok=True)
+        if not self.mounts.is_dir():
+            mode = 0o711 if _traversable(self._like) else 0o700
+            self.mounts.mkdir(mode=mode, parents=True, exist_ok=True)
+            self.mounts.chmod(mode)
         with self._lock:
             fresh = not disk.image.exists()
-            if fresh and _has_entries(disk.mountpoint) and not os.path.ismount(disk.mountpoint):
+            if fresh and workspace is not None and _has_entries(workspace):
                 log.warning("sandbox %s keeps its workspace of before disk limits", sandbox_id)
                 return None
             if fresh:
@@ -378,7 +401,9 @@ class DiskManager:
             disk.mountpoint.mkdir(mode=0o755, exist_ok=True)
             if not os.path.ismount(disk.mountpoint):
                 self._mount(disk, fresh=fresh)
-            dirs = [(disk.tmp, 0o1777)] + ([(disk.workspace, 0o755)] if workspace else [])
+            dirs = [(disk.tmp, 0o1777)]
+            if workspace is not None:
+                dirs.append((disk.workspace, 0o755))
             for path, mode in dirs:
                 path.mkdir(mode=mode, exist_ok=True)
                 path.chmod(mode)
@@ -403,11 +428,7 @@ class DiskManager:
             self._mount(disk, fresh=False)
 
     def release(self, sandbox_id: str, keep_image: bool = False) -> None:
-        """Unmount the sandbox's disk and, unless ``keep_image``, delete its image (idempotent).
-
-        The mount point stays (an empty directory): it is the workspace
-        directory the caller removes.
-        """
+        """Unmount the sandbox's disk and, unless ``keep_image``, delete it (idempotent)."""
         disk = self.disk(sandbox_id)
         for _ in range(8):  # stacked mounts, should a crash have left two
             if not os.path.ismount(disk.mountpoint):
@@ -418,6 +439,10 @@ class DiskManager:
             _umount(disk.mountpoint)
         if not keep_image:
             disk.image.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                disk.mountpoint.rmdir()
+            with contextlib.suppress(OSError):
+                self.mounts.rmdir()  # the last one: nothing of this server is left in /run
 
     def release_all(self) -> None:
         """Unmount every disk whose image is here (a server whose data directory is gone)."""
@@ -425,19 +450,22 @@ class DiskManager:
         for mountpoint in mounts_of(set(attached)):
             with contextlib.suppress(OSError):
                 _umount(mountpoint)
+        shutil.rmtree(self.mounts, ignore_errors=True)
 
     def existing(self) -> set[str]:
         """Sandboxes with an image here, or a disk of ours still mounted."""
         try:
-            names = [e.name for e in os.scandir(self.images)]
+            with os.scandir(self.images) as it:
+                names = [e.name for e in it]
         except FileNotFoundError:
             return set()
         found = {n[:-4] for n in names if n.endswith(".img") and _ID.match(n[:-4])}
         attached = loops_backed_by(self.images)
         if attached:
-            mounts = self.mounts.resolve()
             found |= {
-                m.name for m in mounts_of(set(attached)) if m.parent == mounts and _ID.match(m.name)
+                m.name
+                for m in mounts_of(set(attached))
+                if m.parent == self.mounts and _ID.match(m.name)
             }
         return found
 
@@ -451,8 +479,14 @@ class DiskManager:
 
     def _sweep(self) -> None:
         """Remove what a server killed while making a disk left behind (trial, staging)."""
+        with contextlib.suppress(FileNotFoundError), os.scandir(self.mounts) as it:
+            for entry in it:
+                if not os.path.ismount(entry.path) and not self.disk(entry.name).image.exists():
+                    with contextlib.suppress(OSError):
+                        os.rmdir(entry.path)  # a mount point of a disk deleted meanwhile
         try:
-            entries = list(os.scandir(self.images))
+            with os.scandir(self.images) as it:
+                entries = list(it)
         except FileNotFoundError:
             return
         for entry in entries:

@@ -51,7 +51,7 @@ from sandlot.runtime.cbuild import BuildError
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
 from sandlot.runtime.control import INIT_PROTOCOL
 from sandlot.runtime.direct import DirectRuntime
-from sandlot.runtime.disk import DiskManager, in_thread
+from sandlot.runtime.disk import MOUNT_ROOT, DiskManager, in_thread
 from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
 from sandlot.runtime.isolated import IsolatedRuntime, SandboxRecord, find_init
 from sandlot.runtime.preflight import (
@@ -182,7 +182,9 @@ class LocalRuntimeManager:
         #: ripgrep and its launcher, bound read-only into every sandbox (``tools.py``).
         self._tools: Path | None = None
         #: Size-limited disks for the workspace and /tmp (``disk.py``).
-        self._disks = DiskManager(settings.run_dir / ".disks", settings.workspaces_dir)
+        self._disks = DiskManager(
+            settings.run_dir / ".disks", MOUNT_ROOT / self.tag, settings.workspaces_dir
+        )
 
     # --- preflight ------------------------------------------------------------------
 
@@ -365,7 +367,8 @@ class LocalRuntimeManager:
                 await cgroup.remove()
             orphans.remove_parents_if_empty()
             with contextlib.suppress(OSError):
-                DiskManager(Path((TAG_REGISTRY / tag).read_text()) / ".disks", Path()).release_all()
+                images = Path((TAG_REGISTRY / tag).read_text()) / ".disks"
+                DiskManager(images, MOUNT_ROOT / tag, Path()).release_all()
             with contextlib.suppress(OSError):
                 (TAG_REGISTRY / tag).unlink()
 
@@ -462,7 +465,8 @@ class LocalRuntimeManager:
         """Mount the sandbox's size-limited disk; the workspace and /tmp move onto it."""
         size = template.resources.disk_mb or 0
         on_disk = all(path != WORKSPACE for path, _, _ in record.volumes)
-        disk = self._disks.provide(sandbox_id, size, record.uid, record.gid, workspace=on_disk)
+        plain = Path(record.workspace) if on_disk else None
+        disk = self._disks.provide(sandbox_id, size, record.uid, record.gid, workspace=plain)
         if disk is None:
             return
         if on_disk:
