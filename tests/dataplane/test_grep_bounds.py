@@ -163,10 +163,16 @@ def test_a_regex_too_large_to_compile_is_a_400_at_once(
     report(record_property, f"grep a{{1000}}{{1000}}: 400 in {took * 1000:.0f} ms")
 
 
-def test_invalid_regex_is_a_400(short: Box) -> None:
-    resp = httpx.post(
-        short.grep_url, json={"pattern": "a(", "regex": True}, headers=short.headers, timeout=20
-    )
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"pattern": "a(", "regex": True},
+        {"pattern": "x", "glob": "a["},  # a small tree, a literal: the same answer
+        {"pattern": "x", "glob": "[z-a]", "path": "/workspace/slow"},
+    ],
+)
+def test_invalid_regex_or_glob_is_a_400(short: Box, body: dict[str, object]) -> None:
+    resp = httpx.post(short.grep_url, json=body, headers=short.headers, timeout=20)
     assert resp.status_code == 400, resp.text
     assert resp.json()["error"]["code"] == "INVALID_REQUEST"
 

@@ -143,7 +143,17 @@ def test_a_large_tree_is_told_apart_without_reading_a_file(tree: Path, monkeypat
 
 @pytest.mark.parametrize(
     ("glob", "simple"),
-    [(None, True), ("*.py", True), ("src/*.py", False), ("*.{py,txt}", False), ("!x", False)],
+    [
+        (None, True),
+        ("*.py", True),
+        ("src/*.py", False),
+        ("*.{py,txt}", False),
+        ("!x", False),
+        ("[ab].*", True),
+        ("[]a]x", True),
+        ("a[", False),  # ripgrep: unclosed character class (400); fnmatch: a literal "["
+        ("[z-a]", False),  # ripgrep: invalid range (400)
+    ],
 )
 def test_only_globs_with_a_plain_meaning_take_the_fast_path(glob: str | None, simple: bool) -> None:
     assert grep_mod._simple_glob(glob) is simple

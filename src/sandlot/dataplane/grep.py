@@ -519,8 +519,24 @@ async def _collect(
 
 
 def _simple_glob(glob: str | None) -> bool:
-    """A glob whose ripgrep meaning is fnmatch's on the file name (no ``/``, braces, ``!``)."""
-    return glob is None or not any(c in glob for c in "/{}!\\")
+    """A glob whose ripgrep meaning is fnmatch's on the file name (no ``/``, braces, ``!``,
+    and character classes ripgrep takes: closed, ranges in order). ripgrep refuses the
+    others (400), where fnmatch would read an unclosed ``[`` as itself."""
+    if glob is None:
+        return True
+    if any(c in glob for c in "/{}!\\"):
+        return False
+    at = 0
+    while (at := glob.find("[", at)) >= 0:
+        end = glob.find("]", at + 2)  # a "]" right after "[" is a member
+        if end < 0:
+            return False
+        members = glob[at + 1 : end]
+        for k in range(1, len(members) - 1):
+            if members[k] == "-" and members[k - 1] > members[k + 1]:
+                return False
+        at = end + 1
+    return True
 
 
 class _TooBig(Exception):
