@@ -202,6 +202,13 @@ async def test_delete_and_crash_cleanup_leave_no_image_mount_or_loop(
     await successor.cleanup_leftovers(set())
     await wait_no_leftovers(settings, "sb-stray")
     assert not disk.mountpoint.exists()
+    # The same, the directory gone with it and no server left to ask: any server's start
+    # unmounts disks whose image is gone.
+    disk = successor._disks.provide("sb-lost", 16, os.getuid(), os.getgid(), workspace=None)
+    assert disk is not None
+    disk.image.unlink()
+    LocalRuntimeManager(settings).preflight()
+    await wait_no_leftovers(settings, "sb-lost")
 
 
 # --- through sandlot serve ------------------------------------------------------------

@@ -198,9 +198,8 @@ def _attach(image: Path) -> tuple[str, int]:
         os.close(ctl)
 
 
-def loops_backed_by(prefix: Path) -> dict[str, str]:
-    """Attached loop devices whose backing file is ``prefix`` or lies under it: device → file."""
-    root = os.path.realpath(prefix)
+def _loops() -> dict[str, str]:
+    """Every attached loop device: device → backing file (`` (deleted)`` when it is)."""
     found = {}
     with contextlib.suppress(FileNotFoundError), os.scandir("/sys/block") as it:
         for entry in it:
@@ -208,12 +207,32 @@ def loops_backed_by(prefix: Path) -> dict[str, str]:
                 continue
             try:
                 with open(f"/sys/block/{entry.name}/loop/backing_file") as f:
-                    backing = f.read().rstrip("\n").removesuffix(" (deleted)")
+                    found[f"/dev/{entry.name}"] = f.read().rstrip("\n")
             except OSError:
                 continue  # not attached
-            if backing == root or backing.startswith(root.rstrip("/") + "/"):
-                found[f"/dev/{entry.name}"] = backing
     return found
+
+
+def loops_backed_by(prefix: Path) -> dict[str, str]:
+    """Attached loop devices whose backing file is ``prefix`` or lies under it: device → file."""
+    root = os.path.realpath(prefix)
+    found = {}
+    for device, backing in _loops().items():
+        backing = backing.removesuffix(" (deleted)")
+        if backing == root or backing.startswith(root.rstrip("/") + "/"):
+            found[device] = backing
+    return found
+
+
+def release_deleted() -> None:
+    """Unmount the sandbox disks whose image was deleted under them: nobody can adopt or
+    remove those any more (a data directory removed while its server was down)."""
+    deleted = {dev for dev, backing in _loops().items() if backing.endswith(" (deleted)")}
+    for mountpoint in mounts_of(deleted) if deleted else []:
+        if mountpoint.parent.parent == MOUNT_ROOT:
+            with contextlib.suppress(OSError):
+                _umount(mountpoint)
+                mountpoint.rmdir()
 
 
 def mounts_of(devices: set[str]) -> list[Path]:
@@ -478,7 +497,9 @@ class DiskManager:
     # --- internals ------------------------------------------------------------------
 
     def _sweep(self) -> None:
-        """Remove what a server killed while making a disk left behind (trial, staging)."""
+        """Remove what a server killed while making a disk left behind (trial, staging),
+        and any server's disks whose images are gone."""
+        release_deleted()
         with contextlib.suppress(FileNotFoundError), os.scandir(self.mounts) as it:
             for entry in it:
                 if not os.path.ismount(entry.path) and not self.disk(entry.name).image.exists():
