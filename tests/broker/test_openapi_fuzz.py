@@ -22,8 +22,8 @@ from tests.fuzzing import Fuzzer, unexpected_logs
 from tests.servers import running
 
 #: Cases per operation: with generated path parameters, and with those of existing objects.
-EXAMPLES, KNOWN_EXAMPLES = (120, 60) if FULL else (14, 10)
-TARGET = 6_000 if FULL else 1_500
+EXAMPLES, KNOWN_EXAMPLES = (200, 100) if FULL else (14, 10)
+TARGET = 10_000 if FULL else 1_500
 
 THREAD = "thr_fuzz"
 CONFIG = """
