@@ -2,7 +2,8 @@
 
 Run as root on Linux: ``python bench/runtime_bench.py [--quick]``.
 
-Figures: create → ready (p50/p95), a one-shot ``true`` in a sandbox against
+Figures: create → ready (p50/p95; with the 1 GiB disk of the shipped ``default``
+template, and without one), a one-shot ``true`` in a sandbox against
 ``subprocess.run(["true"])`` (interleaved, same run), PTY shell start to its
 first prompt, idle memory per sandbox (PSS of bubblewrap's monitor + the init),
 and N concurrent creates for N = 1, 50, 200.
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from targets import report
 
-from sandlot.protocol.sessions import Template
+from sandlot.protocol.sessions import Resources, Template
 from sandlot.runtime.base import ProcessSpec, SandboxRuntime
 from sandlot.runtime.local import IsolatedRuntime, LocalRuntimeManager, RuntimeSettings
 
@@ -95,30 +96,46 @@ async def main(quick: bool) -> None:
     )
     mgr = LocalRuntimeManager(settings)
     mgr.preflight()
-    template = Template(name="bench", image="host")
+    # As the shipped ``default`` template: a 1 GiB disk for /workspace and /tmp.
+    template = Template(name="bench", image="host", resources=Resources(disk_mb=1024))
+    no_disk = Template(name="bench-no-disk", image="host")
     rows: list[tuple[str, str]] = []
     n = 20 if quick else 100
     try:
-        creates = []
+        creates, plain_creates = [], []
         for i in range(n):
+            # Interleaved: the same machine load for both.
             started = time.perf_counter()
             await mgr.create(f"c{i}", 1, template, {})
             creates.append(time.perf_counter() - started)
-        destroys = []
+            started = time.perf_counter()
+            await mgr.create(f"p{i}", 1, no_disk, {})
+            plain_creates.append(time.perf_counter() - started)
+        destroys, plain_destroys = [], []
         for i in range(n):
             started = time.perf_counter()
             await mgr.destroy(f"c{i}")
             destroys.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await mgr.destroy(f"p{i}")
+            plain_destroys.append(time.perf_counter() - started)
         rows.append(
             ("create → ready (p50 / p95)", f"{ms(pct(creates, 0.5))} / {ms(pct(creates, 0.95))}")
         )
+        rows.append(
+            (
+                "create → ready without a disk (`disk_mb` unset; p50 / p95)",
+                f"{ms(pct(plain_creates, 0.5))} / {ms(pct(plain_creates, 0.95))}",
+            )
+        )
         rows.append(("destroy (p50)", ms(pct(destroys, 0.5))))
+        rows.append(("destroy without a disk (p50)", ms(pct(plain_destroys, 0.5))))
         report(
             "runtime",
             "create → ready: p50 ≤ 15 ms",
             ms(pct(creates, 0.5)),
             pct(creates, 0.5) <= 0.015,
-            "bubblewrap start, cgroup setup and the init's ready message",
+            "bubblewrap start, cgroup setup, the sandbox's disk and the init's ready message",
         )
 
         rt = await mgr.create("exec", 1, template, {})
