@@ -181,6 +181,16 @@ async def test_delete_and_crash_cleanup_leave_no_image_mount_or_loop(
     assert not (settings.workspaces_dir / "sb-gone").exists()
     await wait_no_leftovers(settings, "sb-gone")
 
+    # A disk mounted in a second place too (an older version mounted it in the workspaces
+    # directory): a delete unmounts it there as well.
+    await manager.create("sb-twice", 1, disk_template, {})
+    device = next(iter(loops_backed_by(settings.run_dir / ".disks" / "sb-twice.img")))
+    elsewhere = settings.workspaces_dir / "sb-twice"
+    subprocess.run(["mount", device, str(elsewhere)], check=True)
+    await manager.destroy("sb-twice")
+    assert not elsewhere.exists()
+    await wait_no_leftovers(settings, "sb-twice")
+
     # A server that died with sandboxes running: the next one removes what it does not keep.
     rt = await manager.create("sb-orphan", 1, disk_template, {})
     assert isinstance(rt, IsolatedRuntime)

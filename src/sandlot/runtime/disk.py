@@ -449,13 +449,20 @@ class DiskManager:
     def release(self, sandbox_id: str, keep_image: bool = False) -> None:
         """Unmount the sandbox's disk and, unless ``keep_image``, delete it (idempotent)."""
         disk = self.disk(sandbox_id)
-        for _ in range(8):  # stacked mounts, should a crash have left two
-            if not os.path.ismount(disk.mountpoint):
-                break
-            if not keep_image:
-                # Its files are about to go: no writeback on unmount (about 10 ms less).
-                _shutdown(disk.mountpoint)
-            _umount(disk.mountpoint)
+        mounted = [disk.mountpoint] if os.path.ismount(disk.mountpoint) else []
+        if disk.image.exists():
+            # Wherever else it is mounted (an older version mounted it in the workspaces
+            # directory, and a re-adopted sandbox of that version is mounted in both).
+            attached = set(loops_backed_by(disk.image))
+            mounted += [m for m in mounts_of(attached) if m != disk.mountpoint] if attached else []
+        for mountpoint in mounted:
+            for _ in range(8):  # stacked mounts, should a crash have left two
+                if not os.path.ismount(mountpoint):
+                    break
+                if not keep_image:
+                    # Its files are about to go: no writeback on unmount (about 10 ms less).
+                    _shutdown(mountpoint)
+                _umount(mountpoint)
         if not keep_image:
             disk.image.unlink(missing_ok=True)
             with contextlib.suppress(FileNotFoundError):
