@@ -235,21 +235,27 @@ def release_deleted() -> None:
                 mountpoint.rmdir()
 
 
+def _mount_table() -> list[tuple[int, Path]]:
+    """``(device number, mount point)`` of every mount in this mount namespace."""
+    table = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split(" ", 5)
+            major, minor = fields[2].split(":")
+            where = fields[4]
+            if "\\" in where:  # octal escapes for spaces and the like, as the kernel writes them
+                where = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), where)
+            table.append((os.makedev(int(major), int(minor)), Path(where)))
+    return table
+
+
 def mounts_of(devices: set[str]) -> list[Path]:
     """Mount points (in this mount namespace) of the given block devices."""
     numbers = set()
     for device in devices:
         with contextlib.suppress(OSError):
             numbers.add(os.stat(device).st_rdev)
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            major, minor = fields[2].split(":")
-            if os.makedev(int(major), int(minor)) in numbers:
-                # Octal escapes for spaces and the like, as the kernel writes them.
-                found.append(Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[4])))
-    return found
+    return [where for dev, where in _mount_table() if dev in numbers]
 
 
 def _sparse_copy(src: Path, dst: Path) -> None:
@@ -449,12 +455,15 @@ class DiskManager:
     def release(self, sandbox_id: str, keep_image: bool = False) -> None:
         """Unmount the sandbox's disk and, unless ``keep_image``, delete it (idempotent)."""
         disk = self.disk(sandbox_id)
-        mounted = [disk.mountpoint] if os.path.ismount(disk.mountpoint) else []
-        if disk.image.exists():
-            # Wherever else it is mounted (an older version mounted it in the workspaces
-            # directory, and a re-adopted sandbox of that version is mounted in both).
-            attached = set(loops_backed_by(disk.image))
-            mounted += [m for m in mounts_of(attached) if m != disk.mountpoint] if attached else []
+        # Wherever it is mounted: an older version mounted disks in the workspaces
+        # directory, and a re-adopted sandbox of that version is mounted in both places.
+        if os.path.ismount(disk.mountpoint):
+            dev = os.stat(disk.mountpoint).st_dev
+            mounted = [where for d, where in _mount_table() if d == dev]
+        elif disk.image.exists():
+            mounted = mounts_of(set(loops_backed_by(disk.image)))
+        else:
+            mounted = []
         for mountpoint in mounted:
             for _ in range(8):  # stacked mounts, should a crash have left two
                 if not os.path.ismount(mountpoint):
@@ -486,14 +495,8 @@ class DiskManager:
         except FileNotFoundError:
             return set()
         found = {n[:-4] for n in names if n.endswith(".img") and _ID.match(n[:-4])}
-        attached = loops_backed_by(self.images)
-        if attached:
-            found |= {
-                m.name
-                for m in mounts_of(set(attached))
-                if m.parent == self.mounts and _ID.match(m.name)
-            }
-        return found
+        mounted = [where for _, where in _mount_table() if where.parent == self.mounts]
+        return found | {m.name for m in mounted if _ID.match(m.name)}
 
     @staticmethod
     def usage(path: Path) -> tuple[int, int]:
