@@ -96,6 +96,8 @@ def main() -> None:
             str(ROOT / "bench" / f"{module}.py"),
             *(quick if args.quick else full),
         ]
+        if module == "growth_bench":
+            argv += ["--svg", str(Path(args.out).parent / "cost-growth.svg")]
         print(f"== {module}: {what}", file=sys.stderr, flush=True)
         settle()
         started = time.monotonic()
@@ -115,8 +117,16 @@ def main() -> None:
         f"Machine: {machine()}.\n\n"
         "Every figure is measured in the same run as the operation it is compared with "
         "(the direct operation on this machine, or a peer), interleaved so that drift "
-        "cancels. Targets are the issues' own; a missed one is reported as measured, "
-        "with what limits it.\n"
+        "cancels. Dataplane and broker figures are those of `sandlot serve` as users run "
+        "it (isolated sandboxes when run as root, the broker in the same process, the "
+        "shipped `default` template with its `/bin/bash -l` shells and its disk, file "
+        "watching on, every `ensure` with a fresh `Idempotency-Key`), through the SDK and "
+        "through a stock httpx client; the standalone, unisolated dataplane without a "
+        "watcher that earlier figures came from is shown beside them as a labelled "
+        "*stripped* column. Targets are the issues' own, evaluated on `sandlot serve` "
+        "through the SDK; a missed one is reported as measured, with what limits it "
+        "(the server's own time per request, the direct operation, the HTTP floor, "
+        "measured in the same run).\n"
     )
     found = targets.load(targets_file)
     scratch.cleanup()

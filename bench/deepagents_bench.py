@@ -194,7 +194,8 @@ def main() -> None:
 
     print(
         f"deepagents backend, {args.n} calls each, interleaved in blocks of {args.block}; "
-        f"{platform.machine()}, {isolation_mode()} sandboxes, Python {platform.python_version()}\n"
+        f"`sandlot serve` as shipped ({isolation_mode()} sandboxes, the `default` template, "
+        f"file watching on); {platform.machine()}, Python {platform.python_version()}\n"
     )
     print("| operation | sandlot median | p95 | BaseSandbox median | p95 | speed-up |")
     print("|---|---|---|---|---|---|")

@@ -1,10 +1,13 @@
-"""Cost growth: a few operations at 1, 10, 100 (1,000) times the work, dataplane and direct.
+"""Cost growth: a few operations at 1, 10, 100 (1,000) times the work, sandlot and direct.
 
-Run: ``.venv/bin/python bench/growth_bench.py [--quick] [--svg docs/cost-growth.svg]``
+Run: ``.venv/bin/python bench/growth_bench.py [--quick] [--no-stripped] [--svg FILE]``
 
-Starts a dataplane (uvicorn, one sandbox, direct runtime; the same server as
-``bench/dataplane_bench.py``) and times each operation at each size through
-the dataplane and directly in this process, interleaved sample by sample:
+Measures a real ``sandlot serve`` (``bench/served.py``: isolated sandboxes when
+root, the shipped ``default`` template, file watching on), one sandbox from
+``ensure``, through the SDK and through a stock client (httpx; the
+``websockets`` client for exec streams), beside the stripped standalone
+dataplane (through the SDK) and the operation done directly in this process
+on the sandbox's own files, one sample of each in turn:
 
 - listing 10 / 100 / 1,000 / 10,000 files (``/fs/list`` vs ``scandir`` + ``stat``);
 - reading 4 KiB / 40 KiB / 400 KiB / 4 MiB of text (``/fs/read``, JSON, vs
@@ -15,7 +18,7 @@ the dataplane and directly in this process, interleaved sample by sample:
 
 Prints a Markdown table (median, p95, ratio to direct, and how much each side
 grew from the smallest size) and writes a log-log SVG plot, one line per
-operation for the dataplane (solid) and direct (dashed).
+operation for sandlot through the SDK (solid) and direct (dashed).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,7 +40,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dataplane_bench import Dataplane, checked
+from dataplane_bench import place
+from measure import checked
+from served import STRIPPED, STRIPPED_WHAT, Endpoint, Served, Standalone
 
 ROOT = Path(__file__).resolve().parents[1]
 KIB = 1024
@@ -47,9 +53,14 @@ MIB = 1024 * 1024
 class Point:
     label: str
     work: float  # relative to the smallest size of the series
+    #: ``sandlot serve`` through the SDK.
     sandlot: list[float] = field(default_factory=list)
+    #: ``sandlot serve`` through a stock client (httpx, or ``websockets`` for streams).
+    stock: list[float] = field(default_factory=list)
+    #: The stripped dataplane through the SDK.
+    stripped: list[float] = field(default_factory=list)
     direct: list[float] = field(default_factory=list)
-    #: Exec streams: bytes the client was told it lost (``gap`` frames), per sample.
+    #: Exec streams: bytes the client was told it lost (``gap`` frames), per SDK sample.
     lost: list[int] = field(default_factory=list)
 
 
@@ -75,28 +86,29 @@ def size_label(n: int) -> str:
     return f"{n // KIB} KiB"
 
 
+Op = Callable[[], Any]
+
+
 def measure(
     point: Point,
-    via: Callable[[], Any],
-    direct: Callable[[], Any],
+    sides: list[tuple[list[float], Op | None]],
     *,
     reps: int,
     budget: float,
     warm: int = 2,
 ) -> None:
-    """Interleaved samples until ``reps`` pairs or ``budget`` seconds (at least 3 pairs)."""
+    """One sample of each side in turn until ``reps`` rounds or ``budget`` seconds (at
+    least 3 rounds)."""
+    live = [(samples, op) for samples, op in sides if op is not None]
     for _ in range(warm):
-        via()
-        direct()
+        for _, op in live:
+            op()
     started = time.monotonic()
     while len(point.sandlot) < reps:
-        t0 = time.perf_counter()
-        via()
-        t1 = time.perf_counter()
-        direct()
-        t2 = time.perf_counter()
-        point.sandlot.append(t1 - t0)
-        point.direct.append(t2 - t1)
+        for samples, op in live:
+            t0 = time.perf_counter()
+            op()
+            samples.append(time.perf_counter() - t0)
         if len(point.sandlot) >= 3 and time.monotonic() - started > budget:
             break
 
@@ -128,7 +140,8 @@ def make_grep_tree(root: Path, n: int) -> Path:
 
 
 async def stream_exec(ws_base: str, headers: dict[str, str], argv: list[str]) -> tuple[int, int]:
-    """Run ``argv`` through ``/exec/ws`` and read every frame: (bytes received, bytes lost).
+    """Run ``argv`` through ``/exec/ws`` with the stock ``websockets`` client and read every
+    frame: (bytes received, bytes lost).
 
     A client that falls more than the stream buffer behind the command gets a
     ``gap`` frame for what it missed; it is counted, not hidden.
@@ -155,35 +168,72 @@ async def stream_exec(ws_base: str, headers: dict[str, str], argv: list[str]) ->
                 raise RuntimeError(f"exec stream: {msg}")
 
 
-def run(args: argparse.Namespace) -> list[Series]:
-    import httpx
+def sdk_stream(sb: Any, argv: list[str]) -> tuple[int, int]:
+    """The same through the SDK (``Sandbox.stream``): (bytes received, bytes lost)."""
+    got = lost = 0
+    cmd = sb.stream(argv)
+    for chunk in cmd:
+        got += len(chunk.data)
+        lost += chunk.lost or 0
+    if cmd.exit_code != 0:
+        raise RuntimeError(f"exec failed: {cmd.exit_code}")
+    return got, lost
 
+
+def run(args: argparse.Namespace) -> list[Series]:
     from sandlot.dataplane.grep import ripgrep_path
 
     reps, budget = (30, 2.0) if args.quick else (200, 10.0)
     out: list[Series] = []
     with tempfile.TemporaryDirectory(prefix="sandlot-growth-") as tmp:
-        ws_dir = Path(tmp) / "ws"
-        ws_dir.mkdir()
-        listings = [make_listing(ws_dir, n) for n in (10, 100, 1000, 10_000)]
-        texts = [make_text(ws_dir, s) for s in (4 * KIB, 40 * KIB, 400 * KIB, 4 * MIB)]
-        trees = [make_grep_tree(ws_dir, n) for n in (100, 1000, 10_000)]
-        dp = Dataplane(ws_dir)
+        src = Path(tmp) / "content"
+        src.mkdir()
+        listings = [make_listing(src, n).name for n in (10, 100, 1000, 10_000)]
+        texts = [make_text(src, s).name for s in (4 * KIB, 40 * KIB, 400 * KIB, 4 * MIB)]
+        trees = [make_grep_tree(src, n).name for n in (100, 1000, 10_000)]
+        served = Served(Path(tmp)).start()
+        standalone = None
         loop = asyncio.new_event_loop()
         try:
-            c = httpx.Client(headers=dp.headers, timeout=120)
-            checked(c.get(f"{dp.base}/healthz"))
+            ep = served.ensure("growth")
+            place(src, ep.workspace)
+            stripped: Endpoint | None = None
+            if not args.no_stripped:
+                ws = Path(tmp) / "stripped-ws"
+                shutil.copytree(src, ws)
+                standalone = Standalone(ws)
+                stripped = standalone.endpoint()
+            ws_dir = ep.workspace
+            sb = ep.sandbox
+            ssb = stripped.sandbox if stripped else None
+            c = ep.httpx(timeout=120)
+            base = ep.base
+            time.sleep(1.0)  # the watcher has reported the files placed
+
+            def sides(
+                pt: Point, via: Callable[[Any], Any], stock: Op, direct: Op
+            ) -> list[tuple[list[float], Op | None]]:
+                return [
+                    (pt.sandlot, lambda: via(sb)),
+                    (pt.stock, stock),
+                    (pt.stripped, (lambda: via(ssb)) if ssb is not None else None),
+                    (pt.direct, direct),
+                ]
 
             s = Series("list files (`/fs/list`)", "files")
-            for d in listings:
+            for name in listings:
+                d = ws_dir / name
                 n = len(os.listdir(d))
                 pt = Point(f"{n:,} files", n / 10)
-                body = checked(c.get(f"{dp.base}/fs/list", params={"path": d.name})).json()
-                assert len(body["entries"]) == n and not body["truncated"], "listing incomplete"
+                assert len(sb.ls(name)) == n, "listing incomplete"
                 measure(
                     pt,
-                    lambda d=d: checked(c.get(f"{dp.base}/fs/list", params={"path": d.name})),
-                    lambda d=d: [e.stat() for e in os.scandir(d)],
+                    sides(
+                        pt,
+                        lambda b, name=name: b.ls(name),
+                        lambda name=name: checked(c.get(f"{base}/fs/list", params={"path": name})),
+                        lambda d=d: [e.stat() for e in os.scandir(d)],
+                    ),
                     reps=reps,
                     budget=budget,
                 )
@@ -191,16 +241,20 @@ def run(args: argparse.Namespace) -> list[Series]:
             out.append(s)
 
             s = Series("read text (`/fs/read`, JSON)", "bytes")
-            for p in texts:
+            for name in texts:
+                p = ws_dir / name
                 size = p.stat().st_size
                 pt = Point(size_label(size), size / (4 * KIB))
-                params = {"path": p.name, "limit": 1 << 24}
-                body = checked(c.get(f"{dp.base}/fs/read", params=params)).json()
-                assert len(body["content"]) == size, "read incomplete"
+                params = {"path": name, "limit": 1 << 24}
+                assert len(sb.read(name, limit=1 << 24).content) == size, "read incomplete"
                 measure(
                     pt,
-                    lambda params=params: checked(c.get(f"{dp.base}/fs/read", params=params)),
-                    lambda p=p: p.read_text(),
+                    sides(
+                        pt,
+                        lambda b, name=name: b.read(name, limit=1 << 24),
+                        lambda params=params: checked(c.get(f"{base}/fs/read", params=params)),
+                        lambda p=p: p.read_text(),
+                    ),
                     reps=reps,
                     budget=budget,
                 )
@@ -208,16 +262,20 @@ def run(args: argparse.Namespace) -> list[Series]:
             out.append(s)
 
             s = Series("read bytes (`/files/download`)", "bytes")
-            for p in texts:
+            for name in texts:
+                p = ws_dir / name
                 size = p.stat().st_size
                 pt = Point(size_label(size), size / (4 * KIB))
-                params = {"path": p.name}
                 measure(
                     pt,
-                    lambda params=params: checked(
-                        c.get(f"{dp.base}/files/download", params=params)
+                    sides(
+                        pt,
+                        lambda b, name=name: b.download(name),
+                        lambda name=name: checked(
+                            c.get(f"{base}/files/download", params={"path": name})
+                        ),
+                        lambda p=p: p.read_bytes(),
                     ),
-                    lambda p=p: p.read_bytes(),
                     reps=reps,
                     budget=budget,
                 )
@@ -226,19 +284,23 @@ def run(args: argparse.Namespace) -> list[Series]:
 
             rg = ripgrep_path() or "rg"
             s = Series("grep, one match per file (`/fs/grep` vs `rg`)", "files")
-            for tree in trees:
+            for name in trees:
+                tree = ws_dir / name
                 n = sum(len(files) for _, _, files in os.walk(tree))
                 pt = Point(f"{n:,} files", n / 100)
-                req = {"pattern": "needle", "path": tree.name}
-                body = checked(c.post(f"{dp.base}/fs/grep", json=req)).json()
-                matches = body.get("matches", [])
-                assert len(matches) == n, f"grep found {len(matches)} of {n}"
+                found = sb.grep("needle", name)
+                assert len(found) == n, f"grep found {len(found)} of {n}"
+                req = {"pattern": "needle", "path": name}
                 argv = [rg, "--no-heading", "-n", "--null", "--hidden", "--no-ignore", "-F"]
                 argv += ["needle", str(tree)]
                 measure(
                     pt,
-                    lambda req=req: checked(c.post(f"{dp.base}/fs/grep", json=req)),
-                    lambda argv=argv: subprocess.run(argv, capture_output=True, check=True),
+                    sides(
+                        pt,
+                        lambda b, name=name: b.grep("needle", name),
+                        lambda req=req: checked(c.post(f"{base}/fs/grep", json=req)),
+                        lambda argv=argv: subprocess.run(argv, capture_output=True, check=True),
+                    ),
                     reps=reps,
                     budget=budget,
                 )
@@ -250,25 +312,36 @@ def run(args: argparse.Namespace) -> list[Series]:
                 argv = ["sh", "-c", f"head -c {size} /dev/zero | tr '\\0' y"]
                 pt = Point(size_label(size), size / MIB)
 
-                def via(argv: list[str] = argv, pt: Point = pt, size: int = size) -> None:
-                    got, lost = loop.run_until_complete(stream_exec(dp.ws_base, dp.headers, argv))
+                def via(b: Any, argv: list[str] = argv, pt: Point = pt, size: int = size) -> None:
+                    got, lost = sdk_stream(b, argv)
                     assert got + lost == size, f"streamed {got} + lost {lost} of {size} bytes"
-                    pt.lost.append(lost)
+                    if b is sb:
+                        pt.lost.append(lost)
+
+                def stock(argv: list[str] = argv, size: int = size) -> None:
+                    got, lost = loop.run_until_complete(stream_exec(ep.ws_base, ep.headers, argv))
+                    assert got + lost == size, f"streamed {got} + lost {lost} of {size} bytes"
 
                 measure(
                     pt,
-                    via,
-                    lambda argv=argv: subprocess.run(argv, capture_output=True, check=True),
+                    sides(
+                        pt,
+                        via,
+                        stock,
+                        lambda argv=argv: subprocess.run(argv, capture_output=True, check=True),
+                    ),
                     reps=reps,
                     budget=budget,
                     warm=1,
                 )
                 s.points.append(pt)
             out.append(s)
-            c.close()
+            ep.close()
         finally:
             loop.close()
-            dp.stop()
+            if standalone is not None:
+                standalone.stop()
+            served.stop()
     return out
 
 
@@ -277,9 +350,11 @@ def run(args: argparse.Namespace) -> list[Series]:
 
 def table(series: list[Series]) -> str:
     lines = [
-        "| operation | work | sandlot median | p95 | direct median | p95 | sandlot ÷ direct "
-        "| sandlot growth from the first size | direct growth |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| operation | work | sandlot (SDK) median | p95 | stock client median "
+        f"| {STRIPPED} (SDK) median "
+        "| direct median | p95 | sandlot ÷ direct | sandlot growth from the first size "
+        "| direct growth |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in series:
         first_a = med(s.points[0].sandlot)
@@ -287,9 +362,11 @@ def table(series: list[Series]) -> str:
         for i, pt in enumerate(s.points):
             a, b = med(pt.sandlot), med(pt.direct)
             name = s.name if i == 0 else ""
+            stripped = fmt(med(pt.stripped)) if pt.stripped else "-"
             lines.append(
                 f"| {name} | {pt.label} ({len(pt.sandlot)} samples) | {fmt(a)} | "
-                f"{fmt(p95(pt.sandlot))} | {fmt(b)} | {fmt(p95(pt.direct))} | {a / b:.2f}\u00d7 "
+                f"{fmt(p95(pt.sandlot))} | {fmt(med(pt.stock))} | {stripped} | {fmt(b)} | "
+                f"{fmt(p95(pt.direct))} | {a / b:.2f}\u00d7 "
                 f"| {a / first_a:.1f}\u00d7 for {pt.work:g}\u00d7 the work "
                 f"| {b / first_b:.1f}\u00d7 |"
             )
@@ -332,7 +409,7 @@ def svg(series: list[Series]) -> str:
         f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
         f'<rect width="{width}" height="{height}" fill="white"/>',
         f'<text x="{left}" y="22" font-size="14" font-weight="bold">Cost growth: median '
-        "latency vs work (log-log); solid = sandlot dataplane, dashed = direct</text>",
+        "latency vs work (log-log); solid = sandlot serve (SDK), dashed = direct</text>",
     ]
     for e in range(x0, x1 + 1):
         x = X(10**e)
@@ -402,6 +479,7 @@ def svg(series: list[Series]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="at most 30 samples or 2 s per point")
+    ap.add_argument("--no-stripped", action="store_true", help="skip the stripped column")
     ap.add_argument("--svg", default=str(ROOT / "docs" / "cost-growth.svg"))
     args = ap.parse_args()
     started = time.monotonic()
@@ -411,11 +489,17 @@ def main() -> None:
     print(
         f"machine: {os.cpu_count()} cores, Python {sys.version.split()[0]}; "
         f"{'quick: at most 30 samples or 2 s' if args.quick else 'at most 200 samples or 10 s'} "
-        f"per point, interleaved with the direct operation; "
-        f"{time.monotonic() - started:.0f} s in all\n"
+        f"per point, one sample of each side in turn; {time.monotonic() - started:.0f} s in all\n"
     )
     print(table(series))
     print()
+    print(
+        "sandlot: `sandlot serve` (the shipped `default` template, file watching on), one "
+        "sandbox from `ensure`, through the SDK; stock client: httpx (exec streams: the "
+        f"`websockets` client); stripped: the {STRIPPED_WHAT}, through the SDK; direct: the "
+        "operation "
+        "in this process on the sandbox's own files.\n"
+    )
     for s in series:
         for pt in s.points:
             if any(pt.lost):

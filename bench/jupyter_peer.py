@@ -3,8 +3,9 @@
 :class:`JupyterServer` runs ``jupyter_server`` in a subprocess (``--allow-root``,
 token auth with a generated token, no browser, a free port, a root directory
 given by the caller, its own config/runtime/data directories) and stops it and
-everything it started at the end. Terminals run ``/bin/sh`` like the dataplane's
-benchmark shell profile.
+everything it started at the end. Terminals run the program given (the
+benchmarks give the served ``default`` profile's, ``/bin/bash -l``) with an empty
+home, as a sandbox's shell has.
 
 ``nodelay=True`` starts it with ``TCP_NODELAY`` forced on every socket it
 serves. Stock tornado leaves Nagle's algorithm on for WebSockets, so small
@@ -49,10 +50,12 @@ def rss_mib(pid: int) -> float:
 
 
 class JupyterServer:
-    def __init__(self, root: Path, *, nodelay: bool = False, shell: str = "/bin/sh") -> None:
+    def __init__(
+        self, root: Path, *, nodelay: bool = False, shell: str | list[str] = "/bin/sh"
+    ) -> None:
         self.root = Path(root)
         self.nodelay = nodelay
-        self.shell = shell
+        self.shell = [shell] if isinstance(shell, str) else list(shell)
         self.token = secrets.token_hex(24)
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
@@ -86,11 +89,12 @@ class JupyterServer:
                 "open_browser": False,
                 "allow_root": True,
                 "root_dir": str(self.root),
-                "terminado_settings": {"shell_command": [self.shell]},
+                "terminado_settings": {"shell_command": self.shell},
                 "log_level": "WARN",
             },
             "IdentityProvider": {"token": self.token},
         }
+        (self._dir / "home").mkdir(exist_ok=True)
         cfg = self._dir / "jupyter_server_config.json"
         cfg.write_text(json.dumps(config))
         env = {
@@ -99,7 +103,10 @@ class JupyterServer:
             "JUPYTER_RUNTIME_DIR": str(self._dir / "runtime"),
             "JUPYTER_DATA_DIR": str(self._dir / "data"),
             "JUPYTER_PLATFORM_DIRS": "1",
-            "SHELL": self.shell,
+            "SHELL": self.shell[0],
+            # An empty home: a login shell reads the system's profile only, as in a
+            # sandbox (this host's root profile runs pyenv hooks at every prompt).
+            "HOME": str(self._dir / "home"),
         }
         argv = [sys.executable, __file__, "--launch"]
         if self.nodelay:
