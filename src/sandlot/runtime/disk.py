@@ -24,13 +24,15 @@ Choices, and why:
   tmpfs would be charged to the sandbox's memory cgroup: a full ``/tmp`` would
   take the memory of its processes and end in the OOM killer, not in ENOSPC.
 - No journal: a sandbox does not outlive a host crash (its processes are gone,
-  so the restarted server deletes it), and without one a durable 4 KiB write is
-  as fast as on the host's own filesystem (with one, about twice as slow).
+  so the restarted server deletes it), and without one a durable 4 KiB write
+  costs about what it costs on the host's own filesystem (0.6 to 0.9 ms here;
+  with a journal 1.1 to 1.5 ms).
 - One formatted image per size is made once (``mkfs.ext4``, about 17 ms) and
   copied sparsely for each sandbox (under 1 ms: a few hundred KiB of
   metadata). The loop device does direct I/O: the sandbox's files are cached
-  once, in its own memory cgroup, not a second time in the host's page cache;
-  attaching and mounting then take about 1.5 ms.
+  once, in its own memory cgroup, not a second time in the host's page cache.
+  Copying, attaching and mounting take about 4 ms, unmounting and deleting
+  about the same (docs/RUNTIME.md has the figures).
 - No online discard (it costs about 0.1 ms per overwrite): blocks freed inside
   stay allocated in the image until the sandbox is deleted, so an image takes
   at most the most its sandbox ever held, never more than its size.
