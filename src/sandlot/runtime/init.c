@@ -393,6 +393,10 @@ static void drop_conn(struct conn *c) {
     /* Server gone: a kept process keeps running, and keeps what it was given. */
     if (c->job >= 0 && jobs[c->job].conn == (int)(c - conns)) jobs[c->job].conn = -1;
     epoll_ctl(epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    /* Unread requests would make the close a reset that loses our last answer. */
+    char sink[64];
+    while (recv(c->fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {
+    }
     close(c->fd);
     close_received(c);
     free(c->buf);
@@ -613,10 +617,7 @@ static void do_adopt(struct conn *c, uint64_t tag) {
     for (int i = 0; i < j->nheld; i++)
         if (j->held[i] >= 0) present |= 1 << i;
     send_full(c, RESP_STARTED, j->pid, present, 0, j->held, j->nheld, NULL, 0);
-    if (j->exited) {
-        send_response(c, RESP_EXIT, j->pid, 0, j->status, -1);
-        drop_conn(c);
-    }
+    if (j->exited) send_response(c, RESP_EXIT, j->pid, 0, j->status, -1);
 }
 
 static void on_message(struct conn *c) {
@@ -736,7 +737,10 @@ static void reap(void) {
             struct conn *c = &conns[i];
             if (c->fd >= 0 && c->pid == pid) {
                 send_response(c, RESP_EXIT, pid, 0, status, -1);
-                drop_conn(c);
+                /* A socket closed with requests unread resets the connection, and the
+                 * server would lose this answer: a kept process's server closes first. */
+                if (c->job >= 0) c->pid = -1;
+                else drop_conn(c);
                 break;
             }
         }
