@@ -110,3 +110,21 @@ async def test_record_is_replaced(manager: LocalRuntimeManager, template: Templa
     assert k.record == b"named"
     process.send_signal(9)
     assert (await process.wait()).exit_code == 137
+
+
+async def test_a_request_after_a_quick_exit_never_loses_the_exit_status(
+    manager: LocalRuntimeManager, template: Template
+) -> None:
+    """A request the server sends (close stdin, a signal) may cross the exit of a quick
+    command: the exit status must arrive all the same (a reset connection lost it)."""
+    rt = await manager.create("sb-kept4", 1, template, {})
+    codes = []
+    for i in range(300):
+        process = await rt.spawn(ProcessSpec(argv=["true"]), Keep(tag=100 + i, record=b""))
+        process.release(0)
+        process.send_signal(0)
+        codes.append((await process.wait()).exit_code)
+        for fd in (process.stdin_fd, process.stdout_fd, process.stderr_fd):
+            if fd is not None:
+                os.close(fd)
+    assert codes == [0] * 300
