@@ -8,6 +8,7 @@ describes: after a crash right behind the commit, the retry replays it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -23,6 +24,7 @@ from sqlalchemy import event
 from sandlot.broker.idempotency import fingerprint
 from tests.broker.conftest import Harness, MakeHarness
 from tests.figures import RecordProperty, report
+from tests.pg import postgres_cluster
 from tests.servers import SandlotServer
 
 BODY = {"thread_id": "thr_idem", "mode": "ensure"}
@@ -170,3 +172,55 @@ def test_answer_committed_with_the_work(tmp_path: Path, record_property: RecordP
     finally:
         srv.stop()
         srv.cleanup()
+
+
+STORM_CONFIG = """
+[quotas]
+negotiation_rate_per_second = 100000
+negotiation_burst = 100000
+"""
+
+
+async def same_key_storm(url: str, headers: dict[str, str], n: int) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    async with httpx.AsyncClient(base_url=url, limits=limits, timeout=60) as client:
+        return await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/sandbox/sessions",
+                    json={"thread_id": "storm", "mode": "ensure"},
+                    headers=headers,
+                )
+                for _ in range(n)
+            )
+        )
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
+def test_same_key_storm_across_workers(
+    tmp_path: Path, store: str, record_property: RecordProperty
+) -> None:
+    """100 concurrent retries of one request (same key, same body) on 4 worker processes:
+    one runs, every other one waits for it and gets its answer."""
+    with contextlib.ExitStack() as stack:
+        config = STORM_CONFIG
+        if store == "postgresql":
+            url = stack.enter_context(postgres_cluster())
+            config += f'\n[server]\nstore_url = "{url}"\n'
+        srv = SandlotServer(tmp_path / "d", workers=4, config=config).start()
+        stack.callback(srv.cleanup)
+        stack.callback(srv.stop)
+        headers = {**srv.headers("storm"), "Idempotency-Key": str(uuid.uuid4())}
+        results = asyncio.run(same_key_storm(srv.url, headers, 100))
+        codes = sorted({r.status_code for r in results})
+        assert codes == [200], [r.text for r in results if r.status_code != 200][:3]
+        assert len({r.content for r in results}) == 1
+        replayed = sum(r.headers.get("idempotent-replayed") == "true" for r in results)
+        assert replayed == 99
+        report(
+            record_property,
+            f"100 concurrent identical requests with one Idempotency-Key, 4 workers ({store}): "
+            "1 ran, 99 got its answer replayed, 0 conflicts",
+        )

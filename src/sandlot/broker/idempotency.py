@@ -137,16 +137,18 @@ _DELETE = delete(idempotency).where(_WHERE_KEY)
 _ABANDON = delete(idempotency).where(_WHERE_KEY, idempotency.c.state == "in_flight")
 
 
-def _insert_unless_present(dialect: str, values: dict[str, Any]) -> tuple[Executable, bool]:
-    """An INSERT that does nothing when the key is taken (rowcount 0), and whether the
-    dialect has one; else a plain INSERT (IntegrityError when taken)."""
+def _insert_unless_present(dialect: str, values: dict[str, Any]) -> tuple[Executable, str]:
+    """An INSERT that does nothing when the key is taken, and how to tell whether it
+    inserted: ``rowcount`` (SQLite), ``returning`` (PostgreSQL, whose driver reports no
+    row count for it), else ``savepoint`` (a plain INSERT; IntegrityError when taken)."""
     keys = ["principal_id", "key"]
     if dialect == "sqlite":
-        return sqlite.insert(idempotency).values(values).on_conflict_do_nothing(keys), True
+        return sqlite.insert(idempotency).values(values).on_conflict_do_nothing(keys), "rowcount"
     if dialect == "postgresql":
         stmt = postgresql.insert(idempotency).values(values)
-        return stmt.on_conflict_do_nothing(index_elements=keys), True
-    return idempotency.insert().values(values), False
+        stmt = stmt.on_conflict_do_nothing(index_elements=keys)
+        return stmt.returning(idempotency.c.key), "returning"
+    return idempotency.insert().values(values), "savepoint"
 
 
 class IdempotencyStore:
@@ -155,8 +157,8 @@ class IdempotencyStore:
     def __init__(self, store: Store, ttl_seconds: int) -> None:
         self.store = store
         self.ttl = ttl_seconds
-        self._claim, self._claim_quiet = _insert_unless_present(store.dialect, _CLAIM_VALUES)
-        self._record, self._record_quiet = _insert_unless_present(store.dialect, _RECORD_VALUES)
+        self._claim, self._claim_how = _insert_unless_present(store.dialect, _CLAIM_VALUES)
+        self._record, self._record_how = _insert_unless_present(store.dialect, _RECORD_VALUES)
 
     def claim(self, principal_id: str, key: str, fp: str) -> Claim:
         """A key to settle in the transaction of the work (:meth:`Claim.begin_in`)."""
@@ -180,13 +182,13 @@ class IdempotencyStore:
             "until": now + self.ttl,
         }
         # The common case, a new key, is one statement.
-        if self._insert(conn, self._claim, self._claim_quiet, params):
+        if self._insert(conn, self._claim, self._claim_how, params):
             return None
         row = conn.execute(_GET, params).first()
         if row is None or row.expires_at < now:
             if row is not None:
                 conn.execute(_DELETE, params)
-            if self._insert(conn, self._claim, self._claim_quiet, params):
+            if self._insert(conn, self._claim, self._claim_how, params):
                 return None
             raise IdempotencyInFlight("a request with this key is in progress", retry_after=1.0)
         if row.fingerprint != fp:
@@ -230,12 +232,15 @@ class IdempotencyStore:
             "body": body,
         }
         # Taken meanwhile by an identical request: its answer stands.
-        self._insert(conn, self._record, self._record_quiet, params)
+        self._insert(conn, self._record, self._record_how, params)
 
     @staticmethod
-    def _insert(conn: Connection, stmt: Executable, quiet: bool, params: dict[str, Any]) -> bool:
-        if quiet:
+    def _insert(conn: Connection, stmt: Executable, how: str, params: dict[str, Any]) -> bool:
+        """Whether ``stmt`` inserted the row (else the key was taken)."""
+        if how == "rowcount":
             return bool(conn.execute(stmt, params).rowcount)
+        if how == "returning":
+            return conn.execute(stmt, params).first() is not None
         try:
             with conn.begin_nested():
                 conn.execute(stmt, params)
