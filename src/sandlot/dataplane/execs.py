@@ -29,6 +29,7 @@ import secrets
 import signal as signals
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from sandlot.dataplane.procio import PACING_HEADROOM, FdReader, close_fd, write_all
@@ -562,13 +563,7 @@ class ExecManager:
             return None, None
         self._runtime = runtime
         spool_dir.mkdir(mode=0o700, exist_ok=True)
-        head = self.settings.max_output_bytes if ex.collect else 0
-        tail = self.settings.stream_buffer_bytes + 2 * PACING_HEADROOM
-        names = ["pty"] if ex.pty else ["stdout", "stderr"]
-        ex.spools = [
-            SpoolFile(spool_dir / f"{ex.exec_id}.{n}", keep_head=head, keep_tail=tail, create=True)
-            for n in names
-        ]
+        ex.spools = self._spools(spool_dir, ex, create=True)
         ex.tag = secrets.randbits(63) or 1
         pipe = None
         hold: tuple[int, ...] = ()
@@ -576,6 +571,18 @@ class ExecManager:
             r, w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             pipe, hold = (r, w), (r, w)
         return Keep(ex.tag, ex.record(), hold), pipe
+
+    def _spools(self, spool_dir: Path, ex: Exec, *, create: bool) -> list[SpoolFile]:
+        """The spool file of each output stream of ``ex`` (made, or left by a previous server)."""
+        head = self.settings.max_output_bytes if ex.collect else 0
+        tail = self.settings.stream_buffer_bytes + 2 * PACING_HEADROOM
+        names = ["pty"] if ex.pty else ["stdout", "stderr"]
+        return [
+            SpoolFile(
+                spool_dir / f"{ex.exec_id}.{n}", keep_head=head, keep_tail=tail, create=create
+            )
+            for n in names
+        ]
 
     @staticmethod
     def _abandon(ex: Exec, pipe: tuple[int, int] | None) -> None:
@@ -605,7 +612,7 @@ class ExecManager:
                 log.warning("could not take over command %s: %s", info.get("exec_id"), exc)
 
     async def _readopt_one(
-        self, runtime: SandboxRuntime, spool_dir: Any, k: KeptProcess, info: dict[str, Any]
+        self, runtime: SandboxRuntime, spool_dir: Path, k: KeptProcess, info: dict[str, Any]
     ) -> None:
         if str(info["exec_id"]) in self._execs:
             return  # ours already (a sandbox resumed by the server that started it)
@@ -623,13 +630,7 @@ class ExecManager:
         ex.deadline = info.get("deadline")
         ex.kill_on_disconnect = bool(info.get("kill_on_disconnect"))
         ex.tag = k.tag
-        head = self.settings.max_output_bytes if ex.collect else 0
-        tail = self.settings.stream_buffer_bytes + 2 * PACING_HEADROOM
-        names = ["pty"] if ex.pty else ["stdout", "stderr"]
-        ex.spools = [
-            SpoolFile(spool_dir / f"{ex.exec_id}.{n}", keep_head=head, keep_tail=tail, create=False)
-            for n in names
-        ]
+        ex.spools = self._spools(spool_dir, ex, create=False)
         for spool, stream in zip(ex.spools, ex.streams, strict=True):
             spool.restore(stream)
         process = await runtime.adopt(k.tag)

@@ -29,6 +29,7 @@ import secrets
 import signal as signals
 import time
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
 from sandlot.dataplane.execs import EventSink
@@ -444,7 +445,7 @@ class ShellManager:
                 log.warning("could not take over shell %s: %s", info.get("name"), exc)
 
     async def _readopt_one(
-        self, runtime: SandboxRuntime, spool_dir: Any, k: KeptProcess, info: dict[str, Any]
+        self, runtime: SandboxRuntime, spool_dir: Path, k: KeptProcess, info: dict[str, Any]
     ) -> None:
         process = await runtime.adopt(k.tag)
         held = process.held + [-1] * 3
