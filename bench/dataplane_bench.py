@@ -46,6 +46,15 @@ from measure import Row, checked, interleave, ms, ratio, stats, timed
 from served import STRIPPED, STRIPPED_WHAT, Endpoint, Served, Standalone, metric_sums
 from targets import report
 
+#: What the direct operation of each HTTP row is (for "what limits it").
+DIRECT = {
+    "4 KiB read": "`read`",
+    "4 KiB write, durable": "tmp + fsync + rename",
+    "1 MiB read": "`read`",
+    "list 1,000 files": "`scandir` + `stat`",
+    "exec `true`": "`subprocess.run`",
+}
+
 #: Route of each HTTP row on the server's ``/metrics`` (its own time per request).
 ROUTES = {
     "4 KiB read": ("GET", "/fs/read"),
@@ -409,7 +418,8 @@ def main() -> None:
     if stripped_xfer:
         line += f"; stripped: {mb / stripped_xfer[0]:.0f} / {mb / stripped_xfer[1]:.0f} MB/s"
     print(line)
-    report_targets(rows, mb / up, mb / down, served_time)
+    stripped_mbs = (mb / stripped_xfer[0], mb / stripped_xfer[1]) if stripped_xfer else None
+    report_targets(rows, mb / up, mb / down, served_time, stripped_mbs)
 
 
 def jupyter_notes(rows: list[Row]) -> None:
@@ -440,7 +450,12 @@ def limit_of(row: Row, served_ms: float | None) -> str:
     if served_ms is not None:
         parts.append(f"the server's own time {ms(served_ms)} a request (`/metrics`)")
     direct, _ = stats(row.direct)
-    parts.append(f"the operation done directly on the sandbox's files {ms(direct)}")
+    if row.short in DIRECT:
+        parts.append(f"{DIRECT[row.short]} done directly on the sandbox's files {ms(direct)}")
+    elif row.short.startswith("shell"):
+        parts.append(f"a local PTY running the same shell {ms(direct)}")
+    else:
+        parts.append(f"the direct operation {ms(direct)}")
     if row.raw:
         raw, _ = stats(row.raw)
         parts.append(f"a raw-socket client {ms(raw)} (the SDK adds {ms(med - raw)})")
@@ -450,7 +465,11 @@ def limit_of(row: Row, served_ms: float | None) -> str:
 
 
 def report_targets(
-    rows: list[Row], up_mbs: float, down_mbs: float, served_time: dict[str, float]
+    rows: list[Row],
+    up_mbs: float,
+    down_mbs: float,
+    served_time: dict[str, float],
+    stripped_mbs: tuple[float, float] | None,
 ) -> None:
     """The dataplane targets of the issue, on ``sandlot serve`` through the SDK."""
     by = {r.short: r for r in rows}
@@ -503,7 +522,12 @@ def report_targets(
         "upload and download of 100 MiB: ≥ 200 MB/s",
         f"{up_mbs:.0f} / {down_mbs:.0f} MB/s",
         min(up_mbs, down_mbs) >= 200,
-        "loopback copy and the durable write",
+        "loopback copy and the durable write"
+        + (
+            f"; the stripped dataplane: {stripped_mbs[0]:.0f} / {stripped_mbs[1]:.0f} MB/s"
+            if stripped_mbs
+            else ""
+        ),
     )
 
 

@@ -23,9 +23,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Generator
@@ -181,6 +183,7 @@ class Served:
     """``sandlot serve`` in a subprocess, and sandboxes from it through the SDK."""
 
     def __init__(self, root: Path, *, config: str = "", env: dict[str, str] | None = None) -> None:
+        root.mkdir(parents=True, exist_ok=True)
         self.server = SandlotServer(root / "served", config=CONFIG + config, env=env)
         self.client: Any = None
         self.key = ""
@@ -201,6 +204,10 @@ class Served:
     def start(self) -> Served:
         from sandlot.sdk import Sandlot
 
+        if threading.current_thread() is threading.main_thread():
+            # A benchmark stopped with SIGTERM still stops its servers and removes their
+            # sandboxes (the `finally` blocks run).
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         self.server.start(timeout=120)
         self.key = self.server.key("bench")
         self.client = Sandlot(self.server.url, self.key)
