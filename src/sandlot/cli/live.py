@@ -298,6 +298,11 @@ def watch_command(
                 cursor = 0
         cursor_file.parent.mkdir(parents=True, exist_ok=True)
         async for event in sandbox.events(after=cursor):
+            # Recorded before it is shown, and atomically: a watch killed at any moment
+            # never shows an event again, nor leaves a torn cursor behind.
+            partial = cursor_file.with_suffix(".tmp")
+            partial.write_text(str(event.sequence))
+            partial.replace(cursor_file)
             if as_json:
                 sys.stdout.write(json.dumps(event.raw, sort_keys=True) + "\n")
             else:
@@ -308,7 +313,6 @@ def watch_command(
                 line = f"{stamp} #{event.sequence:<5} {who:<24} {kind:<6} {_describe(event)}"
                 sys.stdout.write(line + "\n")
             sys.stdout.flush()
-            cursor_file.write_text(str(event.sequence))
 
     with contextlib.suppress(KeyboardInterrupt):
         run(url, api_key, body)
