@@ -448,7 +448,7 @@ def limit_of(row: Row, served_ms: float | None) -> str:
     med, _ = stats(row.sandlot)
     parts = []
     if served_ms is not None:
-        parts.append(f"the server's own time {ms(served_ms)} a request (`/metrics`)")
+        parts.append(f"the server's own time per request {ms(served_ms)} (mean, `/metrics`)")
     direct, _ = stats(row.direct)
     if row.short in DIRECT:
         parts.append(f"{DIRECT[row.short]} done directly on the sandbox's files {ms(direct)}")
@@ -458,7 +458,8 @@ def limit_of(row: Row, served_ms: float | None) -> str:
         parts.append(f"the direct operation {ms(direct)}")
     if row.raw:
         raw, _ = stats(row.raw)
-        parts.append(f"a raw-socket client {ms(raw)} (the SDK adds {ms(med - raw)})")
+        verb = "adds" if med >= raw else "saves"
+        parts.append(f"a raw-socket client {ms(raw)} (the SDK {verb} {ms(abs(med - raw))})")
     if row.stripped:
         parts.append(f"the stripped dataplane {ms(stats(row.stripped)[0])}")
     return "; ".join(parts)
