@@ -24,7 +24,7 @@ from tests.figures import FULL, RecordProperty, report
 from tests.fuzzing import Fuzzer, unexpected_logs
 from tests.servers import running
 
-EXAMPLES, KNOWN_EXAMPLES = (240, 120) if FULL else (10, 8)
+EXAMPLES, KNOWN_EXAMPLES = (280, 140) if FULL else (10, 8)
 TARGET = 10_000 if FULL else 1_000
 
 # A full-size run outlasts the default 15 min token.
