@@ -473,28 +473,26 @@ async def _collect(
         if not fds and not done.done():
             done.set_result(None)
 
-    def on_stdout(fd: int) -> None:
+    def read(fd: int) -> bytes | None:
+        """The next chunk, ``b""`` once closed (the fd is let go), ``None`` if none yet."""
         try:
             chunk = os.read(fd, 1 << 16)
         except BlockingIOError:
-            return
+            return None
         except OSError:
             chunk = b""
         if not chunk:
             closed(fd)
-        elif out.feed(chunk) and not done.done():
+        return chunk
+
+    def on_stdout(fd: int) -> None:
+        chunk = read(fd)
+        if chunk and out.feed(chunk) and not done.done():
             done.set_result(None)  # enough: stopped below
 
     def on_stderr(fd: int) -> None:
-        try:
-            chunk = os.read(fd, 1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        if not chunk:
-            closed(fd)
-        elif len(err) < 4096:
+        chunk = read(fd)
+        if chunk and len(err) < 4096:
             err.extend(chunk[: 4096 - len(err)])
 
     loop.add_reader(proc.stdout_fd, on_stdout, proc.stdout_fd)

@@ -139,9 +139,7 @@ class SpoolReader(FdReader):
                 if exc.errno not in (errno.EIO, errno.EBADF):
                     raise
                 moved = 0
-            if moved == 0:
-                self._master_eof = True
-                return self._drain_pipe()
+            self._master_eof = moved == 0
             return self._drain_pipe()
         if self.master is not None:
             return self._drain_pipe()
