@@ -100,6 +100,31 @@ async def test_exit_while_no_server_is_there_is_kept_with_the_output(
         raise AssertionError("a second process with the same tag was started")
 
 
+async def test_a_server_dying_with_an_unread_answer_leaves_the_held_pipes_alone(
+    manager: LocalRuntimeManager, settings: RuntimeSettings, template: Template
+) -> None:
+    """The exit status arrives and sits unread when the server dies: its socket closes with
+    data in it, the init's read fails (a reset), and the held pipes must stay held."""
+    rt = await manager.create("sb-kept5", 1, template, {})
+    process = await rt.spawn(
+        ProcessSpec(argv=["sh", "-c", "echo bye; exit 3"]), Keep(tag=12, record=b"r")
+    )
+    assert isinstance(process, InitProcess)
+    process._loop.remove_reader(process._sock.fileno())
+    for _ in range(200):  # the exit status is waiting in the server's socket
+        [k] = await rt.kept()
+        if k.status is not None:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    drop(process)
+    again = await restarted(settings, rt)
+    adopted = await again.adopt(12)
+    _, stdout, _ = adopted.held
+    assert await read_all(stdout) == b"bye\n"
+    assert (await adopted.wait()).exit_code == 3
+
+
 async def test_record_is_replaced(manager: LocalRuntimeManager, template: Template) -> None:
     rt = await manager.create("sb-kept3", 1, template, {})
     process = await rt.spawn(

@@ -630,6 +630,12 @@ static void on_message(struct conn *c) {
                          .msg_controllen = sizeof u.buf};
     ssize_t n = recvmsg(c->fd, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
     if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+    if (n < 0) {
+        /* A failed recvmsg leaves msg_controllen as it was: the buffer holds stale fds
+         * (of an earlier message, now held for a kept process) that are not ours to close. */
+        drop_conn(c);
+        return;
+    }
     for (struct cmsghdr *cm = CMSG_FIRSTHDR(&msg); cm; cm = CMSG_NXTHDR(&msg, cm)) {
         if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
         int k = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
