@@ -1,7 +1,7 @@
 """Local trees for ``sandlot sync`` and ``sandlot pull``: what to send, and what changed.
 
-``.gitignore`` files are honoured at every level (git's own matching rules,
-through ``pathspec``); ``.git`` itself is never sent. A manifest in the local
+``.gitignore`` files are honoured at every level (git's own matching rules, see
+:mod:`sandlot.cli.ignore`); ``.git`` itself is never sent. A manifest in the local
 tree (``.sandlot-sync.json``) remembers the content hash of every file as of
 the last sync or pull, so ``pull`` can tell a file changed locally since then
 (and must not be overwritten silently) from one that only changed remotely.
@@ -15,9 +15,8 @@ import os
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import pathspec
+from sandlot.cli.ignore import IgnoreFile
 
 MANIFEST = ".sandlot-sync.json"
 ALWAYS_IGNORED = {".git", MANIFEST}
@@ -50,30 +49,6 @@ class LocalTree:
         yield from self.files
 
 
-def _ignore_spec(directory: str | Path, rel_dir: str) -> pathspec.PathSpec[Any] | None:
-    try:
-        with open(os.path.join(directory, ".gitignore"), errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    if rel_dir:
-        # Patterns of a nested .gitignore are relative to its directory.
-        anchored = []
-        for line in lines:
-            stripped = line.strip()
-            if not stripped or stripped.startswith("#"):
-                continue
-            neg = stripped.startswith("!")
-            pat = stripped[1:] if neg else stripped
-            if "/" in pat.rstrip("/"):
-                pat = f"{rel_dir}/{pat.lstrip('/')}"
-            else:
-                pat = f"{rel_dir}/**/{pat}"
-            anchored.append(("!" if neg else "") + pat)
-        lines = anchored
-    return pathspec.PathSpec.from_lines("gitignore", lines)
-
-
 #: What a walk yields: a directory (its relative path), a symlink ``(path, target)``, a file.
 Entry = str | tuple[str, str] | TreeFile
 
@@ -89,24 +64,20 @@ def scan(root: Path) -> LocalTree:
 def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
     """:func:`scan` as it goes: every entry is yielded (and added to ``tree``) when found,
     a directory before what it holds, so a tar stream can start before the walk ends."""
-    specs: list[pathspec.PathSpec[Any]] = []
+    #: The ``.gitignore`` files above the entry being visited, outermost first, each
+    #: with the length of its directory's relative path plus its "/" (0 at the root).
+    specs: list[tuple[int, IgnoreFile]] = []
 
     def ignored(rel: str, is_dir: bool) -> bool:
         name = rel.rsplit("/", 1)[-1]
         if name in ALWAYS_IGNORED:
             return True
-        probe = rel + "/" if is_dir else rel
-        result = False
-        for spec in specs:
-            # Later (deeper) files win, as in git; negations re-include.
-            for pattern in spec.patterns:
-                if pattern.include is None:
-                    continue
-                if pattern.match_file(probe) is not None or (
-                    is_dir and pattern.match_file(rel) is not None
-                ):
-                    result = bool(pattern.include)
-        return result
+        # A deeper .gitignore overrides a shallower one, as in git.
+        for prefix, spec in reversed(specs):
+            decision = spec.decide(rel[prefix:], is_dir)
+            if decision is not None:
+                return decision
+        return False
 
     def visit(directory: str | Path, rel_dir: str) -> Iterator[Entry]:
         try:
@@ -114,9 +85,9 @@ def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
         except OSError:
             entries = []
         has_ignore = any(e.name == ".gitignore" for e in entries)
-        spec = _ignore_spec(directory, rel_dir) if has_ignore else None
+        spec = IgnoreFile.load(directory) if has_ignore else None
         if spec is not None:
-            specs.append(spec)
+            specs.append((len(rel_dir) + 1 if rel_dir else 0, spec))
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_symlink():

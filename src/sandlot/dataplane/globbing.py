@@ -98,13 +98,19 @@ def _class_regex(body: str, negate: bool) -> str:
     return f"[^/{''.join(parts)}]" if negate else f"[{''.join(parts)}]"
 
 
-def _tokens(pattern: str) -> list[str | _Atom]:
-    """The pattern as ``/``, ``**`` (a whole segment), ``*`` runs and one-character atoms."""
+def _tokens(pattern: str, *, escapes: bool = False) -> list[str | _Atom]:
+    """The pattern as ``/``, ``**`` (a whole segment), ``*`` runs and one-character atoms;
+    with ``escapes``, ``\\x`` is the character ``x`` itself."""
     out: list[str | _Atom] = []
     i, n = 0, len(pattern)
     seg_start = True
     while i < n:
         c = pattern[i]
+        if escapes and c == "\\" and i + 1 < n:
+            out.append(_Atom(re.escape(pattern[i + 1]), literal=pattern[i + 1]))
+            seg_start = False
+            i += 2
+            continue
         if c == "*":
             j = i
             while j < n and pattern[j] == "*":
@@ -184,10 +190,12 @@ class NameMatcher:
 
     __slots__ = ("head", "literal", "middle", "no_dot", "tail")
 
-    def __init__(self, tokens: tuple[str | _Atom, ...]) -> None:
+    def __init__(self, tokens: tuple[str | _Atom, ...], *, dotglob: bool = False) -> None:
         first = tokens[0] if tokens else None
-        #: A leading ``*`` or ``?`` never matches a leading dot.
-        self.no_dot = first in (_STAR, _GLOBSTAR) or (isinstance(first, _Atom) and first.wild)
+        #: A leading ``*`` or ``?`` never matches a leading dot (unless ``dotglob``).
+        self.no_dot = not dotglob and (
+            first in (_STAR, _GLOBSTAR) or (isinstance(first, _Atom) and first.wild)
+        )
         pieces: list[list[_Atom]] = [[]]
         for tok in tokens:
             if isinstance(tok, _Atom):
@@ -229,10 +237,10 @@ _MAX_PLANS = 4096
 _MAX_ANSWERS = 1024
 
 
-def _segments(alt: str) -> list[tuple[str | _Atom, ...] | None]:
+def _segments(alt: str, *, escapes: bool) -> list[tuple[str | _Atom, ...] | None]:
     """One alternative as segments: ``None`` is ``**/`` (zero or more non-dot names)."""
     segs: list[list[str | _Atom]] = [[]]
-    for tok in _tokens(alt):
+    for tok in _tokens(alt, escapes=escapes):
         if tok == _SEP:
             segs.append([])
         else:
@@ -256,27 +264,34 @@ class GlobPattern:
     The alternatives' segments sit end to end in :attr:`nodes`, each alternative
     closed by an accepting ``True``; a match in progress is the set of positions
     reached (:meth:`start`, :meth:`step`, :meth:`accepts`).
+
+    ``gitignore=True`` reads the pattern as a ``.gitignore`` line's (already stripped of
+    its ``!``, its trailing ``/`` and its anchoring ``/``): no braces, ``\\`` escapes,
+    and wildcards and ``**`` that match names starting with a dot.
     """
 
-    def __init__(self, pattern: str, *, anchored: bool = False) -> None:
-        pattern = pattern.strip()
+    def __init__(self, pattern: str, *, anchored: bool = False, gitignore: bool = False) -> None:
+        if not gitignore:
+            pattern = pattern.strip()
         #: A pattern without ``/`` matches names at any depth, unless it was split off
         #: a longer pattern (``/a/b/*.py`` matches only files directly in ``/a/b``).
         self.names_only = "/" not in pattern and not anchored
-        alts = list(dict.fromkeys(expand_braces(pattern)))
+        #: Whether ``*``, ``?`` and ``**`` match names that start with a dot.
+        self.dotglob = gitignore
+        alts = [pattern] if gitignore else list(dict.fromkeys(expand_braces(pattern)))
         # Identical segments of different alternatives share one matcher (matched once).
         interned: dict[tuple[str | _Atom, ...], NameMatcher] = {}
         nodes: list[NameMatcher | bool | None] = []
         starts: list[int] = []
         for alt in alts:
             starts.append(len(nodes))
-            for seg in _segments(alt):
+            for seg in _segments(alt, escapes=gitignore):
                 if seg is None:
                     nodes.append(None)
                     continue
                 matcher = interned.get(seg)
                 if matcher is None:
-                    matcher = interned[seg] = NameMatcher(seg)
+                    matcher = interned[seg] = NameMatcher(seg, dotglob=gitignore)
                 nodes.append(matcher)
             nodes.append(True)
             if len(nodes) > MAX_SEGMENTS:
@@ -333,9 +348,10 @@ class _Plan:
     once; the union for each combination of those outcomes is kept (most names of a
     walk share one)."""
 
-    __slots__ = ("answers", "exact", "globstar", "wild")
+    __slots__ = ("answers", "dotglob", "exact", "globstar", "wild")
 
     def __init__(self, pattern: GlobPattern, states: States) -> None:
+        self.dotglob = pattern.dotglob
         exact: dict[str, set[int]] = {}
         globstar: set[int] = set()
         wild: dict[int, tuple[NameMatcher, set[int]]] = {}
@@ -356,7 +372,7 @@ class _Plan:
 
     def step(self, name: str) -> States:
         hit = name if name in self.exact else None
-        dot = name.startswith(".")
+        dot = not self.dotglob and name.startswith(".")
         matched = tuple(k for k, (m, _) in enumerate(self.wild) if m.match(name))
         key = (hit, dot, matched)
         out = self.answers.get(key)
