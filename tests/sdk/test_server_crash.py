@@ -18,13 +18,14 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from sandlot.sdk import AsyncSandlot
+from sandlot.sdk import AsyncSandbox, AsyncSandlot
+from sandlot.sdk.types import Event
 from tests.figures import FULL, RecordProperty, report
 from tests.servers import SandlotServer
 
@@ -242,3 +243,41 @@ async def test_kill9_with_a_shell_attached_keeps_the_shell(
         "kill -9 of the server with a shell attached and printing, restart: same shell "
         "(session id, environment), 30 lines printed across the crash each received once",
     )
+
+
+async def _events_until(
+    sandbox: AsyncSandbox, after: int, done: Callable[[Event], bool]
+) -> list[Event]:
+    seen: list[Event] = []
+    try:
+        async with asyncio.timeout(20):
+            async for event in sandbox.events(after=after):
+                seen.append(event)
+                if done(event):
+                    return seen
+    except TimeoutError:
+        pass
+    raise AssertionError(f"not the events awaited: {[(e.sequence, e.event_type) for e in seen]}")
+
+
+@pytest.mark.timeout(120)
+async def test_kill9_keeps_the_event_log_and_its_sequence(server: SandlotServer) -> None:
+    """A cursor taken before the crash stays valid: the same events under the same
+    sequences, and what happens after the restart follows them (never from 1 again)."""
+    key = server.key("alice", "agent")
+    async with AsyncSandlot(server.url, key) as client:
+        sandbox = await client.ensure(f"thr_ev_{uuid.uuid4().hex[:6]}")
+        await sandbox.run("echo before > /workspace/before.txt")
+        before = await _events_until(sandbox, 0, lambda e: e.event_type == "exec.exited")
+        last = before[-1].sequence
+        await asyncio.to_thread(server.kill9)
+        await asyncio.to_thread(server.start)
+
+        replay = await _events_until(sandbox, 0, lambda e: e.sequence == last)
+        assert [(e.sequence, e.event_type, e.raw["event_id"]) for e in replay] == [
+            (e.sequence, e.event_type, e.raw["event_id"]) for e in before
+        ]
+        await sandbox.run("true")
+        after = await _events_until(sandbox, last, lambda e: e.event_type == "exec.exited")
+        assert after[0].sequence == last + 1
+        assert [e.sequence for e in after] == list(range(last + 1, last + 1 + len(after)))

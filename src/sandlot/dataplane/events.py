@@ -2,16 +2,23 @@
 
 The dataplane issues the sequence. Events are kept in a bounded deque and
 serialised once, when appended; a cursor older than what is kept gets 410
-SEQUENCE_EXPIRED. Changes made by commands are picked up with ``watchfiles``
-(coalesced over ``watch_debounce_ms``); a change the API itself just made
-(reported with its actor) is not reported a second time by the watcher.
+SEQUENCE_EXPIRED. Where the sandbox has a directory that outlives the server
+(an isolated sandbox's spool), each event is also appended to a journal there,
+one line per event, so a restarted server carries on the same sequence with
+the same retained events: a client's cursor stays valid across a crash.
+
+Changes made by commands are picked up with ``watchfiles`` (coalesced over
+``watch_debounce_ms``); a change the API itself just made (reported with its
+actor) is not reported a second time by the watcher.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +32,9 @@ from sandlot.protocol.errors import SequenceExpired
 log = logging.getLogger("sandlot.dataplane.events")
 
 
+JOURNAL = "events.jsonl"
+
+
 class EventLog:
     def __init__(self, sandbox_id: str, retention: int, state: Callable[[], str]) -> None:
         self.sandbox_id = sandbox_id
@@ -32,6 +42,9 @@ class EventLog:
         self._sequence = 0
         self._state = state
         self._listeners: set[asyncio.Event] = set()
+        self._journal: Path | None = None
+        self._journal_fd = -1
+        self._journal_lines = 0
 
     @property
     def last_sequence(self) -> int:
@@ -40,11 +53,9 @@ class EventLog:
     def append(
         self, event_type: str, kind: str, details: dict[str, Any], actor: Actor | None = None
     ) -> int:
-        self._sequence += 1
-        seq = self._sequence
         event = {
-            "event_id": f"{self.sandbox_id}-{seq}",
-            "sequence": seq,
+            "event_id": "",
+            "sequence": 0,
             "sandbox_id": self.sandbox_id,
             "event_type": event_type,
             "timestamp": rfc3339(time.time()),
@@ -52,10 +63,89 @@ class EventLog:
             "actor": actor.model_dump(mode="json") if actor is not None else None,
             "details": {kind: details},
         }
-        self._events.append((seq, event_type, json.dumps(event, separators=(",", ":"))))
+        return self._add(event)
+
+    def _add(self, event: dict[str, Any]) -> int:
+        self._sequence += 1
+        seq = self._sequence
+        event["event_id"] = f"{self.sandbox_id}-{seq}"
+        event["sequence"] = seq
+        line = json.dumps(event, separators=(",", ":"))
+        self._events.append((seq, event["event_type"], line))
+        if self._journal_fd >= 0:
+            self._write_journal(line)
         for ev in self._listeners:
             ev.set()
         return seq
+
+    # --- the journal ---------------------------------------------------------------------
+
+    def attach(self, directory: Path) -> None:
+        """Keep the log in ``directory`` too, carrying on what a previous server left there.
+
+        Events appended before (none, when a restarted server re-adopts a sandbox; the
+        first phases of a new one) follow the journal's, renumbered.
+        """
+        if self._journal is not None:
+            return
+        path = directory / JOURNAL
+        earlier: list[tuple[int, str, str]] = []
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            for raw in f:
+                try:
+                    event = json.loads(raw)
+                    line = raw.decode().rstrip("\n")
+                    earlier.append((int(event["sequence"]), str(event["event_type"]), line))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line (the host, not the server, crashed)
+        pending = [json.loads(line) for _, _, line in self._events]
+        self._events.clear()
+        self._events.extend(earlier)
+        self._sequence = earlier[-1][0] if earlier else 0
+        try:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self._journal = path
+            self._compact()
+        except OSError as exc:
+            log.warning("cannot keep the event log of %s: %s", self.sandbox_id, exc)
+            self._journal = None
+        for event in pending:
+            self._add(event)
+
+    def _write_journal(self, line: str) -> None:
+        try:
+            # One write per event on an O_APPEND fd: a crash never leaves half a line.
+            os.write(self._journal_fd, line.encode() + b"\n")
+        except OSError as exc:
+            log.warning("event journal of %s: %s", self.sandbox_id, exc)
+            return
+        self._journal_lines += 1
+        if self._journal_lines > 2 * (self._events.maxlen or 0):
+            try:
+                self._compact()
+            except OSError as exc:
+                log.warning("event journal of %s: %s", self.sandbox_id, exc)
+
+    def _compact(self) -> None:
+        """Rewrite the journal with the retained events only (atomically)."""
+        assert self._journal is not None
+        tmp = self._journal.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            data = "".join(line + "\n" for _, _, line in self._events).encode()
+            while data:
+                data = data[os.write(fd, data) :]
+        finally:
+            os.close(fd)
+        os.replace(tmp, self._journal)
+        self.close()
+        self._journal_fd = os.open(self._journal, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._journal_lines = len(self._events)
+
+    def close(self) -> None:
+        if self._journal_fd >= 0:
+            os.close(self._journal_fd)
+            self._journal_fd = -1
 
     def since(self, after: int) -> list[tuple[int, str, str]]:
         """Events with a sequence above ``after`` as ``(sequence, type, json)``."""

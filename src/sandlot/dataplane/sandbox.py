@@ -84,6 +84,9 @@ class SandboxEntry:
         native.warm()  # the C file operations, built in the background once
         old_resolver, old_executor = self.resolver, self.executor
         self.runtime = runtime
+        if runtime.spool_dir is not None:
+            # The event log outlives this server where the sandbox's work does.
+            self.events.attach(runtime.spool_dir)
         self.resolver = PathResolver(runtime.mounts())
         self.executor = FsExecutor(runtime.fs_ids)
         s = self.settings
@@ -185,6 +188,7 @@ class SandboxEntry:
             await self.watcher.close()
         if self.disk is not None:
             self.disk.close()
+        self.events.close()
         if self.resolver is not None:
             self.resolver.close()
         if self.executor is not None:
