@@ -360,7 +360,7 @@ def test_token_attacks(server: Server, record_property: RecordProperty) -> None:
 def test_revocation_closes_socket_within_a_second(
     server: Server, record_property: RecordProperty
 ) -> None:
-    from sandlot.providers.base import RevokedToken
+    from sandlot.protocol.tokens import RevokedToken
 
     jti = "tok_revoked"
     token = server.token(jti=jti)
@@ -565,7 +565,7 @@ def test_grep_and_glob_work_as_the_sandbox_user(confined: Server) -> None:
 
 
 def test_revocation_ends_event_streams(server: Server) -> None:
-    from sandlot.providers.base import RevokedToken
+    from sandlot.protocol.tokens import RevokedToken
 
     token = server.token(jti="tok_sse")
     done = threading.Event()

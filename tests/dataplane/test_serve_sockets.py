@@ -242,6 +242,51 @@ def test_websocket_limits_per_token_and_per_sandbox(
     asyncio.run(run())
 
 
+def test_event_streams_count_like_websockets(server: SandlotServer, alice: dict[str, str]) -> None:
+    """``GET /events`` (SSE) holds a connection as long as a WebSocket does: it takes a
+    place, is refused with 429 beyond the limits, and gives the place back when it ends."""
+    grant = negotiate(server, alice, "thr_sse_limits")
+    url = f"{grant['dataplane']['http_base_url']}/events"
+
+    async def run() -> None:
+        async with httpx.AsyncClient(headers=bearer(grant), timeout=10) as client:
+            streams = []
+            for _ in range(PER_TOKEN):
+                stream = client.stream("GET", url)
+                response = await stream.__aenter__()
+                assert response.status_code == 200
+                streams.append(stream)
+            refused = await client.get(url)
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == "RATE_LIMITED"
+            assert "token" in refused.json()["error"]["message"]
+            # WebSockets and streams share the token's places.
+            sockets = Sockets(grant["dataplane"]["ws_base_url"])
+            assert "token" in await sockets.refused("/events/ws", grant)
+            await streams.pop().__aexit__(None, None, None)
+
+            async def one_more() -> None:
+                response = await client.get(url, params={"after": "x"})  # 400, not 429
+                assert response.status_code == 400, response.text
+                stream = client.stream("GET", url)
+                opened = await stream.__aenter__()
+                if opened.status_code != 200:
+                    await stream.__aexit__(None, None, None)
+                    raise AssertionError(opened.status_code)
+                streams.append(stream)
+
+            await eventually(one_more)
+            for stream in streams:
+                await stream.__aexit__(None, None, None)
+        # Every place given back: the token's and the sandbox's all open again.
+        other = negotiate(server, alice, "thr_sse_limits")
+        sockets = Sockets(grant["dataplane"]["ws_base_url"])
+        await eventually(lambda: fill(sockets, grant, other))
+        await sockets.close_all()
+
+    asyncio.run(run())
+
+
 async def fill(sockets: Sockets, a: dict[str, Any], b: dict[str, Any]) -> None:
     try:
         for i in range(PER_TOKEN):

@@ -172,15 +172,8 @@ class IdempotencyStore:
     ) -> StoredResponse | None:
         """Claim the key in ``conn``'s transaction, or return the stored response of an
         earlier identical request."""
-        now = time.time()
-        params = {
-            "p": principal_id,
-            "k": key,
-            "fp": fp,
-            "owner": PROCESS_OWNER,
-            "now": now,
-            "until": now + self.ttl,
-        }
+        params = self._row(principal_id, key, fp)
+        now = params["now"]
         # The common case, a new key, is one statement.
         if self._insert(conn, self._claim, self._claim_how, params):
             return None
@@ -220,19 +213,21 @@ class IdempotencyStore:
             _FINISH, {"p": principal_id, "k": key, "st": status, "body": body}
         ).rowcount:
             return
+        params = {**self._row(principal_id, key, fp), "st": status, "body": body}
+        # Taken meanwhile by an identical request: its answer stands.
+        self._insert(conn, self._record, self._record_how, params)
+
+    def _row(self, principal_id: str, key: str, fp: str) -> dict[str, Any]:
+        """The parameters of a key's row, claimed now by this process."""
         now = time.time()
-        params = {
+        return {
             "p": principal_id,
             "k": key,
             "fp": fp,
             "owner": PROCESS_OWNER,
             "now": now,
             "until": now + self.ttl,
-            "st": status,
-            "body": body,
         }
-        # Taken meanwhile by an identical request: its answer stands.
-        self._insert(conn, self._record, self._record_how, params)
 
     @staticmethod
     def _insert(conn: Connection, stmt: Executable, how: str, params: dict[str, Any]) -> bool:

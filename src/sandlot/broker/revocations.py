@@ -32,8 +32,8 @@ from sqlalchemy import bindparam, select
 
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import api_keys, sandboxes, tokens
-from sandlot.protocol.tokens import TOKEN_LEEWAY_SECONDS
-from sandlot.providers.base import Provider, RevokedToken
+from sandlot.protocol.tokens import TOKEN_LEEWAY_SECONDS, RevokedToken
+from sandlot.providers.base import Provider
 
 log = logging.getLogger("sandlot.broker.revocations")
 

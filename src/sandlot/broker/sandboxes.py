@@ -36,7 +36,8 @@ from sandlot.protocol.errors import (
 )
 from sandlot.protocol.sessions import DataplaneCoordinates, SandboxSnapshot, Template
 from sandlot.protocol.states import SandboxState, can_transition
-from sandlot.providers.base import Provider, ProviderStatus, RevokedToken, SandboxSpec
+from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers.base import Provider, ProviderStatus, SandboxSpec
 
 log = logging.getLogger("sandlot.broker.sandboxes")
 

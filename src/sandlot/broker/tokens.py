@@ -24,13 +24,14 @@ from sqlalchemy import select, update
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import signing_keys
 from sandlot.protocol.common import Actor, Capability, new_id
-from sandlot.protocol.errors import TokenExpired, Unauthenticated
+from sandlot.protocol.errors import Unauthenticated
 from sandlot.protocol.tokens import (
-    MAX_TOKEN_BYTES,
     TOKEN_ALGORITHM,
     TOKEN_AUDIENCE,
     TOKEN_LEEWAY_SECONDS,
     TOKEN_TYPE,
+    decode_token,
+    token_key_id,
 )
 
 
@@ -194,35 +195,12 @@ class KeyRing:
 
     def verify(self, token: str) -> dict[str, Any]:
         """Check signature and standard claims (the broker side; no capability check)."""
-        if len(token) > MAX_TOKEN_BYTES:
-            raise Unauthenticated("token too large")
-        try:
-            header = jwt.get_unverified_header(token)
-        except jwt.PyJWTError as exc:
-            raise Unauthenticated("malformed token") from exc
-        if header.get("alg") != TOKEN_ALGORITHM:
-            raise Unauthenticated("token algorithm not accepted")
-        kid = header.get("kid")
-        key = self._keys.get(kid) if isinstance(kid, str) else None
+        kid = token_key_id(token)
+        key = self._keys.get(kid)
         if key is None:
             self.reload()
-            key = self._keys.get(kid) if isinstance(kid, str) else None
+            key = self._keys.get(kid)
         if key is None:
             raise Unauthenticated("unknown signing key")
-        try:
-            claims: dict[str, Any] = jwt.decode(
-                token,
-                key.public,
-                algorithms=[TOKEN_ALGORITHM],
-                audience=TOKEN_AUDIENCE,
-                issuer=self.issuer,
-                leeway=TOKEN_LEEWAY_SECONDS,
-                options={"require": ["exp", "nbf", "iat", "iss", "aud", "sub", "jti"]},
-            )
-        except jwt.ExpiredSignatureError as exc:
-            raise TokenExpired("token expired", code="TOKEN_EXPIRED") from exc
-        except jwt.PyJWTError as exc:
-            raise Unauthenticated(f"invalid token: {type(exc).__name__}") from exc
-        if claims.get("typ") != TOKEN_TYPE:
-            raise Unauthenticated("invalid token type")
+        claims = decode_token(token, key.public, issuer=self.issuer)
         return claims

@@ -35,8 +35,9 @@ from sandlot.dataplane.transfer import build_transfer_routes
 from sandlot.dataplane.web import Api, endpoint, error_response, json_response, request_id_of
 from sandlot.dataplane.websockets import build_ws_routes
 from sandlot.protocol.errors import ResourceNotFound, SandboxNotFound
+from sandlot.protocol.sessions import SandboxActivity
 from sandlot.protocol.states import SandboxState
-from sandlot.providers.base import RevokedToken, SandboxActivity
+from sandlot.protocol.tokens import RevokedToken
 from sandlot.runtime.base import SandboxRuntime
 
 if TYPE_CHECKING:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from sandlot import __version__ as _version
 from sandlot.dataplane import grep as grep_mod
@@ -278,12 +279,25 @@ def build_routes(api: Api) -> list[Route]:
         if after < 0:
             raise InvalidRequest("after must be >= 0")
         entry.events.since(after)  # 410 now, before the stream starts
+        # An open event stream counts like a WebSocket (429 beyond the limits).
+        place = host.sockets.admit(entry.sandbox_id, "/events", authenticated=True)
+        try:
+            place.claim(ctx)
+        except BaseException:
+            place.release()
+            raise
         closed = asyncio.Event()
         conn = host._track(entry, ctx, closed)
 
+        def ended() -> None:
+            entry.events.unlisten(wake)
+            host._untrack(entry, conn)
+            place.release()
+
+        wake = asyncio.Event()
+
         async def stream() -> AsyncIterator[bytes]:
             cursor = after
-            wake = asyncio.Event()
             entry.events.listen(wake)
             try:
                 yield b": connected\n\n"
@@ -318,11 +332,11 @@ def build_routes(api: Api) -> list[Route]:
                     if not done:
                         yield b": keep-alive\n\n"
             finally:
-                entry.events.unlisten(wake)
-                host._untrack(entry, conn)
+                ended()
 
-        return StreamingResponse(
+        return _Stream(
             stream(),
+            ended,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -348,3 +362,18 @@ def build_routes(api: Api) -> list[Route]:
         Route("/fs/move", fs_move, methods=["POST"]),
         Route("/events", events_sse, methods=["GET"]),
     ]
+
+
+class _Stream(StreamingResponse):
+    """A streamed response whose ``ended`` runs when it ends, however it ends: a client
+    gone before the first byte never starts the body's generator (nor its ``finally``)."""
+
+    def __init__(self, content: AsyncIterator[bytes], ended: Callable[[], None], **kw: Any):
+        super().__init__(content, **kw)
+        self._ended = ended
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._ended()

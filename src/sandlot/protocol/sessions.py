@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Generic, Literal, TypeVar
 
@@ -349,3 +350,18 @@ class Jwks(WireModel):
 class AuditPage(WireModel):
     items: list[dict[str, Any]]
     next_after: int
+
+
+@dataclass(frozen=True)
+class SandboxActivity:
+    """What a dataplane sees of a sandbox (its activity report): work in progress is
+    never reaped."""
+
+    running_execs: int = 0
+    attached_clients: int = 0
+    #: Monotonic-independent wall clock (epoch seconds) of the last dataplane operation.
+    last_active_at: float | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self.running_execs > 0 or self.attached_clients > 0

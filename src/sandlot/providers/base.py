@@ -28,8 +28,9 @@ from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
 from sandlot.protocol.errors import InvalidRequest
-from sandlot.protocol.sessions import DataplaneCoordinates, Template
+from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.tokens import RevokedToken
 
 PROVIDER_ENTRY_POINT_GROUP = "sandlot.providers"
 
@@ -52,27 +53,6 @@ class ProviderStatus:
     state: SandboxState
     last_event_sequence: int
     reason: str | None = None
-
-
-@dataclass(frozen=True)
-class SandboxActivity:
-    """What the dataplane sees: work in progress is never reaped."""
-
-    running_execs: int = 0
-    attached_clients: int = 0
-    #: Monotonic-independent wall clock (epoch seconds) of the last dataplane operation.
-    last_active_at: float | None = None
-
-    @property
-    def busy(self) -> bool:
-        return self.running_execs > 0 or self.attached_clients > 0
-
-
-@dataclass(frozen=True)
-class RevokedToken:
-    jti: str
-    #: Epoch seconds; the revocation can be forgotten once the token has expired anyway.
-    expires_at: float
 
 
 @dataclass(frozen=True)

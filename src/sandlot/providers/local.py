@@ -27,14 +27,13 @@ from sandlot.dataplane.auth import TokenVerifier
 from sandlot.dataplane.host import DataplaneHost
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable, SandboxNotFound
-from sandlot.protocol.sessions import DataplaneCoordinates, Template
+from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import (
     AdoptionRecord,
     Provider,
     ProviderStatus,
-    RevokedToken,
-    SandboxActivity,
     SandboxSpec,
     StatusListener,
 )

@@ -19,16 +19,10 @@ import httpx
 from fastapi import APIRouter, Request
 
 from sandlot.protocol.errors import ProviderUnavailable, SandlotError, error_from_wire
-from sandlot.protocol.sessions import DataplaneCoordinates, Template
+from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
 from sandlot.protocol.states import SandboxState
-from sandlot.providers.base import (
-    AdoptionRecord,
-    Provider,
-    ProviderStatus,
-    RevokedToken,
-    SandboxActivity,
-    SandboxSpec,
-)
+from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers.base import AdoptionRecord, Provider, ProviderStatus, SandboxSpec
 
 SECRET_HEADER = "x-sandlot-provider-secret"
 
