@@ -12,11 +12,13 @@ from sandlot.broker.audit import AuditLog
 from sandlot.broker.events import EventHub
 from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.keys import KeyService
+from sandlot.broker.leases import LeaseService
 from sandlot.broker.pools import PoolService
 from sandlot.broker.ratelimit import RateLimiter
 from sandlot.broker.reaper import Reaper
 from sandlot.broker.revocations import RevocationWatcher
 from sandlot.broker.sandboxes import SandboxService
+from sandlot.broker.scopes import MemberService
 from sandlot.broker.sessions import SessionService
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
@@ -84,6 +86,14 @@ class Broker:
             templates=self.templates,
             hub=self.hub,
         )
+        self.leases = LeaseService(
+            store=self.store,
+            settings=settings,
+            sandboxes=self.sandboxes,
+            sessions=self.sessions,
+            hub=self.hub,
+        )
+        self.members = MemberService(self.store, self.sandboxes.clock)
         self.reaper = Reaper(
             store=self.store,
             settings=settings,

@@ -22,18 +22,19 @@ from sqlalchemy.exc import IntegrityError
 
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
-from sandlot.broker.events import EventHub, append_event, read_events
+from sandlot.broker.bindings import BindingRow
+from sandlot.broker.events import EventHub, append_event
 from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.principals import Principal
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
+from sandlot.broker.scopes import check_scope_access
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import (
     bindings,
     leases,
     sandboxes,
-    scope_members,
     scopes,
     tokens,
 )
@@ -53,7 +54,6 @@ from sandlot.protocol.errors import (
     CapabilityDenied,
     Forbidden,
     InvalidRequest,
-    SequenceExpired,
     SessionConflict,
     SessionExpired,
     SessionNotFound,
@@ -61,43 +61,16 @@ from sandlot.protocol.errors import (
 from sandlot.protocol.sessions import (
     BindingSnapshot,
     Credentials,
-    HeartbeatResponse,
-    MembersResponse,
     Policy,
-    RefreshResponse,
     SandboxRef,
     SessionGrant,
     SessionMode,
     SessionRequest,
-    SessionSnapshot,
     Template,
 )
 from sandlot.protocol.states import SandboxState
 
 log = logging.getLogger("sandlot.broker.sessions")
-
-
-@dataclass(frozen=True)
-class BindingRow:
-    id: str
-    scope_key: str
-    sandbox_id: str
-    owner_user_id: str
-    live: bool
-    created_at: float
-    event_seq: int
-
-    @classmethod
-    def from_row(cls, r: Any) -> BindingRow:
-        return cls(
-            id=r.id,
-            scope_key=r.scope_key,
-            sandbox_id=r.sandbox_id,
-            owner_user_id=r.owner_user_id,
-            live=r.live_scope is not None,
-            created_at=r.created_at,
-            event_seq=r.event_seq,
-        )
 
 
 @dataclass
@@ -249,7 +222,7 @@ class SessionService:
         self.hub.notify(result.grant.session_id)
         return result.grant
 
-    def _warm_caches(self) -> None:
+    def warm_caches(self) -> None:
         """Reload what transactions read from memory (never open a second connection in one)."""
         self.keyring.refresh_if_stale()
         self.templates.list()
@@ -263,7 +236,7 @@ class SessionService:
         caps: list[Capability],
         claim: Claim | None = None,
     ) -> _Negotiated | None:
-        self._warm_caches()
+        self.warm_caches()
         template: Template | None = None
         if req.mode.creates:
             template = self.templates.get(req.template or self.settings.default_template)
@@ -302,11 +275,11 @@ class SessionService:
         owner = None
         if live is not None:
             # A binding's owner is its scope's owner: no need to read the scope.
-            self._check_scope_access(conn, principal, key, live.owner_user_id)
+            check_scope_access(conn, principal, key, live.owner_user_id)
         else:
             owner = conn.execute(_SCOPE_OWNER, {"key": key}).first()
             if owner is not None:
-                self._check_scope_access(conn, principal, key, owner.owner_user_id)
+                check_scope_access(conn, principal, key, owner.owner_user_id)
         created = False
         provision: SandboxRow | None = None
         resume = False
@@ -378,7 +351,7 @@ class SessionService:
             actor=actor,
             now=now,
         )
-        minted = self._mint(conn, principal, actor, binding, sandbox, caps, now)
+        minted = self.mint(conn, principal, actor, binding, sandbox, caps, now)
         record(
             conn,
             ctx,
@@ -490,21 +463,6 @@ class SessionService:
         )
         return get_sandbox(conn, pooled.id)
 
-    def _check_scope_access(
-        self, conn: Connection, principal: Principal, key: str, owner_user_id: str
-    ) -> None:
-        user = principal.effective_user
-        if user == owner_user_id or principal.is_admin:
-            return
-        member = conn.execute(
-            select(scope_members.c.user_id).where(
-                scope_members.c.scope_key == key, scope_members.c.user_id == user
-            )
-        ).first()
-        if member is None:
-            # Nothing about the scope: a caller may have named only a session id.
-            raise Forbidden("this scope belongs to another user")
-
     def _attach(
         self,
         conn: Connection,
@@ -543,7 +501,7 @@ class SessionService:
             )
         return expires
 
-    def _mint(
+    def mint(
         self,
         conn: Connection,
         principal: Principal,
@@ -592,7 +550,7 @@ class SessionService:
             lease_ttl_seconds=self.settings.lease_ttl_seconds,
         )
 
-    def _binding_snapshot(
+    def binding_snapshot(
         self,
         binding: BindingRow,
         sandbox: SandboxRow,
@@ -640,7 +598,7 @@ class SessionService:
             ),
             token=token.token,
             expires_at=expires_at,
-            binding=self._binding_snapshot(
+            binding=self.binding_snapshot(
                 binding, sandbox, created=created, lease_expires=lease_expires, event_seq=event_seq
             ),
             dataplane=coords,
@@ -650,304 +608,6 @@ class SessionService:
             policy=self.policy(sandbox.template),
             refresh_url=f"/v1/sandbox/sessions/{binding.id}/refresh",
         )
-
-    # --- the other session calls ----------------------------------------------------
-
-    def _load(
-        self, conn: Connection, principal: Principal, session_id: str
-    ) -> tuple[BindingRow, SandboxRow]:
-        row = conn.execute(select(bindings).where(bindings.c.id == session_id)).first()
-        if row is None:
-            raise SessionNotFound(f"no session {session_id}")
-        binding = BindingRow.from_row(row)
-        self._check_scope_access(conn, principal, binding.scope_key, binding.owner_user_id)
-        sandbox = get_sandbox(conn, binding.sandbox_id)
-        assert sandbox is not None
-        return binding, sandbox
-
-    def _held(
-        self, conn: Connection, principal: Principal, session_id: str
-    ) -> tuple[BindingRow, SandboxRow, Any]:
-        """The live binding, its sandbox and the caller's unreleased lease, or 410."""
-        binding, sandbox = self._load(conn, principal, session_id)
-        if not binding.live or not sandbox.state.live:
-            raise SessionExpired(f"session {session_id} has ended")
-        lease = self._lease(conn, principal, binding.id)
-        if lease is None or lease.released_at is not None:
-            raise SessionExpired(f"session {session_id} was released by this actor")
-        return binding, sandbox, lease
-
-    def _lease(self, conn: Connection, principal: Principal, binding_id: str) -> Any:
-        return conn.execute(
-            select(leases).where(
-                leases.c.binding_id == binding_id, leases.c.principal_id == principal.lease_holder
-            )
-        ).first()
-
-    def snapshot(self, principal: Principal, session_id: str) -> SessionSnapshot:
-        with self.store.read() as conn:
-            binding, sandbox = self._load(conn, principal, session_id)
-            lease = self._lease(conn, principal, binding.id)
-        coords = self.sandboxes.coordinates(sandbox.id)
-        return SessionSnapshot(
-            session_id=binding.id,
-            binding=self._binding_snapshot(
-                binding,
-                sandbox,
-                created=False,
-                lease_expires=lease.expires_at
-                if lease is not None and lease.released_at is None
-                else None,
-                event_seq=binding.event_seq,
-            ),
-            sandbox=SandboxRef(
-                id=sandbox.id,
-                provider=sandbox.provider,
-                http_base_url=coords.http_base_url,
-                ws_base_url=coords.ws_base_url,
-            ),
-            dataplane=coords,
-            policy=self.policy(sandbox.template),
-        )
-
-    def refresh(self, ctx: AuditContext, principal: Principal, session_id: str) -> RefreshResponse:
-        self._warm_caches()
-        with self.store.write() as conn:
-            binding, sandbox, lease = self._held(conn, principal, session_id)
-            now = self.clock()
-            entitled = set(self.settings.policy_for(principal.actor_type).allowed)
-            caps = sorted(
-                (
-                    Capability(c)
-                    for c in lease.caps
-                    if Capability(c) in expand_capabilities(entitled)
-                ),
-                key=lambda c: c.value,
-            )
-            # The actor that attached (``actor.id`` of the negotiation) keeps its tokens.
-            actor = Actor(type=principal.actor_type, id=lease.actor_id)
-            minted = self._mint(conn, principal, actor, binding, sandbox, caps, now)
-            append_event(
-                conn,
-                bindings,
-                binding.id,
-                "binding.refreshed",
-                {"binding": {"op": "refreshed", "principal": principal.id}},
-                state=sandbox.state.value,
-                actor=actor,
-                now=now,
-            )
-            record(
-                conn,
-                replace(ctx, actor=actor),
-                "session.refresh",
-                scope_key=binding.scope_key,
-                session_id=binding.id,
-                sandbox_id=sandbox.id,
-                now=now,
-            )
-        self.hub.notify(binding.id)
-        expires_at = rfc3339(minted.expires_at) or ""
-        return RefreshResponse(
-            token=minted.token,
-            expires_at=expires_at,
-            credentials=Credentials(
-                access_token=minted.token, expires_at=expires_at, granted_capabilities=caps
-            ),
-        )
-
-    async def heartbeat(
-        self, ctx: AuditContext, principal: Principal, session_id: str
-    ) -> HeartbeatResponse:
-        def tx() -> tuple[HeartbeatResponse, bool, str]:
-            with self.store.write() as conn:
-                binding, sandbox, _lease = self._held(conn, principal, session_id)
-                now = self.clock()
-                expires = now + self.settings.lease_ttl_seconds
-                conn.execute(
-                    update(leases)
-                    .where(
-                        leases.c.binding_id == binding.id,
-                        leases.c.principal_id == principal.lease_holder,
-                    )
-                    .values(expires_at=expires)
-                )
-                conn.execute(
-                    update(sandboxes).where(sandboxes.c.id == sandbox.id).values(last_active_at=now)
-                )
-                state = sandbox.state
-                if state is SandboxState.IDLE:
-                    self.sandboxes.apply_state_in(
-                        conn, sandbox.id, SandboxState.ACTIVE, reason="heartbeat"
-                    )
-                    state = SandboxState.ACTIVE
-            return (
-                HeartbeatResponse(state=state.value, lease_expires_at=rfc3339(expires) or ""),
-                state is SandboxState.SUSPENDED,
-                sandbox.id,
-            )
-
-        resp, resume, sandbox_id = await anyio.to_thread.run_sync(tx)
-        if resume:
-            state = await self.sandboxes.resume(sandbox_id, reason="heartbeat")
-            resp.state = state.value
-        self.hub.notify(session_id)
-        return resp
-
-    async def release(
-        self,
-        ctx: AuditContext,
-        principal: Principal,
-        session_id: str,
-        *,
-        terminate: bool,
-        wait: bool = True,
-    ) -> SessionSnapshot | None:
-        """End the caller's lease; ``terminate`` tears the sandbox down (see
-        :meth:`SandboxService.terminate` for ``wait``) and returns the binding's snapshot."""
-
-        def tx() -> tuple[str, list[Any]]:
-            with self.store.write() as conn:
-                binding, sandbox = self._load(conn, principal, session_id)
-                if terminate and not (
-                    principal.effective_user == binding.owner_user_id or principal.is_admin
-                ):
-                    raise Forbidden("only the scope's owner or an admin may terminate it")
-                if not binding.live and not terminate:
-                    raise SessionExpired(f"session {session_id} has ended")
-                now = self.clock()
-                conn.execute(
-                    update(leases)
-                    .where(
-                        leases.c.binding_id == binding.id,
-                        leases.c.principal_id == principal.lease_holder,
-                        leases.c.released_at.is_(None),
-                    )
-                    .values(released_at=now)
-                )
-                revoked = self.sandboxes.revoke_tokens_in(
-                    conn,
-                    sandbox_id=sandbox.id,
-                    binding_id=binding.id,
-                    principal_id=principal.lease_holder,
-                )
-                if binding.live:
-                    append_event(
-                        conn,
-                        bindings,
-                        binding.id,
-                        "binding.detached",
-                        {
-                            "binding": {
-                                "op": "detached",
-                                "principal": principal.id,
-                                "revoked_tokens": len(revoked),
-                            }
-                        },
-                        state=sandbox.state.value,
-                        actor=principal.actor,
-                        now=now,
-                    )
-                record(
-                    conn,
-                    ctx,
-                    "session.terminate" if terminate else "session.release",
-                    scope_key=binding.scope_key,
-                    session_id=binding.id,
-                    sandbox_id=sandbox.id,
-                    details={"revoked_tokens": len(revoked)},
-                    now=now,
-                )
-            return sandbox.id, revoked
-
-        sandbox_id, revoked = await anyio.to_thread.run_sync(tx)
-        self.hub.notify(session_id)
-        await self.sandboxes.push_revocations(sandbox_id, revoked)
-        if not terminate:
-            return None
-        await self.sandboxes.terminate(
-            sandbox_id, reason="terminated by request", ctx=ctx, wait=wait
-        )
-        return await anyio.to_thread.run_sync(self.snapshot, principal, session_id)
-
-    def session_for_token(self, claims: dict[str, Any]) -> str:
-        """The alias ``/sandbox/refresh {token}``: the token must still be live."""
-        with self.store.read() as conn:
-            row = conn.execute(select(tokens).where(tokens.c.jti == claims.get("jti"))).first()
-        if row is None or row.revoked_at is not None:
-            raise SessionExpired("this token was revoked")
-        return str(row.binding_id)
-
-    # --- members and events -----------------------------------------------------------
-
-    def add_member(
-        self, ctx: AuditContext, principal: Principal, scope: Scope, user_id: str
-    ) -> MembersResponse:
-        key = scope.key()
-        with self.store.write() as conn:
-            owner = self._owner(conn, key)
-            if owner != principal.effective_user and not principal.is_admin:
-                raise Forbidden("only the scope's owner may share it")
-            exists = conn.execute(
-                select(scope_members).where(
-                    scope_members.c.scope_key == key, scope_members.c.user_id == user_id
-                )
-            ).first()
-            if exists is None:
-                conn.execute(
-                    scope_members.insert().values(
-                        scope_key=key, user_id=user_id, added_at=self.clock()
-                    )
-                )
-            record(conn, ctx, "scope.share", scope_key=key, details={"user_id": user_id})
-        return self.members(principal, scope)
-
-    def remove_member(
-        self, ctx: AuditContext, principal: Principal, scope: Scope, user_id: str
-    ) -> None:
-        key = scope.key()
-        with self.store.write() as conn:
-            owner = self._owner(conn, key)
-            if owner != principal.effective_user and not principal.is_admin:
-                raise Forbidden("only the scope's owner may change its members")
-            conn.execute(
-                scope_members.delete().where(
-                    scope_members.c.scope_key == key, scope_members.c.user_id == user_id
-                )
-            )
-            record(conn, ctx, "scope.unshare", scope_key=key, details={"user_id": user_id})
-
-    def members(self, principal: Principal, scope: Scope) -> MembersResponse:
-        key = scope.key()
-        with self.store.read() as conn:
-            owner = self._owner(conn, key)
-            self._check_scope_access(conn, principal, key, owner)
-            rows = conn.execute(
-                select(scope_members.c.user_id).where(scope_members.c.scope_key == key)
-            ).all()
-        return MembersResponse(
-            scope=scope, owner_user_id=owner, members=sorted(r.user_id for r in rows)
-        )
-
-    @staticmethod
-    def _owner(conn: Connection, key: str) -> str:
-        row = conn.execute(select(scopes.c.owner_user_id).where(scopes.c.scope_key == key)).first()
-        if row is None:
-            raise SessionNotFound(f"no scope {key}")
-        return str(row.owner_user_id)
-
-    def events_after(
-        self, principal: Principal, session_id: str, after: int
-    ) -> list[dict[str, Any]]:
-        with self.store.read() as conn:
-            self._load(conn, principal, session_id)
-            items, oldest = read_events(conn, session_id, after)
-        if oldest is not None and after < oldest - 1:
-            raise SequenceExpired(
-                f"events after {after} are no longer retained (oldest is {oldest})",
-                metadata={"oldest_sequence": oldest},
-            )
-        return items
 
     def check_actor(self, actor: Actor | None, principal: Principal) -> None:
         if actor is not None and actor.type is not principal.actor_type:

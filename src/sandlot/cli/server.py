@@ -50,7 +50,7 @@ def build_provider(
         if not allowed and row.scope_key is not None:
             try:
                 members = await asyncio.to_thread(
-                    broker.sessions.members, principal, _scope_of(row.scope_key)
+                    broker.members.members, principal, _scope_of(row.scope_key)
                 )
                 allowed = principal.effective_user in members.members
             except SandlotError:

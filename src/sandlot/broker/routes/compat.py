@@ -86,9 +86,9 @@ async def alias_refresh(request: Request, broker: BrokerDep, principal: Principa
     claims = broker.keyring.verify(req.token)
     if claims.get("sub") != principal.id:
         raise Forbidden("this token belongs to another principal")
-    session_id = await anyio.to_thread.run_sync(broker.sessions.session_for_token, claims)
+    session_id = await anyio.to_thread.run_sync(broker.leases.session_for_token, claims)
     resp = await anyio.to_thread.run_sync(
-        broker.sessions.refresh, audit_context(request, principal), principal, session_id
+        broker.leases.refresh, audit_context(request, principal), principal, session_id
     )
     return {
         **resp.model_dump(mode="json"),
@@ -101,7 +101,7 @@ async def alias_refresh(request: Request, broker: BrokerDep, principal: Principa
 @router.post("/sandbox/release", status_code=204, openapi_extra=json_body(AliasReleaseRequest))
 async def alias_release(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Response:
     req = parse_model(AliasReleaseRequest, await read_body(request))
-    await broker.sessions.release(
+    await broker.leases.release(
         audit_context(request, principal), principal, req.session_id, terminate=False
     )
     return Response(status_code=204)

@@ -145,13 +145,13 @@ async def negotiate(
 
 @router.get("/v1/sandbox/sessions/{session_id}", response_model=SessionSnapshot)
 async def get_session(session_id: str, broker: BrokerDep, principal: PrincipalDep) -> Any:
-    return await anyio.to_thread.run_sync(broker.sessions.snapshot, principal, session_id)
+    return await anyio.to_thread.run_sync(broker.leases.snapshot, principal, session_id)
 
 
 async def _refresh(request: Request, session_id: str, broker: Any, principal: Principal) -> Any:
     await read_body(request)
     ctx = audit_context(request, principal)
-    return await anyio.to_thread.run_sync(broker.sessions.refresh, ctx, principal, session_id)
+    return await anyio.to_thread.run_sync(broker.leases.refresh, ctx, principal, session_id)
 
 
 @router.post("/v1/sandbox/sessions/{session_id}/refresh", response_model=RefreshResponse)
@@ -172,7 +172,7 @@ async def refresh_token(
 async def heartbeat(
     request: Request, session_id: str, broker: BrokerDep, principal: PrincipalDep
 ) -> Any:
-    return await broker.sessions.heartbeat(audit_context(request, principal), principal, session_id)
+    return await broker.leases.heartbeat(audit_context(request, principal), principal, session_id)
 
 
 @router.delete(
@@ -188,7 +188,7 @@ async def release(
     terminate: bool = False,
     wait: WaitParam = True,
 ) -> Response:
-    snap = await broker.sessions.release(
+    snap = await broker.leases.release(
         audit_context(request, principal), principal, session_id, terminate=terminate, wait=wait
     )
     if snap is None or snap.binding.state == SandboxState.TERMINATED.value:
@@ -264,14 +264,14 @@ async def session_events(
 ) -> EventStream:
     cursor = parse_cursor(last_event_id, after)
     # Checks access and retention before the stream starts, so errors get a status.
-    await anyio.to_thread.run_sync(broker.sessions.events_after, principal, session_id, cursor)
+    await anyio.to_thread.run_sync(broker.leases.events_after, principal, session_id, cursor)
 
     def ended() -> bool:
-        snap = broker.sessions.snapshot(principal, session_id)
+        snap = broker.leases.snapshot(principal, session_id)
         return SandboxState(snap.binding.state).settled
 
     return sse_response(
-        lambda c: broker.sessions.events_after(principal, session_id, c),
+        lambda c: broker.leases.events_after(principal, session_id, c),
         cursor,
         hub=broker.hub,
         stream_id=session_id,
@@ -291,7 +291,7 @@ async def list_members(
     scope_type: ScopeType, scope_id: str, broker: BrokerDep, principal: PrincipalDep
 ) -> Any:
     return await anyio.to_thread.run_sync(
-        broker.sessions.members, principal, _scope(scope_type, scope_id)
+        broker.members.members, principal, _scope(scope_type, scope_id)
     )
 
 
@@ -310,7 +310,7 @@ async def add_member(
     req = parse_model(MemberRequest, await read_body(request))
     ctx = audit_context(request, principal)
     return await anyio.to_thread.run_sync(
-        broker.sessions.add_member, ctx, principal, _scope(scope_type, scope_id), req.user_id
+        broker.members.add_member, ctx, principal, _scope(scope_type, scope_id), req.user_id
     )
 
 
@@ -325,6 +325,6 @@ async def remove_member(
 ) -> Response:
     ctx = audit_context(request, principal)
     await anyio.to_thread.run_sync(
-        broker.sessions.remove_member, ctx, principal, _scope(scope_type, scope_id), user_id
+        broker.members.remove_member, ctx, principal, _scope(scope_type, scope_id), user_id
     )
     return Response(status_code=204)

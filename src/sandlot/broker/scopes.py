@@ -1,0 +1,101 @@
+"""Who may use a scope: its owner, the users it is shared with, and admins.
+
+A scope (``thread:thr_1``) is owned by the user whose negotiation first named
+it; its owner (or an admin) shares it with other users by adding them as
+members. Every session call on a scope's binding checks access here first, and a
+refusal says nothing about the scope (a caller may have named only a session id).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from sqlalchemy import Connection, select
+
+from sandlot.broker.audit import AuditContext, record
+from sandlot.broker.principals import Principal
+from sandlot.broker.store import Store
+from sandlot.broker.store.schema import scope_members, scopes
+from sandlot.protocol.common import Scope
+from sandlot.protocol.errors import Forbidden, SessionNotFound
+from sandlot.protocol.sessions import MembersResponse
+
+
+def check_scope_access(
+    conn: Connection, principal: Principal, key: str, owner_user_id: str
+) -> None:
+    """Refuse (403, naming nothing) a principal who neither owns nor shares the scope."""
+    user = principal.effective_user
+    if user == owner_user_id or principal.is_admin:
+        return
+    member = conn.execute(
+        select(scope_members.c.user_id).where(
+            scope_members.c.scope_key == key, scope_members.c.user_id == user
+        )
+    ).first()
+    if member is None:
+        raise Forbidden("this scope belongs to another user")
+
+
+def scope_owner(conn: Connection, key: str) -> str:
+    row = conn.execute(select(scopes.c.owner_user_id).where(scopes.c.scope_key == key)).first()
+    if row is None:
+        raise SessionNotFound(f"no scope {key}")
+    return str(row.owner_user_id)
+
+
+class MemberService:
+    """Sharing a scope with other users."""
+
+    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.clock = clock
+
+    def add_member(
+        self, ctx: AuditContext, principal: Principal, scope: Scope, user_id: str
+    ) -> MembersResponse:
+        key = scope.key()
+        with self.store.write() as conn:
+            owner = scope_owner(conn, key)
+            if owner != principal.effective_user and not principal.is_admin:
+                raise Forbidden("only the scope's owner may share it")
+            exists = conn.execute(
+                select(scope_members).where(
+                    scope_members.c.scope_key == key, scope_members.c.user_id == user_id
+                )
+            ).first()
+            if exists is None:
+                conn.execute(
+                    scope_members.insert().values(
+                        scope_key=key, user_id=user_id, added_at=self.clock()
+                    )
+                )
+            record(conn, ctx, "scope.share", scope_key=key, details={"user_id": user_id})
+        return self.members(principal, scope)
+
+    def remove_member(
+        self, ctx: AuditContext, principal: Principal, scope: Scope, user_id: str
+    ) -> None:
+        key = scope.key()
+        with self.store.write() as conn:
+            owner = scope_owner(conn, key)
+            if owner != principal.effective_user and not principal.is_admin:
+                raise Forbidden("only the scope's owner may change its members")
+            conn.execute(
+                scope_members.delete().where(
+                    scope_members.c.scope_key == key, scope_members.c.user_id == user_id
+                )
+            )
+            record(conn, ctx, "scope.unshare", scope_key=key, details={"user_id": user_id})
+
+    def members(self, principal: Principal, scope: Scope) -> MembersResponse:
+        key = scope.key()
+        with self.store.read() as conn:
+            owner = scope_owner(conn, key)
+            check_scope_access(conn, principal, key, owner)
+            rows = conn.execute(
+                select(scope_members.c.user_id).where(scope_members.c.scope_key == key)
+            ).all()
+        return MembersResponse(
+            scope=scope, owner_user_id=owner, members=sorted(r.user_id for r in rows)
+        )
