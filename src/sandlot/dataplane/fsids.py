@@ -102,3 +102,13 @@ class FsExecutor:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def as_server(fn: Callable[[int], None]) -> Callable[[int], None]:
+    """``fn`` run with the server's own filesystem identity, whatever the calling thread
+    acts as (a sandbox user's thread writing the server's cgroup files, say)."""
+
+    def call(arg: int) -> None:
+        run_as(os.geteuid(), os.getegid(), fn, arg)
+
+    return call

@@ -186,6 +186,8 @@ class FileOps:
     #: A glob stops (``truncated``) after this long or this many directory entries.
     glob_deadline_seconds: float = 10.0
     max_glob_visits: int = 2_000_000
+    #: Where the glob helpers work while they work for this sandbox (its cgroup).
+    charge: globworker.Charge | None = None
     #: Globs of this sandbox running at once (the others wait their turn).
     _glob_slots: threading.BoundedSemaphore = field(
         default_factory=lambda: threading.BoundedSemaphore(2), repr=False
@@ -560,7 +562,7 @@ class FileOps:
                 try:
                     request["prefix"] = res.sandbox_path.rstrip("/")
                     request["seconds"] = max(0.0, deadline - time.monotonic())
-                    answer = globworker.run(top, request, deadline)
+                    answer = globworker.run(top, request, deadline, self.charge)
                 finally:
                     os.close(top)
         except OSError as exc:

@@ -12,6 +12,9 @@ The helpers:
 
 - run at a lower priority (``nice`` 10), so the server and other tenants' work
   come first on the CPU;
+- work, for the time of a request, in the cgroup of the sandbox that asked (an
+  isolated sandbox's): its CPU, memory and pid limits bound the walk as they bound
+  its commands, then move back to the server's;
 - act with the filesystem identity of the thread that asked (the sandbox user);
 - stop each walk at its deadline, its allowance of entries, ``cap`` results or
   :data:`MAX_DEPTH` levels (``truncated``), and are killed if they overstay it;
@@ -37,6 +40,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _jstr
 from typing import Any
 
@@ -53,6 +57,11 @@ MAX_DEPTH = 256
 
 _O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _HEADER = struct.Struct("!I")
+
+
+#: ``(enter, leave)``: move a helper (by pid) into the cgroup of the sandbox it works for,
+#: under that sandbox's CPU, memory and pid limits, and back out once it answered.
+Charge = tuple[Callable[[int], None], Callable[[int], None]]
 
 
 class Unavailable(Exception):
@@ -138,10 +147,18 @@ class GlobPool:
         self._cond = threading.Condition()
         self._closed = False
 
-    def run(self, top: int, request: dict[str, Any], deadline: float) -> bytes:
-        """The helper's answer for the directory ``top`` (JSON text); blocks until then."""
+    def run(
+        self, top: int, request: dict[str, Any], deadline: float, charge: Charge | None = None
+    ) -> bytes:
+        """The helper's answer for the directory ``top`` (JSON text); blocks until then.
+
+        With ``charge``, the helper works in the sandbox's cgroup (see :data:`Charge`).
+        """
         worker = self._acquire(deadline)
+        pid = worker.proc.pid
         try:
+            if charge is not None:
+                charge[0](pid)
             answer = worker.ask(top, request, deadline)
         except BaseException as exc:
             worker.kill()
@@ -149,6 +166,14 @@ class GlobPool:
             if isinstance(exc, OSError):
                 raise Unavailable(f"the glob helper failed: {exc}") from None
             raise
+        if charge is not None:
+            try:
+                charge[1](pid)
+            except OSError:
+                # Stuck in that sandbox's cgroup: it must not work for another one.
+                worker.kill()
+                self._forget()
+                return answer
         self._release(worker)
         return answer
 
@@ -219,9 +244,9 @@ _pool = GlobPool()
 atexit.register(_pool.close)
 
 
-def run(top: int, request: dict[str, Any], deadline: float) -> bytes:
+def run(top: int, request: dict[str, Any], deadline: float, charge: Charge | None = None) -> bytes:
     """Glob in the directory ``top`` with this server's helpers (see :func:`answer`)."""
-    return _pool.run(top, request, deadline)
+    return _pool.run(top, request, deadline, charge)
 
 
 def warm() -> None:

@@ -12,7 +12,7 @@ from sandlot.dataplane import native
 from sandlot.dataplane.diskfull import DiskMonitor
 from sandlot.dataplane.events import EventLog, WorkspaceWatcher
 from sandlot.dataplane.execs import ExecManager
-from sandlot.dataplane.fsids import FsExecutor
+from sandlot.dataplane.fsids import FsExecutor, as_server
 from sandlot.dataplane.fsops import Change, FileOps
 from sandlot.dataplane.paths import PathResolver
 from sandlot.dataplane.settings import DataplaneSettings
@@ -90,6 +90,7 @@ class SandboxEntry:
         self.resolver = PathResolver(runtime.mounts())
         self.executor = FsExecutor(runtime.fs_ids)
         s = self.settings
+        charge = runtime.helper_charge()
         self.files = FileOps(
             self.resolver,
             max_read_bytes=s.max_read_bytes,
@@ -97,6 +98,8 @@ class SandboxEntry:
             max_list_entries=s.max_list_entries,
             max_glob_results=s.max_glob_results,
             glob_deadline_seconds=s.glob_deadline_seconds,
+            # Called from threads acting as the sandbox user; cgroup files are the server's.
+            charge=(as_server(charge.enter), as_server(charge.leave)) if charge else None,
             max_glob_visits=s.max_glob_visits,
         )
         if old_resolver is not None:

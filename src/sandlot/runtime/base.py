@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import errno
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,16 @@ class SandboxProcess(abc.ABC):
     def returncode(self) -> int | None: ...
 
 
+@dataclass(frozen=True)
+class HelperCharge:
+    """``enter(pid)`` moves a helper process into the sandbox's cgroup, under its CPU, memory
+    and pid limits, for the time it works for the sandbox; ``leave(pid)`` moves it back to
+    the server's. Either raises ``OSError`` when the move is refused."""
+
+    enter: Callable[[int], None]
+    leave: Callable[[int], None]
+
+
 class SandboxRuntime(abc.ABC):
     """One running sandbox on this host."""
 
@@ -138,6 +149,11 @@ class SandboxRuntime(abc.ABC):
 
     def disk_usage(self) -> tuple[int, int] | None:
         """``(size, free)`` in bytes of the sandbox's size-limited disk (``None``: no limit)."""
+        return None
+
+    def helper_charge(self) -> HelperCharge | None:
+        """How a server helper process working for this sandbox (a glob walk) is charged to
+        it while it works (``None``: the sandbox has no cgroup to charge)."""
         return None
 
     @abc.abstractmethod

@@ -143,6 +143,16 @@ class CgroupLayout:
         return tags
 
 
+def own_cgroup() -> SandboxCgroup:
+    """This process's own cgroup (in each hierarchy a sandbox's would use)."""
+    if (CGROUP_ROOT / "cgroup.controllers").exists():
+        return SandboxCgroup(2, {"unified": CGROUP_ROOT / _own_cgroup("").lstrip("/")})
+    mounts = _v1_mounts()
+    return SandboxCgroup(
+        1, {c: mounts[c] / _own_cgroup(c).lstrip("/") for c in V1_CONTROLLERS if c in mounts}
+    )
+
+
 class SandboxCgroup:
     """The cgroup (one directory per hierarchy) of one sandbox."""
 
@@ -156,6 +166,11 @@ class SandboxCgroup:
     @property
     def procs_files(self) -> list[Path]:
         return [d / "cgroup.procs" for d in self.dirs.values()]
+
+    def admit(self, pid: int) -> None:
+        """Move the process ``pid`` into this cgroup (in every hierarchy)."""
+        for procs in self.procs_files:
+            procs.write_text(str(pid))
 
     def exists(self) -> bool:
         return any(d.is_dir() for d in self.dirs.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -15,6 +16,7 @@ from sandlot.protocol.states import SandboxState
 from sandlot.runtime.base import (
     WORKSPACE,
     ExitStatus,
+    HelperCharge,
     Keep,
     KeptProcess,
     Mount,
@@ -23,7 +25,7 @@ from sandlot.runtime.base import (
     SandboxRuntime,
 )
 from sandlot.runtime.bwrap import SANDBOX_USER, image_entries
-from sandlot.runtime.cgroups import SandboxCgroup
+from sandlot.runtime.cgroups import SandboxCgroup, own_cgroup
 from sandlot.runtime.control import (
     INIT_PROTOCOL,
     ControlSocketError,
@@ -166,6 +168,9 @@ class IsolatedRuntime(SandboxRuntime):
             return None
         return DiskManager.usage(self._record.tmp_dir(self._run))
 
+    def helper_charge(self) -> HelperCharge:
+        return HelperCharge(self.cgroup.admit, _server_cgroup().admit)
+
     def environment(self, spec: ProcessSpec) -> dict[str, str]:
         env = {
             "PATH": BASE_PATH,
@@ -217,6 +222,12 @@ class IsolatedRuntime(SandboxRuntime):
 
     async def update_record(self, tag: int, record: bytes) -> None:
         await record_kept(self._control, tag, record)
+
+
+@functools.cache
+def _server_cgroup() -> SandboxCgroup:
+    """Where helper processes go back to when they are done with a sandbox."""
+    return own_cgroup()
 
 
 def find_init(cgroup: SandboxCgroup) -> int | None:
