@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from sandlot.sdk import ConnectError
+from sandlot.sdk import ConnectError, ConnectionLost, RequestTimeout, SandlotError
 from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk.types import Deadline
@@ -296,9 +296,11 @@ def test_connection_idle_too_long_is_not_reused(scripted, monkeypatch) -> None:
 def test_an_answer_that_never_comes_ends_at_the_deadline(scripted, kind) -> None:
     srv = scripted(lambda n, h, b, s: True)  # reads the request, never answers
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError):
+    with pytest.raises(TimeoutError) as info:
         run(kind(), "GET", srv.url + "/", timeout=0.3)
     assert time.monotonic() - t0 < 3
+    # One except SandlotError catches it too (and it says it may be retried).
+    assert isinstance(info.value, RequestTimeout) and info.value.retryable
 
 
 @pytest.mark.parametrize("kind", twins())
@@ -306,8 +308,10 @@ def test_unreachable_server_is_a_connect_error(kind) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # nothing listens there once closed
-    with pytest.raises(ConnectError, match=f"127.0.0.1:{port}"):
+    with pytest.raises(ConnectError, match=f"127.0.0.1:{port}") as info:
         run(kind(), "GET", f"http://127.0.0.1:{port}/")
+    assert isinstance(info.value, SandlotError) and isinstance(info.value, ConnectionError)
+    assert info.value.wire_code == "CONNECT_FAILED"
 
 
 def test_answer_cut_short_is_a_connection_error(scripted) -> None:
@@ -316,8 +320,9 @@ def test_answer_cut_short_is_a_connection_error(scripted) -> None:
         return False
 
     srv = scripted(short)
-    with pytest.raises(ConnectionError):
+    with pytest.raises(ConnectionLost) as info:
         run(Wire(), "GET", srv.url + "/")
+    assert isinstance(info.value, SandlotError) and isinstance(info.value, ConnectionError)
 
 
 def test_chunked_upload_and_streamed_chunked_answer(scripted) -> None:

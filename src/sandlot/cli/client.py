@@ -42,14 +42,14 @@ def run(
 
     try:
         return asyncio.run(main())
-    except SandlotError as exc:
-        raise fail(f"{exc.message} ({exc.wire_code})") from None
     except ConnectError:
         raise fail(
             f"cannot reach the server at {settings.url} (is `sandlot serve` running?)"
         ) from None
     except TimeoutError as exc:
         raise fail(f"timed out: {exc}") from None
+    except SandlotError as exc:
+        raise fail(f"{exc.message} ({exc.wire_code})") from None
     except OSError as exc:
         raise fail(f"connection to {settings.url} failed: {exc}") from None
     except KeyboardInterrupt:

@@ -374,9 +374,7 @@ def audit_command(
     """Who did what, when, to which sandbox (admins)."""
 
     async def body(client: AsyncSandlot, _: Any) -> list[dict[str, Any]]:
-        params = {"scope": scope, "actor": actor, "after": after, "limit": limit}
-        body = await client._json("GET", "/v1/audit", None, params=params)
-        return list(body["items"])
+        return await client.audit(scope=scope, actor=actor, after=after, limit=limit)
 
     rows = run(url, api_key, body)
     if as_json:

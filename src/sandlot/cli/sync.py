@@ -72,14 +72,7 @@ async def push(
 
 
 async def _upload(sandbox: AsyncSandbox, remote: str, stream: Any, delete: bool) -> dict[str, Any]:
-    result = await sandbox._call(
-        "POST",
-        "/files/archive",
-        None,
-        params={"path": remote, "delete_missing": delete},
-        content=_aiter(stream),
-    )
-    return dict(result or {})
+    return await sandbox.upload_archive(remote, _aiter(stream), delete_missing=delete)
 
 
 def sync_command(

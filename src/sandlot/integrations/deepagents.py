@@ -193,7 +193,7 @@ class SandlotBackend(BaseSandbox):
         # An async connection pool belongs to one event loop, and agents may run
         # each step on a new loop: each async call gets its own short-lived pool
         # (used with ``async with``), sharing the grant and its fresh token.
-        renew = self._sandbox._renew
+        renew = self._sandbox.renew
 
         async def arenew() -> bool:
             return await asyncio.to_thread(renew) if renew is not None else False
@@ -360,7 +360,7 @@ class SandlotBackend(BaseSandbox):
     ) -> GrepResult:
         """Lines containing the literal ``pattern`` (``POST /fs/grep``)."""
         try:
-            found = self._sandbox._grep(pattern, path or "/workspace", glob, None, False, None)
+            found = self._sandbox.grep_raw(pattern, path or "/workspace", glob=glob)
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)
@@ -376,7 +376,7 @@ class SandlotBackend(BaseSandbox):
         """Async version of :meth:`grep`."""
         try:
             async with self._asandbox() as sandbox:
-                found = await sandbox._grep(pattern, path or "/workspace", glob, None, False, None)
+                found = await sandbox.grep_raw(pattern, path or "/workspace", glob=glob)
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)

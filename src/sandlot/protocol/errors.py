@@ -32,7 +32,16 @@ them back from the wire through :func:`error_from_wire`. The tree::
     ├── InternalError                  500 INTERNAL
     ├── ProviderUnavailable            503 PROVIDER_UNAVAILABLE (alias BACKEND_UNAVAILABLE)
     ├── CommandExitError               (SDK only: a command exited non-zero; carries its result)
-    └── ProtocolVersionError           (SDK only: the server speaks another major protocol version)
+    ├── ProtocolVersionError           (SDK only: the server speaks another major protocol version)
+    └── TransportError                 (SDK only: the exchange itself failed; retryable)
+        ├── ConnectError               the server could not be reached (also a ConnectionError)
+        ├── ConnectionLost             the connection broke mid-exchange (also a ConnectionError)
+        ├── SocketClosed               a WebSocket ended early (also a ConnectionError)
+        └── RequestTimeout             a deadline passed (also a TimeoutError)
+
+The transport errors are also the builtin exceptions they are, so code written
+against ``ConnectionError`` or ``TimeoutError`` keeps working; one ``except
+SandlotError`` catches everything the SDK raises.
 """
 
 from __future__ import annotations
@@ -225,6 +234,45 @@ class ProtocolVersionError(SandlotError):
         )
         self.server_version = server_version
         self.client_version = client_version
+
+
+class TransportError(SandlotError):
+    """The exchange with a server failed on the way (never sent by a server)."""
+
+    code, status, retryable = "TRANSPORT", 0, True
+
+
+class ConnectError(TransportError, ConnectionError):
+    """The server could not be reached: nothing was sent."""
+
+    code = "CONNECT_FAILED"
+
+
+class ConnectionLost(TransportError, ConnectionError):
+    """The connection broke, or the server spoke broken HTTP, in the middle of an exchange."""
+
+    code = "CONNECTION_LOST"
+
+
+class SocketClosed(TransportError, ConnectionError):
+    """A WebSocket to the dataplane closed or broke before its end.
+
+    ``close_code`` is the close code the server sent (``None`` when the connection
+    just broke). Streams and commands reattach by themselves; this reaches
+    callers only once their reconnect budget is spent.
+    """
+
+    code = "SOCKET_CLOSED"
+
+    def __init__(self, message: str, close_code: int | None = None) -> None:
+        super().__init__(message, metadata={"close_code": close_code})
+        self.close_code = close_code
+
+
+class RequestTimeout(TransportError, TimeoutError):
+    """A deadline passed before the answer (or the next frame) came."""
+
+    code = "TIMEOUT"
 
 
 @dataclass(frozen=True)

@@ -17,16 +17,21 @@ from typing import TYPE_CHECKING, Any
 from sandlot.protocol.errors import (
     CapabilityDenied,
     CommandExitError,
+    ConnectError,
+    ConnectionLost,
     FileNotFound,
     Forbidden,
     NotFound,
     PreconditionFailed,
     ProtocolVersionError,
+    RequestTimeout,
     SandboxStarting,
     SandlotError,
     SessionExpired,
     SessionNotFound,
+    SocketClosed,
     TokenExpired,
+    TransportError,
     Unauthenticated,
 )
 from sandlot.sdk._async.client import AsyncSandlot
@@ -36,14 +41,12 @@ from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk._async.shells import AsyncShell
 from sandlot.sdk.types import (
     CommandResult,
-    ConnectError,
     Event,
     FileEntry,
     Grant,
     GrepMatch,
     OutputChunk,
     ReadResult,
-    SocketClosed,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ __all__ = [
     "CommandExitError",
     "CommandResult",
     "ConnectError",
+    "ConnectionLost",
     "Event",
     "EventStream",
     "FileEntry",
@@ -94,6 +98,7 @@ __all__ = [
     "PreconditionFailed",
     "ProtocolVersionError",
     "ReadResult",
+    "RequestTimeout",
     "Sandbox",
     "SandboxStarting",
     "Sandlot",
@@ -103,5 +108,6 @@ __all__ = [
     "Shell",
     "SocketClosed",
     "TokenExpired",
+    "TransportError",
     "Unauthenticated",
 ]

@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from sandlot.sdk.types import SocketClosed
+from sandlot.protocol.errors import ConnectError, RequestTimeout, SocketClosed
 
 if TYPE_CHECKING:  # the WebSocket library is imported on the first connection only
     from websockets.asyncio.client import ClientConnection
@@ -93,16 +93,22 @@ async def ws_connect(
         )
     except (ConnectionClosed, InvalidMessage) as exc:
         raise SocketClosed(f"connection broken during the upgrade ({exc})") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"opening a WebSocket to {url}: timed out") from exc
+    except OSError as exc:
+        raise ConnectError(f"cannot open a WebSocket to {url}: {exc}") from exc
 
 
 async def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
-    """Receive one frame, giving up after ``timeout`` seconds (``TimeoutError``)."""
+    """Receive one frame, giving up after ``timeout`` seconds (``RequestTimeout``)."""
     from websockets.exceptions import ConnectionClosed
 
     try:
         return await asyncio.wait_for(ws.recv(), timeout)
     except ConnectionClosed as exc:
         raise _closed(ws, exc) from exc
+    except TimeoutError as exc:
+        raise RequestTimeout("no frame came before the deadline") from exc
 
 
 async def ws_send(ws: ClientConnection, data: str) -> None:

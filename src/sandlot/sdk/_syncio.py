@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sandlot.sdk.types import SocketClosed
+from sandlot.protocol.errors import ConnectError, RequestTimeout, SocketClosed
 
 if TYPE_CHECKING:  # the WebSocket library is imported on the first connection only
     from websockets.sync.client import ClientConnection
@@ -98,19 +98,25 @@ def ws_connect(
         )
     except (ConnectionClosed, InvalidMessage) as exc:
         raise SocketClosed(f"connection broken during the upgrade ({exc})") from exc
+    except TimeoutError as exc:
+        raise RequestTimeout(f"opening a WebSocket to {url}: timed out") from exc
+    except OSError as exc:
+        raise ConnectError(f"cannot open a WebSocket to {url}: {exc}") from exc
     # The connection outlives this call (closed by ws_close), as with the async client.
     ws.__enter__()
     return ws
 
 
 def ws_recv(ws: ClientConnection, timeout: float | None) -> str | bytes:
-    """Receive one frame, giving up after ``timeout`` seconds (``TimeoutError``)."""
+    """Receive one frame, giving up after ``timeout`` seconds (``RequestTimeout``)."""
     from websockets.exceptions import ConnectionClosed
 
     try:
         return ws.recv(timeout)
     except ConnectionClosed as exc:
         raise _closed(ws, exc) from exc
+    except TimeoutError as exc:
+        raise RequestTimeout("no frame came before the deadline") from exc
 
 
 def ws_send(ws: ClientConnection, data: str) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, NamedTuple
 
+from sandlot.protocol.errors import RequestTimeout
 from sandlot.protocol.version import check_protocol_version
 
 
@@ -276,23 +277,6 @@ class Event:
         )
 
 
-class ConnectError(ConnectionError):
-    """The server could not be reached: nothing was sent."""
-
-
-class SocketClosed(ConnectionError):
-    """A WebSocket to the dataplane closed or broke before its end.
-
-    ``code`` is the close code the server sent (``None`` when the connection
-    just broke). Streams and commands reattach by themselves; this reaches
-    callers only once their reconnect budget is spent.
-    """
-
-    def __init__(self, message: str, code: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 @dataclass(frozen=True)
 class Response:
     """A whole HTTP answer: status, headers (names in lower case) and body."""
@@ -319,7 +303,7 @@ class Deadline:
             return None
         left = self.at - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"deadline of {self.seconds} s exceeded")
+            raise RequestTimeout(f"deadline of {self.seconds} s exceeded")
         return left
 
 

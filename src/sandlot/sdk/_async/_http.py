@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import quote_plus
 
-from sandlot.protocol.errors import SandlotError, error_from_wire
+from sandlot.protocol.errors import RequestTimeout, SandlotError, error_from_wire
 from sandlot.sdk._async._wire import CONNECT_TIMEOUT, AsyncStreamedResponse, AsyncWire, Body
 from sandlot.sdk.types import Deadline, Response
 
@@ -108,7 +108,7 @@ class AsyncHTTP:
                     deadline=deadline,
                 )
             except TimeoutError as exc:
-                raise TimeoutError(f"{method} {path}: deadline exceeded") from exc
+                raise RequestTimeout(f"{method} {path}: deadline exceeded") from exc
             if resp.status_code == 401 and not retried and self.on_unauthenticated is not None:
                 retried = True
                 if await self.on_unauthenticated():

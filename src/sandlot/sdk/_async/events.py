@@ -11,10 +11,10 @@ import json
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
-from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
+from sandlot.protocol.errors import SandlotError, SocketClosed, Unauthenticated, error_from_wire
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, open_timeout
-from sandlot.sdk.types import Deadline, Event, RetryBudget, SocketClosed
+from sandlot.sdk.types import Deadline, Event, RetryBudget
 
 #: Consecutive failed reconnections before giving up (reset by every event)...
 RECONNECT_ATTEMPTS = 5

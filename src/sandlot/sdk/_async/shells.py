@@ -10,12 +10,13 @@ from sandlot.protocol.errors import (
     CapabilityDenied,
     ResourceNotFound,
     SandlotError,
+    SocketClosed,
     Unauthenticated,
     error_from_wire,
 )
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, OutputChunk, SocketClosed
+from sandlot.sdk.types import Deadline, OutputChunk
 
 
 class AsyncShell:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 from urllib.parse import quote_plus
 
-from sandlot.protocol.errors import SandlotError, error_from_wire
+from sandlot.protocol.errors import RequestTimeout, SandlotError, error_from_wire
 from sandlot.sdk._sync._wire import CONNECT_TIMEOUT, Body, StreamedResponse, Wire
 from sandlot.sdk.types import Deadline, Response
 
@@ -109,7 +109,7 @@ class HTTP:
                     deadline=deadline,
                 )
             except TimeoutError as exc:
-                raise TimeoutError(f"{method} {path}: deadline exceeded") from exc
+                raise RequestTimeout(f"{method} {path}: deadline exceeded") from exc
             if resp.status_code == 401 and not retried and self.on_unauthenticated is not None:
                 retried = True
                 if self.on_unauthenticated():

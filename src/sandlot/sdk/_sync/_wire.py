@@ -16,9 +16,9 @@ headers, and a body framed by ``Content-Length``, by chunks or by the end of
 the connection): a general state machine such as h11's cost about a fifth of
 a small call on the client's side.
 
-Failures: a deadline raises ``TimeoutError``; a server that cannot be reached
-raises :class:`~sandlot.sdk.types.ConnectError`; a connection that breaks or
-speaks broken HTTP raises ``ConnectionError``. A request sent
+Failures (all :class:`~sandlot.protocol.errors.TransportError`): a deadline raises
+``RequestTimeout``; a server that cannot be reached raises ``ConnectError``; a
+connection that breaks or speaks broken HTTP raises ``ConnectionLost``. A request sent
 on a reused connection that the server had already closed (its keep-alive
 ended while the connection sat idle) is sent once more on a new one, when
 its body can be replayed and no byte of an answer came back.
@@ -34,8 +34,9 @@ import time
 from collections.abc import Generator, Iterable, Iterator
 from urllib.parse import urlsplit
 
+from sandlot.protocol.errors import ConnectError, ConnectionLost, RequestTimeout, TransportError
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk.types import ConnectError, Deadline, Response
+from sandlot.sdk.types import Deadline, Response
 
 #: Idle connections kept per origin.
 MAX_IDLE = 16
@@ -150,7 +151,7 @@ class Wire:
                 host, port, tls, CONNECT_TIMEOUT if left is None else min(left, CONNECT_TIMEOUT)
             )
         except TimeoutError:
-            raise TimeoutError(f"connecting to {host}:{port}: timed out") from None
+            raise RequestTimeout(f"connecting to {host}:{port}: timed out") from None
         except OSError as exc:
             raise ConnectError(f"cannot connect to {host}:{port}: {exc}") from exc
         return _Connection(stream), False
@@ -179,17 +180,19 @@ def _split(url: str) -> tuple[Origin, str, str]:
 
 @contextlib.contextmanager
 def _broken(doing: str) -> Generator[None, None, None]:
-    """A lost connection as ``ConnectionError`` (deadlines stay ``TimeoutError``)."""
+    """A lost connection as :class:`ConnectionLost`, a deadline as :class:`RequestTimeout`."""
     try:
         yield
-    except TimeoutError:
+    except TransportError:
         raise
+    except TimeoutError as exc:
+        raise RequestTimeout(f"deadline passed while {doing}") from exc
     except OSError as exc:
-        raise ConnectionError(f"connection lost while {doing}: {exc}") from exc
+        raise ConnectionLost(f"connection lost while {doing}: {exc}") from exc
 
 
-def _bad(what: str) -> ConnectionError:
-    return ConnectionError(f"HTTP: {what}")
+def _bad(what: str) -> ConnectionLost:
+    return ConnectionLost(f"HTTP: {what}")
 
 
 #: Bytes an answer's head (status line and headers) may take.
@@ -271,7 +274,7 @@ class _Connection:
             if len(self.buffer) > limit:
                 raise _bad("line too long")
             if not self._fill(deadline):
-                raise ConnectionError("connection closed in the middle of an answer")
+                raise ConnectionLost("connection closed in the middle of an answer")
 
     def read_head(self, deadline: Deadline, method: str) -> tuple[int, dict[str, str]]:
         """Status and headers (names in lower case) of the answer, informational ones skipped."""
@@ -281,7 +284,7 @@ class _Connection:
                 if len(self.buffer) > MAX_HEAD:
                     raise _bad("answer head too large")
                 if not self._fill(deadline):
-                    raise ConnectionError("connection closed before an answer")
+                    raise ConnectionLost("connection closed before an answer")
                 continue
             head = bytes(self.buffer[:end]).split(b"\r\n")
             del self.buffer[: end + 4]
@@ -335,7 +338,7 @@ class _Connection:
             if self._left == 0:
                 return None
             if not self.buffer and not self._fill(deadline):
-                raise ConnectionError("connection closed in the middle of an answer")
+                raise ConnectionLost("connection closed in the middle of an answer")
             return self._take(self._left)
         if framing == "close":
             if not self.buffer and not self._fill(deadline):
@@ -360,7 +363,7 @@ class _Connection:
                 return None
             self._chunk_started = True
         if not self.buffer and not self._fill(deadline):
-            raise ConnectionError("connection closed in the middle of an answer")
+            raise ConnectionLost("connection closed in the middle of an answer")
         return self._take(self._left)
 
     def _take(self, most: int) -> bytes:

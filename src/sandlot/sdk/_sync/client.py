@@ -515,6 +515,22 @@ class Sandlot:
         """Delete a volume."""
         self._json("DELETE", f"/v1/volumes/{name}", timeout)
 
+    # --- audit ---------------------------------------------------------------------
+
+    def audit(
+        self,
+        *,
+        scope: str | None = None,
+        actor: str | None = None,
+        after: int = 0,
+        limit: int = 100,
+        timeout: float | None = None,
+    ) -> list[dict[str, Any]]:
+        """Audit entries after the id ``after`` (admins): who did what, when, to which
+        sandbox; ``scope`` (``thread:thr_1``) and ``actor`` (a principal id) filter them."""
+        params = {"scope": scope, "actor": actor, "after": after, "limit": limit}
+        return _items(self._json("GET", "/v1/audit", timeout, params=params))
+
     # --- lifecycle -----------------------------------------------------------------
 
     def lease_stats(self) -> dict[str, dict[str, int]]:

@@ -23,12 +23,13 @@ from sandlot.protocol.errors import (
     ExecNotFound,
     Forbidden,
     SandlotError,
+    SocketClosed,
     Unauthenticated,
     error_from_wire,
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, RetryBudget, SocketClosed
+from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, RetryBudget
 
 #: Consecutive reconnections without an acknowledgement before giving up...
 RECONNECT_ATTEMPTS = 5

@@ -12,10 +12,10 @@ import json
 from collections.abc import Callable, Generator
 from typing import Any
 
-from sandlot.protocol.errors import SandlotError, Unauthenticated, error_from_wire
+from sandlot.protocol.errors import SandlotError, SocketClosed, Unauthenticated, error_from_wire
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import HTTP, KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, Event, RetryBudget, SocketClosed
+from sandlot.sdk.types import Deadline, Event, RetryBudget
 
 #: Consecutive failed reconnections before giving up (reset by every event)...
 RECONNECT_ATTEMPTS = 5

@@ -88,6 +88,13 @@ class Sandbox:
     def _auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.grant.token}"}
 
+    @property
+    def renew(self) -> Callable[[], bool] | None:
+        """What obtains a fresh token for this grant when the current one expires (given by
+        the broker client; ``None``: nothing does). Another sandbox object made for the
+        same grant (on another event loop, say) can be given it."""
+        return self._renew
+
     def _renew_token(self) -> bool:
         return self._renew() if self._renew is not None else False
 
@@ -391,14 +398,16 @@ class Sandbox:
     def upload_archive(
         self,
         path: str,
-        data: bytes | str | os.PathLike[str],
+        data: bytes | str | os.PathLike[str] | Iterable[bytes],
         *,
         delete_missing: bool = False,
         timeout: float | None = None,
     ) -> dict[str, Any]:
-        """Extract a tar (bytes, or a local directory packed on the fly) into ``path``.
+        """Extract a tar into ``path``: bytes, a local directory packed first, or a stream
+        of chunks sent as they come (a tar written while a tree is walked, say).
 
-        ``delete_missing=True`` removes what the archive does not name (a sync).
+        ``delete_missing=True`` removes what the archive does not name (a sync). The
+        answer counts what was written (``files``, ``bytes``...).
         """
         if isinstance(data, str | os.PathLike):
             data = _tar_directory(os.fspath(data))
@@ -500,20 +509,23 @@ class Sandbox:
         timeout: float | None = None,
     ) -> list[GrepMatch]:
         """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers."""
-        out = self._grep(pattern, path, glob, max_count, regex, timeout)
+        out = self.grep_raw(
+            pattern, path, glob=glob, max_count=max_count, regex=regex, timeout=timeout
+        )
         return [GrepMatch(m["path"], int(m["line"]), m["text"]) for m in out["matches"]]
 
-    def _grep(
+    def grep_raw(
         self,
         pattern: str,
-        path: str,
-        glob: str | None,
-        max_count: int | None,
-        regex: bool,
-        timeout: float | None,
+        path: str = "/workspace",
+        *,
+        glob: str | None = None,
+        max_count: int | None = None,
+        regex: bool = False,
+        timeout: float | None = None,
     ) -> dict[str, Any]:
-        """``POST /fs/grep``'s answer as sent: ``matches`` (dicts of ``path``, ``line``,
-        ``text``) and ``truncated`` (for callers that want plain dicts anyway)."""
+        """:meth:`grep`'s answer as the server sent it: ``matches`` (dicts of ``path``,
+        ``line``, ``text``) and ``truncated``, for callers that pass plain dicts on."""
         body: dict[str, Any] = {"pattern": pattern, "path": path, "regex": regex}
         if glob is not None:
             body["glob"] = glob

@@ -11,12 +11,13 @@ from sandlot.protocol.errors import (
     CapabilityDenied,
     ResourceNotFound,
     SandlotError,
+    SocketClosed,
     Unauthenticated,
     error_from_wire,
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, OutputChunk, SocketClosed
+from sandlot.sdk.types import Deadline, OutputChunk
 
 
 class Shell:
