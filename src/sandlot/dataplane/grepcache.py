@@ -26,7 +26,7 @@ The copy is exact, not a guess:
 What inotify does not report: a change made only through a writable shared
 memory mapping (``mmap``) of a file. A search sees it once the file is next
 written, truncated or closed after writing, or anything else in its tree
-changes. ``SANDLOT_DP_GREP_CACHE=0`` turns the cache off.
+changes. ``DataplaneSettings.grep_cache`` off (``SANDLOT_DP_GREP_CACHE=0``) turns the cache off.
 
 Copies are keyed by the searched directory's device and inode and by the
 identity that read them, and bounded in bytes (:data:`MAX_BYTES`) and watches
@@ -302,8 +302,17 @@ _shared_lock = threading.Lock()
 _disabled = False
 
 
+_enabled = True
+
+
+def configure(enabled: bool) -> None:
+    """Whether searches keep trees in memory (``DataplaneSettings.grep_cache``)."""
+    global _enabled
+    _enabled = enabled
+
+
 def enabled() -> bool:
-    return os.environ.get("SANDLOT_DP_GREP_CACHE", "1").strip().lower() not in ("0", "false", "no")
+    return _enabled
 
 
 def shared(lib: native.Native) -> GrepCache | None:

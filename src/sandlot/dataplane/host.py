@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Mount, Route
 
-from sandlot.dataplane import openapi
+from sandlot.dataplane import grepcache, native, openapi
 from sandlot.dataplane.auth import ApiKeyResolver, AuthContext, Authenticator, TokenVerifier
 from sandlot.dataplane.langsmith import build_langsmith_routes
 from sandlot.dataplane.metrics import UNMATCHED, DataplaneMetrics
@@ -215,6 +215,8 @@ class DataplaneHost:
     ) -> None:
         self.verifier = verifier
         self.settings = settings or DataplaneSettings()
+        native.configure(self.settings.native)
+        grepcache.configure(self.settings.grep_cache)
         self.authenticator = Authenticator(verifier, api_key_resolver)
         self._entries: dict[str, SandboxEntry] = {}
         self.sockets = SocketLimits(

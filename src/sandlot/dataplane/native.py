@@ -18,8 +18,8 @@ by the hash of its source. Without a compiler, or when anything about it is
 off, :func:`library` returns ``None`` and both operations take the Python
 path: the C code is an accelerator, never a requirement. The dataplane builds
 it on a background thread when a sandbox is registered (:func:`warm`); file
-operations use it once it is there (:func:`ready`). ``SANDLOT_DP_NATIVE=0``
-turns it off.
+operations use it once it is there (:func:`ready`). ``DataplaneSettings.native``
+off (``SANDLOT_DP_NATIVE=0``) turns it off.
 """
 
 from __future__ import annotations
@@ -332,8 +332,23 @@ def library() -> Native | None:
     return _library
 
 
+def configure(enabled: bool) -> None:
+    """Whether to use the C file operations at all (``DataplaneSettings.native``); takes
+    effect unless they were loaded already."""
+    global _wanted
+    _wanted = enabled
+
+
+_wanted = True
+
+
+def wanted() -> bool:
+    """Whether the C file operations are to be used (see :func:`configure`)."""
+    return _wanted
+
+
 def _load() -> Native | None:
-    if os.environ.get("SANDLOT_DP_NATIVE", "1").strip().lower() in ("0", "false", "no"):
+    if not _wanted:
         return None
     directory = cache_dir()
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)

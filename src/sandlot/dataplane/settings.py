@@ -27,6 +27,12 @@
   (every route together) with one token, and on one sandbox; beyond, closed with 4429.
   Sockets waiting for their ``auth`` frame count as one token of their sandbox.
 - ``starting_retry_after``: ``Retry-After`` for 423 SANDBOX_STARTING.
+- ``native``: file operations in C (built on first use); off, the pure-Python ones.
+- ``grep_cache``: keep the content of searched trees in memory between searches
+  (invalidated by inotify); off, every search reads the files.
+
+Every field is also read from ``SANDLOT_DP_<FIELD>`` by :meth:`DataplaneSettings.from_env`
+(``SANDLOT_DP_NATIVE=0``, say); nothing else in the dataplane reads the environment.
 """
 
 from __future__ import annotations
@@ -71,6 +77,8 @@ class DataplaneSettings:
     max_websockets_per_token: int = 64
     max_websockets_per_sandbox: int = 256
     starting_retry_after: float = 1.0
+    native: bool = True
+    grep_cache: bool = True
 
     @classmethod
     def from_env(
