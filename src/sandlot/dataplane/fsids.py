@@ -100,6 +100,11 @@ class FsExecutor:
         """An operation that may take long: always off the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    def run_blocking(self, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)`` on one of the pool's threads (with its identity), waited for by
+        the calling thread (itself a worker thread, never the event loop)."""
+        return self._pool.submit(fn, *args).result()
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

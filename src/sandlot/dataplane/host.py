@@ -222,7 +222,7 @@ class DataplaneHost:
         self.sockets = SocketLimits(
             self.settings.max_websockets_per_token, self.settings.max_websockets_per_sandbox
         )
-        self.metrics = DataplaneMetrics(self)
+        self.metrics = DataplaneMetrics(self.sockets, lambda: list(self._entries.values()))
         self._api = Api(self)
         sandbox_routes = _sandbox_routes(self._api)
         self.app: Any = _Direct(
@@ -239,7 +239,7 @@ class DataplaneHost:
 
     # --- registration -------------------------------------------------------------------
 
-    def _entry(self, sandbox_id: str) -> SandboxEntry:
+    def entry(self, sandbox_id: str) -> SandboxEntry:
         entry = self._entries.get(sandbox_id)
         if entry is None:
             raise SandboxNotFound("no such sandbox")
@@ -266,10 +266,10 @@ class DataplaneHost:
             entry.set_runtime(runtime)
 
     def set_runtime(self, sandbox_id: str, runtime: SandboxRuntime) -> None:
-        self._entry(sandbox_id).set_runtime(runtime)
+        self.entry(sandbox_id).set_runtime(runtime)
 
     def set_state(self, sandbox_id: str, state: SandboxState, *, reason: str | None = None) -> int:
-        entry = self._entry(sandbox_id)
+        entry = self.entry(sandbox_id)
         previous = entry.state
         entry.state = state
         return entry.emit(
@@ -279,11 +279,11 @@ class DataplaneHost:
         )
 
     def status(self, sandbox_id: str) -> tuple[SandboxState, int]:
-        entry = self._entry(sandbox_id)
+        entry = self.entry(sandbox_id)
         return entry.state, entry.events.last_sequence
 
     def activity(self, sandbox_id: str) -> SandboxActivity:
-        entry = self._entry(sandbox_id)
+        entry = self.entry(sandbox_id)
         # Every WebSocket and SSE stream of the sandbox (exec, shell and event clients).
         return SandboxActivity(
             running_execs=entry.execs.running,
@@ -306,7 +306,7 @@ class DataplaneHost:
 
     async def readopt(self, sandbox_id: str) -> None:
         """Take over the commands and shells a previous server left running in the sandbox."""
-        await self._entry(sandbox_id).readopt()
+        await self.entry(sandbox_id).readopt()
 
     async def close(self) -> None:
         """The server is stopping: sandboxes and their running work stay for the next one."""
@@ -316,13 +316,16 @@ class DataplaneHost:
 
     # --- connections (for revocation, expiry and activity) ------------------------------
 
-    def _track(
+    def track(
         self,
         entry: SandboxEntry,
         ctx: AuthContext,
         closed: asyncio.Event,
         sock: Socket | None = None,
     ) -> Connection:
+        """Count a socket (or stream) of ``ctx`` on ``entry``: it is closed when its token is
+        revoked or expires (``closed`` is set; ``sock``, if any, gets its close frame)."""
+
         async def closer(code: int, reason: str) -> None:
             closed.set()
             if sock is not None:
@@ -332,7 +335,8 @@ class DataplaneHost:
         entry.add_connection(conn, ctx.expires_at, self.verifier.leeway)
         return conn
 
-    def _untrack(self, entry: SandboxEntry, conn: Connection) -> None:
+    def untrack(self, entry: SandboxEntry, conn: Connection) -> None:
+        """The socket of :meth:`track` ended (idempotent)."""
         entry.remove_connection(conn)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -39,7 +39,8 @@ from prometheus_client.registry import Collector
 from sandlot.protocol.errors import exception_for
 
 if TYPE_CHECKING:
-    from sandlot.dataplane.host import DataplaneHost
+    from sandlot.dataplane.sandbox import SandboxEntry
+    from sandlot.dataplane.socketlimits import SocketLimits
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNMATCHED = "unmatched"
@@ -51,10 +52,11 @@ def errors_counter(registry: CollectorRegistry | None) -> Counter:
 
 
 class DataplaneMetrics(Collector):
-    """The figures of one :class:`~sandlot.dataplane.host.DataplaneHost`."""
+    """The figures of one dataplane host: its requests, sockets and sandboxes."""
 
-    def __init__(self, host: DataplaneHost) -> None:
-        self.host = host
+    def __init__(self, sockets: SocketLimits, entries: Callable[[], list[SandboxEntry]]) -> None:
+        self.sockets = sockets
+        self.entries = entries
         #: (method, route, status) → requests.
         self.requests: dict[tuple[str, str, int], int] = {}
         #: (method, route) → requests per bucket (not cumulative; the last one is +Inf),
@@ -135,11 +137,11 @@ class DataplaneMetrics(Collector):
                 buckets.append((_bound(bound), total))
             durations.add_metric([method, route], buckets, counts[-1])
         yield durations
-        limits = self.host.sockets
+        limits = self.sockets
         sockets = GaugeMetricFamily(
             "sandlot_dataplane_websockets", "WebSockets open", labels=["route"]
         )
-        for route in ("/exec/ws", "/execute/ws", "/shell/ws", "/events/ws"):
+        for route in ("/exec/ws", "/execute/ws", "/shell/ws", "/events/ws", "/events"):
             sockets.add_metric([route], limits.by_route.get(route, 0))
         yield sockets
         refused = CounterMetricFamily(
@@ -150,7 +152,7 @@ class DataplaneMetrics(Collector):
         for limit in ("token", "sandbox", "unauthenticated"):
             refused.add_metric([limit], limits.refused.get(limit, 0))
         yield refused
-        entries = list(self.host._entries.values())
+        entries = self.entries()
         yield GaugeMetricFamily(
             "sandlot_dataplane_sandboxes", "Sandboxes the dataplane serves", len(entries)
         )

@@ -287,11 +287,11 @@ def build_routes(api: Api) -> list[Route]:
             place.release()
             raise
         closed = asyncio.Event()
-        conn = host._track(entry, ctx, closed)
+        conn = host.track(entry, ctx, closed)
 
         def ended() -> None:
             entry.events.unlisten(wake)
-            host._untrack(entry, conn)
+            host.untrack(entry, conn)
             place.release()
 
         wake = asyncio.Event()

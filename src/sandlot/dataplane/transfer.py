@@ -523,8 +523,7 @@ def build_transfer_routes(api: Api) -> list[Route]:
         limits = (settings.max_archive_bytes, settings.max_archive_members)
         if executor.fs_ids is None:
             return _extract(resolver, path, chunks, dm, limits)
-        fut = executor._pool.submit(_extract, resolver, path, chunks, dm, limits)
-        return fut.result()
+        return executor.run_blocking(_extract, resolver, path, chunks, dm, limits)
 
     @endpoint
     async def archive_out(request: Request) -> Response:

@@ -7,12 +7,13 @@ failure leaves as the error envelope of PROTOCOL.md section 1 with an
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
@@ -34,8 +35,11 @@ from sandlot.protocol.errors import (
 )
 
 if TYPE_CHECKING:
-    from sandlot.dataplane.host import DataplaneHost
-    from sandlot.dataplane.sandbox import SandboxEntry
+    from sandlot.dataplane.auth import Authenticator
+    from sandlot.dataplane.metrics import DataplaneMetrics
+    from sandlot.dataplane.sandbox import Connection, SandboxEntry
+    from sandlot.dataplane.settings import DataplaneSettings
+    from sandlot.dataplane.socketlimits import SocketLimits
 
 log = logging.getLogger("sandlot.dataplane")
 
@@ -185,10 +189,27 @@ def query_path(request: Request, name: str = "path", default: str | None = None)
     return raw
 
 
+class Host(Protocol):
+    """What the routes use of their host (:class:`~sandlot.dataplane.host.DataplaneHost`)."""
+
+    authenticator: Authenticator
+    settings: DataplaneSettings
+    sockets: SocketLimits
+    metrics: DataplaneMetrics
+
+    def entry(self, sandbox_id: str) -> SandboxEntry: ...
+
+    def track(
+        self, entry: SandboxEntry, ctx: AuthContext, closed: asyncio.Event, sock: Any = None
+    ) -> Connection: ...
+
+    def untrack(self, entry: SandboxEntry, conn: Connection) -> None: ...
+
+
 class Api:
     """What routes need from the host: the sandbox addressed, and who is calling."""
 
-    def __init__(self, host: DataplaneHost, default_sandbox: str | None = None) -> None:
+    def __init__(self, host: Host, default_sandbox: str | None = None) -> None:
         self.host = host
         self.default_sandbox = default_sandbox
 
@@ -199,7 +220,7 @@ class Api:
         return str(sid)
 
     def entry(self, request: Request) -> SandboxEntry:
-        return self.host._entry(self.sandbox_id(request.path_params))
+        return self.host.entry(self.sandbox_id(request.path_params))
 
     async def auth(
         self, request: Request, capability: Capability | None

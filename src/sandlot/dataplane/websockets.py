@@ -143,7 +143,7 @@ class Socket:
             return False
         self.ctx = ctx
         entry.touch()
-        self.conn = host._track(entry, ctx, self.closed, self)
+        self.conn = host.track(entry, ctx, self.closed, self)
         return True
 
     async def _verify(
@@ -163,15 +163,15 @@ class Socket:
         self.place.switch(ctx)
         host = self.api.host
         if self.conn is not None:
-            host._untrack(self.entry, self.conn)
+            host.untrack(self.entry, self.conn)
         self.ctx = ctx
-        self.conn = host._track(self.entry, ctx, self.closed, self)
+        self.conn = host.track(self.entry, ctx, self.closed, self)
         await self.send(F.AUTH_OK)
 
     def release(self) -> None:
         """Once the socket's handler is done: untracked, its place given back."""
         if self.conn is not None:
-            self.api.host._untrack(self.entry, self.conn)
+            self.api.host.untrack(self.entry, self.conn)
             self.conn = None
         self.place.release()
 
@@ -184,7 +184,7 @@ async def open_socket(api: Api, ws: WebSocket, capability: Capability, route: st
     """
     host = api.host
     try:
-        entry = host._entry(api.sandbox_id(ws.path_params))
+        entry = host.entry(api.sandbox_id(ws.path_params))
         headers = ws.headers
         authenticated = "authorization" in headers or "x-api-key" in headers
         place = host.sockets.admit(entry.sandbox_id, route, authenticated=authenticated)
