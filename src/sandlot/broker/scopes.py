@@ -44,6 +44,12 @@ def scope_owner(conn: Connection, key: str) -> str:
     return str(row.owner_user_id)
 
 
+def _check_owner(conn: Connection, principal: Principal, key: str, refusal: str) -> None:
+    """Only the scope's owner (or an admin) changes who shares it."""
+    if scope_owner(conn, key) != principal.effective_user and not principal.is_admin:
+        raise Forbidden(refusal)
+
+
 class MemberService:
     """Sharing a scope with other users."""
 
@@ -56,9 +62,7 @@ class MemberService:
     ) -> MembersResponse:
         key = scope.key()
         with self.store.write() as conn:
-            owner = scope_owner(conn, key)
-            if owner != principal.effective_user and not principal.is_admin:
-                raise Forbidden("only the scope's owner may share it")
+            _check_owner(conn, principal, key, "only the scope's owner may share it")
             exists = conn.execute(
                 select(scope_members).where(
                     scope_members.c.scope_key == key, scope_members.c.user_id == user_id
@@ -78,9 +82,7 @@ class MemberService:
     ) -> None:
         key = scope.key()
         with self.store.write() as conn:
-            owner = scope_owner(conn, key)
-            if owner != principal.effective_user and not principal.is_admin:
-                raise Forbidden("only the scope's owner may change its members")
+            _check_owner(conn, principal, key, "only the scope's owner may change its members")
             conn.execute(
                 scope_members.delete().where(
                     scope_members.c.scope_key == key, scope_members.c.user_id == user_id
