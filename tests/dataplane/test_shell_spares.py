@@ -48,7 +48,7 @@ def _spare_pid(server: Server, timeout: float = 10) -> int:
     """The pid of the spare ``sh`` shell, once it has started."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        spare = server.call(lambda: server.host._entry(server.sandbox_id).shells._spares.get("sh"))
+        spare = server.call(lambda: server.host.entry(server.sandbox_id).shells._spares.get("sh"))
         if spare is not None and spare.process is not None:
             return int(spare.process.pid)
         time.sleep(0.02)
@@ -56,7 +56,7 @@ def _spare_pid(server: Server, timeout: float = 10) -> int:
 
 
 def _shell_events(server: Server) -> list[tuple[str, str]]:
-    batch = server.call(lambda: server.host._entry(server.sandbox_id).events.since(0))
+    batch = server.call(lambda: server.host.entry(server.sandbox_id).events.since(0))
     out = []
     for _, etype, data in batch:
         ev = json.loads(data)
@@ -103,7 +103,7 @@ def test_a_spare_that_exits_is_dropped_and_the_next_open_starts_its_own(
         spare = _spare_pid(server)
         os.kill(spare, signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while server.call(lambda: server.host._entry(server.sandbox_id).shells._spares):
+        while server.call(lambda: server.host.entry(server.sandbox_id).shells._spares):
             assert time.monotonic() < deadline, "the dead spare was kept"
             await asyncio.sleep(0.02)
         two = await _open(server, "two")
@@ -130,7 +130,7 @@ def test_no_spare_when_disabled_and_none_left_after_close(tmp_path: Path) -> Non
             one = await _open(server, "one")
             await _run(one, "echo R$((1+1))S", "R2S")
             await asyncio.sleep(0.3)
-            assert server.call(lambda: server.host._entry(server.sandbox_id).shells._spares) == {}
+            assert server.call(lambda: server.host.entry(server.sandbox_id).shells._spares) == {}
             await one.close()
 
         asyncio.run(run())

@@ -369,7 +369,7 @@ def test_dropped_event_streams_leave_no_task_behind(
             assert r.status_code == 200
             next(r.iter_lines())  # ": connected", then the stream waits for events
     deadline = time.monotonic() + 10
-    while server.call(lambda: len(server.host._entry(server.sandbox_id).connections)):
+    while server.call(lambda: len(server.host.entry(server.sandbox_id).connections)):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert len(waits()) == before, waits()
