@@ -127,7 +127,13 @@ class SandlotServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.05)
-        raise RuntimeError("server never became ready")
+        # What the server said, for the failure to be understood (readiness waits for the
+        # re-adoption of every sandbox a previous server left).
+        last = ""
+        with contextlib.suppress(httpx.HTTPError):
+            last = httpx.get(f"{self.url}/readyz", timeout=2).text
+        said = "".join(self.output)[-4000:]
+        raise RuntimeError(f"server never became ready: /readyz {last}\n{said}")
 
     def key(self, user: str, actor: str = "human", principal: str | None = None) -> str:
         argv = [
@@ -208,7 +214,8 @@ class SandlotServer:
     def restart(self, **env: str) -> SandlotServer:
         self.stop()
         self.env = {k: v for k, v in {**self.env, **env}.items() if v}
-        return self.start()
+        # A restart re-adopts every sandbox and its kept processes before it is ready.
+        return self.start(timeout=60.0)
 
 
 @contextlib.contextmanager
