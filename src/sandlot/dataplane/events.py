@@ -90,14 +90,16 @@ class EventLog:
             return
         path = directory / JOURNAL
         earlier: list[tuple[int, str, str]] = []
+        lines, clean = 0, True
         with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
             for raw in f:
+                lines += 1
                 try:
                     event = json.loads(raw)
                     line = raw.decode().rstrip("\n")
                     earlier.append((int(event["sequence"]), str(event["event_type"]), line))
                 except (ValueError, KeyError, TypeError):
-                    continue  # a torn last line (the host, not the server, crashed)
+                    clean = False  # a torn last line (the host, not the server, crashed)
         pending = [json.loads(line) for _, _, line in self._events]
         self._events.clear()
         self._events.extend(earlier)
@@ -105,7 +107,14 @@ class EventLog:
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._journal = path
-            self._compact()
+            if clean and lines <= 2 * (self._events.maxlen or 0):
+                # Appended to as it is: a restart does not rewrite a sound journal.
+                self._journal_fd = os.open(
+                    path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+                )
+                self._journal_lines = lines
+            else:
+                self._compact()
         except OSError as exc:
             log.warning("cannot keep the event log of %s: %s", self.sandbox_id, exc)
             self._journal = None
