@@ -259,7 +259,7 @@ def http_rows(
 
 
 def grep_row(ep: Endpoint, stripped: Endpoint | None, n: int) -> Row:
-    from sandlot.dataplane.grep import ripgrep_path
+    from sandlot.dataplane.services.grep import ripgrep_path
 
     rg = ripgrep_path() or "rg"
     argv = [rg, "--no-heading", "-n", "--null", "--hidden", "--no-ignore", "-F", "needle"]

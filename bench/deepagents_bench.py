@@ -85,7 +85,7 @@ def limit_of(op: str, peer_ms: float, floor_ms: float, search_ms: float) -> str:
 
 def search_alone(body: str, pattern: str, rounds: int = 2000) -> float:
     """Median ms of the dataplane's own C search of a copy of the tree, in this process."""
-    from sandlot.dataplane import native
+    from sandlot.dataplane.services import native
 
     lib = native.library()
     if lib is None:

@@ -181,7 +181,7 @@ def sdk_stream(sb: Any, argv: list[str]) -> tuple[int, int]:
 
 
 def run(args: argparse.Namespace) -> list[Series]:
-    from sandlot.dataplane.grep import ripgrep_path
+    from sandlot.dataplane.services.grep import ripgrep_path
 
     reps, budget = (30, 2.0) if args.quick else (200, 10.0)
     out: list[Series] = []

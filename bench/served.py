@@ -265,8 +265,8 @@ def serve_standalone(workspace: str) -> None:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
     from jwt.algorithms import OKPAlgorithm
 
-    from sandlot.dataplane.auth import TokenVerifier
-    from sandlot.dataplane.host import create_standalone_app
+    from sandlot.dataplane.http.host import create_standalone_app
+    from sandlot.dataplane.services.auth import TokenVerifier
     from sandlot.dataplane.settings import DataplaneSettings
     from sandlot.protocol.sessions import Template
     from sandlot.runtime.direct import DirectRuntime

@@ -7,8 +7,10 @@
 Every ``import`` counts, wherever it is written (inside a function or under
 ``TYPE_CHECKING`` too): an import moved into a function hides a cycle from
 Python, not from the design. A cycle is a set of modules each reachable from the
-others (a strongly connected component of more than one module). The packages'
-arrows run one way (docs/ARCHITECTURE.md); the ones checked here:
+others (a strongly connected component of more than one module). No module uses
+another module's underscore names (``from m import _x``, ``m._x``). The packages'
+arrows run one way (docs/ARCHITECTURE.md); the ones checked here (a package is
+named from ``sandlot``, and covers its subpackages):
 """
 
 from __future__ import annotations
@@ -35,6 +37,13 @@ FORBIDDEN = [
     ("sdk", "broker"),
     ("sdk", "providers"),
     ("sdk", "runtime"),
+    # The dataplane's services know nothing of HTTP.
+    ("dataplane.services", "dataplane.http"),
+    ("dataplane.services", "starlette"),
+    ("dataplane.services", "fastapi"),
+    ("dataplane.services", "uvicorn"),
+    ("protocol", "starlette"),
+    ("protocol", "fastapi"),
 ]
 __doc__ = (__doc__ or "") + "".join(f"\n- no ``{a}`` → ``{b}``" for a, b in FORBIDDEN)
 
@@ -46,14 +55,32 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
+class Imports:
+    """What one module imports: sandlot modules, other top-level packages, and
+    underscore names of other sandlot modules it uses."""
+
+    def __init__(self) -> None:
+        self.modules: set[str] = set()
+        self.external: set[str] = set()
+        self.private: list[str] = []
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> Imports:
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found: set[str] = set()
+    found = Imports()
+    aliases: dict[str, str] = {}  # local name → sandlot module it is bound to
+
+    def private(attr: str) -> bool:
+        return attr.startswith("_") and not (attr.startswith("__") and attr.endswith("__"))
+
     for node in ast.walk(tree):
         targets: list[str] = []
         if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
+            for alias in node.names:
+                targets.append(alias.name)
+                if alias.asname and alias.name in known:
+                    aliases[alias.asname] = alias.name
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -61,17 +88,40 @@ def imports_of(path: Path, name: str, known: set[str]) -> set[str]:
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             # ``from a import b`` imports the module a.b if there is one, else a name of a.
-            targets = [
-                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
-                for alias in node.names
-            ]
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in known:
+                    targets.append(full)
+                    aliases[alias.asname or alias.name] = full
+                else:
+                    targets.append(base)
+                    if base in known and base != name and private(alias.name):
+                        found.private.append(f"from {base} import {alias.name}")
+        elif (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and aliases[node.value.id] != name
+            and private(node.attr)
+        ):
+            found.private.append(f"{aliases[node.value.id]}.{node.attr}")
         for target in targets:
+            if not target.startswith("sandlot.") and target != "sandlot":
+                found.external.add(target.split(".")[0])
+                continue
             # The longest known module the target names (a.b.c → a.b if c is a name).
             while target and target not in known:
                 target = target.rpartition(".")[0]
             if target and target != name and target.startswith("sandlot."):
-                found.add(target)
+                found.modules.add(target)
     return found
+
+
+def within(module: str, package: str) -> bool:
+    """Whether ``module`` (``sandlot.a.b``, or a top-level ``starlette``) is in ``package``
+    (``a``, ``a.b``, or a third-party ``starlette``)."""
+    dotted = module.removeprefix("sandlot.")
+    return dotted == package or dotted.startswith(package + ".")
 
 
 def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -134,28 +184,35 @@ def main() -> int:
     args = parser.parse_args()
     files = {module_name(p): p for p in sorted((ROOT / "sandlot").rglob("*.py"))}
     known = set(files)
-    graph = {name: imports_of(path, name, known) for name, path in files.items()}
+    found = {name: imports_of(path, name, known) for name, path in files.items()}
+    graph = {name: imp.modules for name, imp in found.items()}
     problems = 0
     for component in strongly_connected(graph):
         problems += 1
         print(f"cycle: {' ↔ '.join(component)}")
-    arrows: dict[tuple[str, str], list[str]] = defaultdict(list)
-    for name, targets in graph.items():
-        for target in targets:
-            a, b = package_of(name), package_of(target)
-            if a and b and a != b:
-                arrows[a, b].append(f"{name} → {target}")
-    for forbidden in FORBIDDEN:
-        for line in arrows.get(forbidden, []):
+    for name, imp in sorted(found.items()):
+        for use in imp.private:
             problems += 1
-            print(f"forbidden arrow {forbidden[0]} → {forbidden[1]}: {line}")
+            print(f"private name of another module: {name} uses {use}")
+        targets = [*imp.modules, *imp.external]
+        for a, b in FORBIDDEN:
+            if within(name, a):
+                for target in sorted(t for t in targets if within(t, b) and not within(t, a)):
+                    problems += 1
+                    print(f"forbidden arrow {a} → {b}: {name} → {target}")
     if args.graph:
-        for (a, b), lines in sorted(arrows.items()):
-            print(f"{a} → {b} ({len(lines)} imports)")
+        arrows: dict[tuple[str, str], int] = defaultdict(int)
+        for name, targets in graph.items():
+            for target in targets:
+                a, b = package_of(name), package_of(target)
+                if a and b and a != b:
+                    arrows[a, b] += 1
+        for (a, b), count in sorted(arrows.items()):
+            print(f"{a} → {b} ({count} imports)")
     if problems:
         print(f"{problems} problem(s) in the import graph of src/sandlot", file=sys.stderr)
         return 1
-    print(f"{len(files)} modules: no cycle, no forbidden arrow")
+    print(f"{len(files)} modules: no cycle, no forbidden arrow, no other module's private name")
     return 0
 
 

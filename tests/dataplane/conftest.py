@@ -18,9 +18,9 @@ import uvicorn
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from jwt.algorithms import OKPAlgorithm
 
-from sandlot.dataplane import native
-from sandlot.dataplane.auth import TokenVerifier
-from sandlot.dataplane.host import DataplaneHost
+from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.dataplane.services import native
+from sandlot.dataplane.services.auth import TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.dataplane.events import JOURNAL, EventLog
+from sandlot.dataplane.services.events import JOURNAL, EventLog
 from sandlot.protocol.errors import SequenceExpired
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.dataplane.fsids import FsExecutor, run_as
+from sandlot.dataplane.services.fsids import FsExecutor, run_as
 
 NOBODY = (65534, 65534)
 

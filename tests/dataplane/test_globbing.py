@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sandlot.dataplane import globworker
-from sandlot.dataplane.fsops import FileOps, iso
-from sandlot.dataplane.globbing import MAX_ALTERNATIVES, GlobPattern, expand_braces
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services import globworker
+from sandlot.dataplane.services.fsops import FileOps, iso
+from sandlot.dataplane.services.globbing import MAX_ALTERNATIVES, GlobPattern, expand_braces
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.runtime.base import Mount
 from tests.dataplane.conftest import Server, start_server
 
@@ -158,7 +158,7 @@ def test_pathological_patterns_take_time_linear_in_their_input() -> None:
     regression holds the interpreter lock, which no in-process timeout can interrupt."""
     program = (
         "import json, sys, time\n"
-        "from sandlot.dataplane.globbing import GlobPattern\n"
+        "from sandlot.dataplane.services.globbing import GlobPattern\n"
         "out = []\n"
         "for pattern, path in json.load(sys.stdin):\n"
         "    t = time.perf_counter()\n"

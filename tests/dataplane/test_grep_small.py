@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from sandlot.dataplane import grep as grep_mod
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services import grep as grep_mod
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.protocol.sessions import Template
 from sandlot.runtime.base import Mount
 from sandlot.runtime.direct import DirectRuntime

@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
-from sandlot.dataplane import grep as grep_mod
-from sandlot.dataplane import grepcache, native
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services import grep as grep_mod
+from sandlot.dataplane.services import grepcache, native
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.runtime.base import Mount
 from tests.dataplane.conftest import Server
 

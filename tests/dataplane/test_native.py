@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from sandlot.dataplane import native
-from sandlot.dataplane.fsops import FileOps, _jstr, _Listing, _scan_py
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services import native
+from sandlot.dataplane.services.fsops import FileOps, _jstr, _Listing, _scan_py
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.runtime.base import Mount
 
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.dataplane import grep as grep_mod
-from sandlot.dataplane import grepcache, native
-from sandlot.dataplane.paths import PathResolver
-from sandlot.dataplane.web import dumps
+from sandlot.dataplane.http.web import dumps
+from sandlot.dataplane.services import grep as grep_mod
+from sandlot.dataplane.services import grepcache, native
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.runtime.base import Mount
 
 FULL = (grep_mod.SMALL_TREE_FILES, grep_mod.SMALL_TREE_BYTES)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.runtime.base import Mount
 
 

@@ -177,7 +177,7 @@ def test_files_created_as_sandbox_user(confined: Server) -> None:
 def test_reads_and_searches_are_the_sandbox_users(confined: Server) -> None:
     """Inline operations (stat, read, list, a small grep) check permissions as the sandbox
     user, and the server's own identity is back after each."""
-    from sandlot.dataplane import native
+    from sandlot.dataplane.services import native
 
     assert native.library() is not None  # the small grep below is the C one
     srv = confined
@@ -461,7 +461,7 @@ def test_key_rotation_and_rate_limited_refetch(server: Server) -> None:
 
 
 def test_api_key_resolver(tmp_path: Path) -> None:
-    from sandlot.dataplane.auth import AuthContext
+    from sandlot.dataplane.services.auth import AuthContext
     from sandlot.protocol.common import Actor, Capability
 
     async def resolver(key: str, sandbox_id: str) -> AuthContext | None:

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from sandlot.dataplane import grepcache, native
-from sandlot.dataplane.auth import TokenVerifier
-from sandlot.dataplane.host import DataplaneHost
+from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.dataplane.services import grepcache, native
+from sandlot.dataplane.services.auth import TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import uvicorn
 
-from sandlot.dataplane.auth import TokenVerifier
-from sandlot.dataplane.host import create_standalone_app
+from sandlot.dataplane.http.host import create_standalone_app
+from sandlot.dataplane.services.auth import TokenVerifier
 from sandlot.protocol.sessions import Template
 from sandlot.runtime.direct import DirectRuntime
 from tests.dataplane.conftest import ISSUER, Keys

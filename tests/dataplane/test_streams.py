@@ -8,7 +8,7 @@ from typing import Any
 
 import websockets
 
-from sandlot.dataplane.streams import Cursor, OutputStream, complete_utf8, decode
+from sandlot.dataplane.services.streams import Cursor, OutputStream, complete_utf8, decode
 from tests.dataplane.conftest import Server
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.dataplane.tarstream import BLOCK, TarError, TarStream
+from sandlot.dataplane.services.tarstream import BLOCK, TarError, TarStream
 
 
 def chunked(data: bytes, rng: random.Random, largest: int = 3000) -> list[bytes]:
@@ -215,7 +215,7 @@ def test_corrupt_pax_header() -> None:
 
 
 def test_byte_sum_is_exact() -> None:
-    from sandlot.dataplane.tarstream import _byte_sum
+    from sandlot.dataplane.services.tarstream import _byte_sum
 
     rng = random.Random(1)
     for block in (bytes(BLOCK), b"\xff" * BLOCK, *(rng.randbytes(BLOCK) for _ in range(200))):

@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from sandlot.dataplane.fsops import FileOps
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services.fsops import FileOps
+from sandlot.dataplane.services.paths import PathResolver
 from sandlot.runtime.base import SandboxRuntime
 from sandlot.runtime.isolated import IsolatedRuntime
 
@@ -68,7 +68,9 @@ def test_a_glob_helper_works_in_the_sandbox_cgroup_then_leaves_it(
     finally:
         done.set()
         watcher.join()
-    helpers = {pid for pid, (_, cmdline) in seen.items() if b"dataplane.globworker" in cmdline}
+    helpers = {
+        pid for pid, (_, cmdline) in seen.items() if b"dataplane.services.globworker" in cmdline
+    }
     assert helpers, "no glob helper was seen in the sandbox's cgroup while it walked"
     # Nothing else but the helpers and what they start (``ldconfig``, for ctypes).
     assert all(pid in helpers or ppid in helpers for pid, (ppid, _) in seen.items()), seen

@@ -23,7 +23,7 @@ import uvicorn
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from sandlot.dataplane.web import error_response, request_id_of
+from sandlot.dataplane.http.web import error_response, request_id_of
 from sandlot.protocol.errors import ProviderUnavailable
 
 #: How long uvicorn lets requests in flight run after SIGTERM before it cancels them.

@@ -2,7 +2,7 @@
 
 A ``.gitignore`` comes with the tree being synced, so its patterns are input like
 any other: they are compiled to the same segment automaton as the dataplane's
-globs (:class:`~sandlot.dataplane.globbing.GlobPattern`), which never backtracks,
+globs (:class:`~sandlot.dataplane.services.globbing.GlobPattern`), which never backtracks,
 rather than to regular expressions (``*a*a*a*a*a*a*b`` against a long name took
 seconds that way, and doubled with every ``*a``).
 
@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandlot.dataplane.globbing import GlobPattern
+from sandlot.dataplane.services.globbing import GlobPattern
 
 
 @dataclass(frozen=True)

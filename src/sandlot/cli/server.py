@@ -22,8 +22,8 @@ from sandlot.broker.principals import Principal
 from sandlot.broker.revocations import api_key_jti
 from sandlot.broker.settings import BrokerSettings, ConfigError
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
-from sandlot.dataplane.auth import AuthContext
-from sandlot.dataplane.host import DataplaneHost
+from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.dataplane.services.auth import AuthContext
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import SandlotError, Unauthenticated
 from sandlot.providers.base import Provider, provider_class

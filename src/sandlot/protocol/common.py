@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import secrets
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -94,6 +95,15 @@ class Scope(WireModel):
 def new_id(prefix: str, nbytes: int = 12) -> str:
     """An opaque id with a type prefix (``ssn_``, ``sb_``, ``ex_``, ``key_``, ``req_``)."""
     return f"{prefix}_{secrets.token_hex(nbytes)}"
+
+
+def json_bytes(obj: object) -> bytes:
+    """The wire's JSON for plain data: compact, UTF-8."""
+    try:
+        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        # A file name that is not valid UTF-8 (lone surrogates): escape instead of failing.
+        return json.dumps(obj, separators=(",", ":")).encode()
 
 
 def utcnow() -> datetime:

@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sandlot.dataplane.auth import TokenVerifier
-from sandlot.dataplane.host import DataplaneHost
+from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.dataplane.services.auth import TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable, SandboxNotFound
 from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template

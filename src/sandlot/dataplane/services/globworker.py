@@ -23,7 +23,7 @@ The helpers:
 A process keeps at most :data:`MAX_WORKERS` of them, started on demand and reused;
 one idle beyond :data:`IDLE_SECONDS` exits (one is kept). This module imports
 nothing heavy: it is also the helper's program (``python -m
-sandlot.dataplane.globworker FD``).
+sandlot.dataplane.services.globworker FD``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _jstr
 from typing import Any
 
-from sandlot.dataplane.globbing import GlobPattern, States
+from sandlot.dataplane.services.globbing import GlobPattern, States
 
 #: Helper processes at most, for the whole server.
 MAX_WORKERS = 8
@@ -123,7 +123,7 @@ class _Worker:
 
 
 def _spawn(fd: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "sandlot.dataplane.globworker", str(fd)]
+    argv = [sys.executable, "-m", "sandlot.dataplane.services.globworker", str(fd)]
 
     def start() -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(fd,))
@@ -132,7 +132,7 @@ def _spawn(fd: int) -> subprocess.Popen[bytes]:
         return start()
     # The asking thread may act as a sandbox user, who need not be allowed to run the
     # server's interpreter: the helper starts with the server's identity.
-    from sandlot.dataplane.fsids import run_as
+    from sandlot.dataplane.services.fsids import run_as
 
     return run_as(os.geteuid(), os.getegid(), start)
 
@@ -422,7 +422,7 @@ def answer(top: int, request: dict[str, Any]) -> bytes:
         if ids is None:
             walk.run(top)
         else:
-            from sandlot.dataplane.fsids import run_as
+            from sandlot.dataplane.services.fsids import run_as
 
             run_as(ids[0], ids[1], walk.run, top)
     except OSError as exc:
@@ -464,7 +464,7 @@ def main(fd: int) -> None:
     os.nice(10)
     if os.geteuid() == 0:
         # Whatever identity the thread that started us had: each request sets its own.
-        from sandlot.dataplane.fsids import become
+        from sandlot.dataplane.services.fsids import become
 
         become(os.geteuid(), os.getegid())
     sock = socket.socket(fileno=fd)

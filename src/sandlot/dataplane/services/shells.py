@@ -14,7 +14,7 @@ as before.
 
 Where the runtime keeps processes through a restart of the server, shells
 (spares included) are started kept, their output spooled like a command's
-(:mod:`sandlot.dataplane.spool`): a restarted server takes each named shell
+(:mod:`sandlot.dataplane.services.spool`): a restarted server takes each named shell
 over with its name, session id, offset and history, and ends the spares.
 """
 
@@ -32,11 +32,11 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from sandlot.dataplane.execs import EventSink
-from sandlot.dataplane.procio import READ_SIZE, FdReader, close_fd, write_all
+from sandlot.dataplane.services.execs import EventSink
+from sandlot.dataplane.services.procio import READ_SIZE, FdReader, close_fd, write_all
+from sandlot.dataplane.services.spool import SpoolFile, SpoolReader
+from sandlot.dataplane.services.streams import OutputStream
 from sandlot.dataplane.settings import DataplaneSettings
-from sandlot.dataplane.spool import SpoolFile, SpoolReader
-from sandlot.dataplane.streams import OutputStream
 from sandlot.protocol.common import Actor, new_id, rfc3339
 from sandlot.protocol.errors import InvalidRequest, ResourceConflict, ResourceNotFound
 from sandlot.protocol.states import ShellState, check_transition

@@ -25,11 +25,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandlot.dataplane.watch import Tree, shared
+from sandlot.dataplane.services.watch import Tree, shared
 from sandlot.protocol.common import Actor, rfc3339
 from sandlot.protocol.errors import SequenceExpired
 
-log = logging.getLogger("sandlot.dataplane.events")
+log = logging.getLogger("sandlot.dataplane.services.events")
 
 
 JOURNAL = "events.jsonl"

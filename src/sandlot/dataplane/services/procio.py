@@ -8,7 +8,7 @@ import errno
 import os
 from collections.abc import Callable
 
-from sandlot.dataplane.streams import OutputStream
+from sandlot.dataplane.services.streams import OutputStream
 
 READ_SIZE = 65536
 #: What a paced stream keeps free ahead of its leading client: one read, plus a default

@@ -33,14 +33,14 @@ go to ripgrep; the in-process search looks for a literal (``bytes.find`` or
 ``memmem``, linear) and matches file names with a glob of ``*``, ``?`` and
 character classes (linear, see ``native.c``'s ``glob_match`` and ``fnmatch``).
 
-The in-process search is done by the C library (:mod:`sandlot.dataplane.native`)
+The in-process search is done by the C library (:mod:`sandlot.dataplane.services.native`)
 when it is built, else in Python (:func:`_search_small`, the reference the C
 code is tested against). A tree of at most ``INLINE_FILES`` files and
 ``INLINE_BYTES`` bytes is searched on the event loop thread, like a stat:
 that takes less time than handing it to a thread.
 
 A small tree read by a search is then copied in the background for the next
-searches of it (:mod:`sandlot.dataplane.grepcache`), which read the copy for as
+searches of it (:mod:`sandlot.dataplane.services.grepcache`), which read the copy for as
 long as nothing in the tree changes.
 """
 
@@ -60,15 +60,15 @@ from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
-from sandlot.dataplane import grepcache, native
-from sandlot.dataplane.fsids import FsExecutor
-from sandlot.dataplane.paths import PathResolver, Resolved, os_error
-from sandlot.dataplane.web import dumps
+from sandlot.dataplane.services import grepcache, native
+from sandlot.dataplane.services.fsids import FsExecutor
+from sandlot.dataplane.services.paths import PathResolver, Resolved, os_error
+from sandlot.protocol.common import json_bytes
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
 from sandlot.runtime.base import SandboxProcess, SandboxRuntime
 from sandlot.runtime.tools import RIPGREP, ToolUnavailable, host_ripgrep
 
-log = logging.getLogger("sandlot.dataplane.grep")
+log = logging.getLogger("sandlot.dataplane.services.grep")
 
 MAX_LINE_CHARS = 2000
 SMALL_TREE_FILES = 256
@@ -168,7 +168,7 @@ async def grep(
                 if found == native.USE_PYTHON:
                     result = _search_small(res, pattern.encode(), glob, cap)
                     if result is not None:
-                        return dumps(result)
+                        return json_bytes(result)
                 return _Target.of(res)
         except OSError as exc:
             raise os_error(exc) from None
@@ -180,21 +180,11 @@ async def grep(
     if isinstance(answer, bytes):
         return answer
     result = await _ripgrep(runtime, answer, [*flags, "-e", pattern], cap, timeout, disconnected)
-    return dumps(result)
-
-
-async def client_gone(receive: Callable[[], Awaitable[Any]]) -> None:
-    """Resolves once the HTTP client has gone away (ASGI ``http.disconnect``); for a
-    request whose body has been read already."""
-    while True:
-        message = await receive()
-        if message.get("type") == "http.disconnect":
-            return
-        await asyncio.sleep(0.05)  # never expected once the body is read: no busy loop
+    return json_bytes(result)
 
 
 class _NativeSearch:
-    """A small-tree search by the C library (:mod:`sandlot.dataplane.native`)."""
+    """A small-tree search by the C library (:mod:`sandlot.dataplane.services.native`)."""
 
     def __init__(
         self,

@@ -39,8 +39,8 @@ from prometheus_client.registry import Collector
 from sandlot.protocol.errors import exception_for
 
 if TYPE_CHECKING:
-    from sandlot.dataplane.sandbox import SandboxEntry
-    from sandlot.dataplane.socketlimits import SocketLimits
+    from sandlot.dataplane.services.sandbox import SandboxEntry
+    from sandlot.dataplane.services.socketlimits import SocketLimits
 
 BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 UNMATCHED = "unmatched"

@@ -1,4 +1,9 @@
-"""Everything the dataplane keeps for one sandbox, and its open connections."""
+"""Everything the dataplane keeps for one sandbox, and its open connections.
+
+:class:`SandboxEntry` holds a sandbox's state, event log, commands and shells for as
+long as the sandbox is registered; :meth:`SandboxEntry.ready` hands the routes its
+:class:`SandboxServices` (the runtime and the file services over it) once it runs.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +11,18 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
-from sandlot.dataplane import native
-from sandlot.dataplane.diskfull import DiskMonitor
-from sandlot.dataplane.events import EventLog, WorkspaceWatcher
-from sandlot.dataplane.execs import ExecManager
-from sandlot.dataplane.fsids import FsExecutor, as_server
-from sandlot.dataplane.fsops import Change, FileOps
-from sandlot.dataplane.paths import PathResolver
+from sandlot.dataplane.services import native
+from sandlot.dataplane.services.diskfull import DiskMonitor
+from sandlot.dataplane.services.events import EventLog, WorkspaceWatcher
+from sandlot.dataplane.services.execs import ExecManager
+from sandlot.dataplane.services.fsids import FsExecutor, as_server
+from sandlot.dataplane.services.fsops import Change, FileOps
+from sandlot.dataplane.services.paths import PathResolver
+from sandlot.dataplane.services.shells import ShellManager
 from sandlot.dataplane.settings import DataplaneSettings
-from sandlot.dataplane.shells import ShellManager
 from sandlot.protocol.common import Actor
 from sandlot.protocol.errors import SandboxNotFound, SandboxStarting
 from sandlot.protocol.states import SandboxState
@@ -47,6 +53,18 @@ class Connection:
 _background: set[asyncio.Task[Any]] = set()
 
 
+@dataclass(frozen=True, slots=True)
+class SandboxServices:
+    """What a running sandbox offers: its runtime, and files served through it."""
+
+    runtime: SandboxRuntime
+    #: Sandbox paths to host files, confined to the sandbox's mounts.
+    resolver: PathResolver
+    #: Threads acting as the sandbox user (``light``: quick calls, ``heavy``: walks).
+    executor: FsExecutor
+    files: FileOps
+
+
 class SandboxEntry:
     def __init__(
         self,
@@ -60,9 +78,7 @@ class SandboxEntry:
         self.state = state
         self.settings = settings
         self.runtime: SandboxRuntime | None = None
-        self.resolver: PathResolver | None = None
-        self.executor: FsExecutor | None = None
-        self.files: FileOps | None = None
+        self.services: SandboxServices | None = None
         self.events = EventLog(sandbox_id, settings.event_retention, lambda: self.state.value)
         self.execs = ExecManager(settings, self.emit)
         self.shells = ShellManager(settings, self.emit)
@@ -82,17 +98,16 @@ class SandboxEntry:
 
     def set_runtime(self, runtime: SandboxRuntime) -> None:
         native.warm()  # the C file operations, built in the background once
-        old_resolver, old_executor = self.resolver, self.executor
+        old = self.services
         self.runtime = runtime
         if runtime.spool_dir is not None:
             # The event log outlives this server where the sandbox's work does.
             self.events.attach(runtime.spool_dir)
-        self.resolver = PathResolver(runtime.mounts())
-        self.executor = FsExecutor(runtime.fs_ids)
+        resolver = PathResolver(runtime.mounts())
         s = self.settings
         charge = runtime.helper_charge()
-        self.files = FileOps(
-            self.resolver,
+        files = FileOps(
+            resolver,
             max_read_bytes=s.max_read_bytes,
             max_write_bytes=s.max_write_bytes,
             max_list_entries=s.max_list_entries,
@@ -102,16 +117,16 @@ class SandboxEntry:
             charge=(as_server(charge.enter), as_server(charge.leave)) if charge else None,
             max_glob_visits=s.max_glob_visits,
         )
-        if old_resolver is not None:
-            old_resolver.close()
-        if old_executor is not None:
-            old_executor.shutdown()
+        self.services = SandboxServices(runtime, resolver, FsExecutor(runtime.fs_ids), files)
+        if old is not None:
+            old.resolver.close()
+            old.executor.shutdown()
         if s.watch_fs and self.watcher is None:
             with contextlib.suppress(LookupError):
                 self.watcher = WorkspaceWatcher(
                     runtime.workspace,
-                    self.resolver.host_to_sandbox,
-                    self.resolver.sandbox_to_host,
+                    resolver.host_to_sandbox,
+                    resolver.sandbox_to_host,
                     self.events,
                     s.watch_debounce_ms,
                 )
@@ -129,15 +144,10 @@ class SandboxEntry:
             if self.disk is not None:
                 self.disk.start()
 
-    def ready(self) -> tuple[SandboxRuntime, PathResolver, FsExecutor, FileOps]:
+    def ready(self) -> SandboxServices:
         """The runtime and file services, or 423 SANDBOX_STARTING while provisioning."""
-        if (
-            self.runtime is None
-            or self.resolver is None
-            or self.executor is None
-            or self.files is None
-            or self.state is SandboxState.PROVISIONING
-        ):
+        services = self.services
+        if services is None or self.state is SandboxState.PROVISIONING:
             raise SandboxStarting(
                 "sandbox is starting", retry_after=self.settings.starting_retry_after
             )
@@ -148,7 +158,7 @@ class SandboxEntry:
                 "sandbox is suspended", retry_after=self.settings.starting_retry_after
             )
         self._start_watcher()
-        return self.runtime, self.resolver, self.executor, self.files
+        return services
 
     def changed(self, change: Change, actor: Actor | None) -> None:
         path, op, extra = change
@@ -192,7 +202,6 @@ class SandboxEntry:
         if self.disk is not None:
             self.disk.close()
         self.events.close()
-        if self.resolver is not None:
-            self.resolver.close()
-        if self.executor is not None:
-            self.executor.shutdown()
+        if self.services is not None:
+            self.services.resolver.close()
+            self.services.executor.shutdown()

@@ -36,13 +36,13 @@ _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}
 
 
 @functools.cache
-def _libc() -> ctypes.CDLL:
+def c_library() -> ctypes.CDLL:
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def become(uid: int, gid: int) -> None:
     """Switch the calling thread's filesystem identity (and drop supplementary groups)."""
-    libc = _libc()
+    libc = c_library()
     nr = _SYS_SETGROUPS.get(platform.machine())
     if nr is not None:
         libc.syscall(nr, 0, None)
@@ -56,7 +56,7 @@ def become(uid: int, gid: int) -> None:
 def run_as(uid: int, gid: int, fn: Callable[..., T], *args: object) -> T:
     """``fn(*args)`` on the calling thread with the filesystem identity ``uid:gid`` and no
     supplementary groups; the thread's own identity is back when it returns or raises."""
-    libc = _libc()
+    libc = c_library()
     nr = _SYS_SETGROUPS.get(platform.machine())
     groups = os.getgroups()
     if groups and nr is not None:

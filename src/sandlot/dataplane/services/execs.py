@@ -3,7 +3,7 @@
 An :class:`Exec` owns its process, one :class:`OutputStream` per stream
 (``stdout`` and ``stderr``, or a single ``stdout`` under a PTY) and its
 lifecycle (``running`` → ``exited``/``killed``/``failed``). Clients come and
-go (:class:`~sandlot.dataplane.streams.Cursor`); the command does not care.
+go (:class:`~sandlot.dataplane.services.streams.Cursor`); the command does not care.
 Finished commands stay attachable for the reattach window. A ``command_id``
 names one command: while it is being started, a second start with the same id
 (a client resending ``start`` after a broken connection) waits for the first
@@ -12,7 +12,7 @@ and attaches to it instead of spawning the command again.
 Where the runtime keeps processes through a restart of the server (the
 isolated local runtime), every command is started *kept*: the sandbox's init
 holds its pipes and a record of it (id, ``command_id``, actor, deadline…),
-and its output is spooled (:mod:`sandlot.dataplane.spool`). A server killed
+and its output is spooled (:mod:`sandlot.dataplane.services.spool`). A server killed
 at any instant loses neither the command nor a byte of its output: the next
 one takes it over (:meth:`ExecManager.readopt`) with the same id, offsets and replay
 buffers, and ``command_id`` still names it.
@@ -32,10 +32,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from sandlot.dataplane.procio import PACING_HEADROOM, FdReader, close_fd, write_all
+from sandlot.dataplane.services.procio import PACING_HEADROOM, FdReader, close_fd, write_all
+from sandlot.dataplane.services.spool import SpoolFile, SpoolReader
+from sandlot.dataplane.services.streams import Cursor, OutputStream
 from sandlot.dataplane.settings import DataplaneSettings
-from sandlot.dataplane.spool import SpoolFile, SpoolReader
-from sandlot.dataplane.streams import Cursor, OutputStream
 from sandlot.protocol.common import Actor, new_id, rfc3339
 from sandlot.protocol.errors import ExecNotFound, InvalidRequest, ResourceConflict
 from sandlot.protocol.states import ExecState, check_transition
@@ -77,7 +77,7 @@ def parse_signal(name: str) -> int:
 
 
 def sandbox_cwd(cwd: str | None) -> str:
-    from sandlot.dataplane.paths import normalize
+    from sandlot.dataplane.services.paths import normalize
 
     return normalize(cwd) if cwd else WORKSPACE
 

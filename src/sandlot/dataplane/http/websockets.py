@@ -2,11 +2,11 @@
 
 Each socket runs two tasks: a reader of client frames and a pump that copies
 output from the shared stream buffers at the client's own pace (see
-:mod:`sandlot.dataplane.streams`). Auth: the header, or a first
+:mod:`sandlot.dataplane.services.streams`). Auth: the header, or a first
 ``{"type": "auth"}`` frame answered by ``auth_ok`` (also accepted later to
 refresh the token of a long-lived socket). Close codes: 4401 unauthenticated
 or revoked, 4403 capability denied, 4404 unknown sandbox/exec/shell, 4429 too many
-sockets (see :mod:`sandlot.dataplane.socketlimits`).
+sockets (see :mod:`sandlot.dataplane.services.socketlimits`).
 
 Only a driver (``shell``) creates a shell: an observer of a shell that does not run
 gets 4404, whatever its ``create`` says.
@@ -20,15 +20,14 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
-from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
-from sandlot.dataplane.auth import AuthContext, bearer_from_header
-from sandlot.dataplane.execs import Exec, parse_signal
-from sandlot.dataplane.sandbox import SandboxEntry
-from sandlot.dataplane.socketlimits import Place
-from sandlot.dataplane.streams import Cursor, check_offsets
-from sandlot.dataplane.web import Api, as_sandlot_error, dumps_text
+from sandlot.dataplane.http.web import Host, as_sandlot_error, dumps_text, host_of, sandbox_of
+from sandlot.dataplane.services.auth import AuthContext, bearer_from_header
+from sandlot.dataplane.services.execs import Exec, parse_signal
+from sandlot.dataplane.services.sandbox import SandboxEntry
+from sandlot.dataplane.services.socketlimits import Place
+from sandlot.dataplane.services.streams import Cursor, check_offsets
 from sandlot.protocol import frames as F
 from sandlot.protocol.common import Capability, new_id
 from sandlot.protocol.errors import (
@@ -77,8 +76,8 @@ def close_code_for(exc: SandlotError) -> int:
 class Socket:
     """One accepted WebSocket with its auth, send lock, registration and place."""
 
-    def __init__(self, api: Api, ws: WebSocket, entry: SandboxEntry, place: Place) -> None:
-        self.api = api
+    def __init__(self, host: Host, ws: WebSocket, entry: SandboxEntry, place: Place) -> None:
+        self.host = host
         self.ws = ws
         self.entry = entry
         self.place = place
@@ -88,8 +87,12 @@ class Socket:
         self.conn: Any = None
 
     async def send(self, frame: dict[str, Any]) -> None:
+        await self.send_text(dumps_text(frame))
+
+    async def send_text(self, text: str) -> None:
+        """A frame already serialised (the event log keeps its events as JSON text)."""
         async with self._send_lock:
-            await self.ws.send_text(dumps_text(frame))
+            await self.ws.send_text(text)
 
     async def close(self, code: int = 1000, reason: str = "") -> None:
         self.closed.set()
@@ -98,7 +101,7 @@ class Socket:
                 await self.ws.close(code, reason[:120])
 
     async def fail(self, exc: SandlotError, *, langsmith: bool = False) -> None:
-        self.api.host.metrics.error(exc.wire_code)
+        self.host.metrics.error(exc.wire_code)
         if langsmith:
             # LangSmith clients dispatch on these error types.
             error_type = "CommandNotFound" if isinstance(exc, NotFound) else exc.wire_code
@@ -112,7 +115,7 @@ class Socket:
     async def authenticate(self, capability: Capability) -> bool:
         """Header credentials, or wait for the ``auth`` frame. False when closed."""
         entry = self.entry
-        host = self.api.host
+        host = self.host
         try:
             bearer = bearer_from_header(self.ws.headers.get("authorization"))
             api_key = self.ws.headers.get("x-api-key")
@@ -149,7 +152,7 @@ class Socket:
     async def _verify(
         self, bearer: str | None, api_key: str | None, capability: Capability
     ) -> AuthContext:
-        return await self.api.host.authenticator.authenticate(
+        return await self.host.authenticator.authenticate(
             bearer=bearer,
             api_key=api_key,
             sandbox_id=self.entry.sandbox_id,
@@ -161,7 +164,7 @@ class Socket:
         """A later ``auth`` frame: switch the socket to a refreshed token."""
         ctx = await self._verify(token, None, capability)
         self.place.switch(ctx)
-        host = self.api.host
+        host = self.host
         if self.conn is not None:
             host.untrack(self.entry, self.conn)
         self.ctx = ctx
@@ -171,20 +174,20 @@ class Socket:
     def release(self) -> None:
         """Once the socket's handler is done: untracked, its place given back."""
         if self.conn is not None:
-            self.api.host.untrack(self.entry, self.conn)
+            self.host.untrack(self.entry, self.conn)
             self.conn = None
         self.place.release()
 
 
-async def open_socket(api: Api, ws: WebSocket, capability: Capability, route: str) -> Socket | None:
+async def open_socket(ws: WebSocket, capability: Capability, route: str) -> Socket | None:
     """The socket accepted and authenticated, or ``None`` once it has been closed.
 
-    Its place (:mod:`~sandlot.dataplane.socketlimits`) is taken before it is accepted;
+    Its place (:mod:`~sandlot.dataplane.services.socketlimits`) is taken before it is accepted;
     the caller gives it back with :meth:`Socket.release` when it is done.
     """
-    host = api.host
+    host = host_of(ws)
     try:
-        entry = host.entry(api.sandbox_id(ws.path_params))
+        entry = sandbox_of(ws)
         headers = ws.headers
         authenticated = "authorization" in headers or "x-api-key" in headers
         place = host.sockets.admit(entry.sandbox_id, route, authenticated=authenticated)
@@ -195,7 +198,7 @@ async def open_socket(api: Api, ws: WebSocket, capability: Capability, route: st
             await ws.send_text(dumps_text(F.error_frame(exc.wire_code, exc.message, exc.retryable)))
             await ws.close(close_code_for(exc), exc.message[:120])
         return None
-    sock = Socket(api, ws, entry, place)
+    sock = Socket(host, ws, entry, place)
     try:
         await ws.accept()
         if await sock.authenticate(capability):
@@ -237,7 +240,7 @@ async def pump_output(
     exit_frame: Callable[[], dict[str, Any]] | None,
 ) -> None:
     """Send output from the cursor on until the producer is done; then the exit frame."""
-    max_frame = sock.api.host.settings.max_frame_bytes
+    max_frame = sock.host.settings.max_frame_bytes
     watch(cursor.event)
     while True:
         await cursor.flush(sock.send, max_frame)
@@ -261,7 +264,7 @@ def exec_exit_frame(ex: Exec) -> dict[str, Any]:
 
 async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tuple[Exec, list[int]]:
     entry = sock.entry
-    runtime, *_ = entry.ready()
+    runtime = entry.ready().runtime
     assert sock.ctx is not None
     if isinstance(first, (F.StartFrame, F.ExecuteFrame)):
         command_id = first.command_id
@@ -308,8 +311,8 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
     return ex_att, [first.stdout_offset, first.stderr_offset]
 
 
-async def exec_socket(api: Api, ws: WebSocket, *, langsmith: bool) -> None:
-    sock = await open_socket(api, ws, Capability.EXEC, "/execute/ws" if langsmith else "/exec/ws")
+async def exec_socket(ws: WebSocket, *, langsmith: bool) -> None:
+    sock = await open_socket(ws, Capability.EXEC, "/execute/ws" if langsmith else "/exec/ws")
     if sock is None:
         return
     entry = sock.entry
@@ -434,7 +437,7 @@ def _first_error(exc: ValidationError) -> str:
 # --- shells -------------------------------------------------------------------------------
 
 
-async def shell_socket(api: Api, ws: WebSocket) -> None:
+async def shell_socket(ws: WebSocket) -> None:
     q = ws.query_params
     role = q.get("role", "driver")
     if role not in ("driver", "observer"):
@@ -442,7 +445,7 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
         await ws.close(1008, "role must be driver or observer")
         return
     cap = Capability.SHELL if role == "driver" else Capability.SHELL_OBSERVE
-    sock = await open_socket(api, ws, cap, "/shell/ws")
+    sock = await open_socket(ws, cap, "/shell/ws")
     if sock is None:
         return
     entry = sock.entry
@@ -457,7 +460,7 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
         rows = _int(q.get("rows"), 24)
         # Only a driver starts a shell: an observer watches one that runs, or gets 4404.
         create = role == "driver" and q.get("create", "true").lower() not in ("0", "false", "no")
-        runtime, *_ = entry.ready()
+        runtime = entry.ready().runtime
         shell = await entry.shells.open(
             runtime,
             name=name,
@@ -479,8 +482,8 @@ async def shell_socket(api: Api, ws: WebSocket) -> None:
                 "role": role,
             }
         )
-        hist_off, hist = shell.stream.tail(api.host.settings.shell_history_bytes)
-        from sandlot.dataplane.streams import decode
+        hist_off, hist = shell.stream.tail(sock.host.settings.shell_history_bytes)
+        from sandlot.dataplane.services.streams import decode
 
         text, _ = decode(hist)
         await sock.send({"type": "history", "data": text, "offset": hist_off})
@@ -559,8 +562,8 @@ def _int(raw: str | None, default: int) -> int:
 # --- events -------------------------------------------------------------------------------
 
 
-async def events_socket(api: Api, ws: WebSocket) -> None:
-    sock = await open_socket(api, ws, Capability.FS_READ, "/events/ws")
+async def events_socket(ws: WebSocket) -> None:
+    sock = await open_socket(ws, Capability.FS_READ, "/events/ws")
     if sock is None:
         return
     entry = sock.entry
@@ -576,8 +579,7 @@ async def events_socket(api: Api, ws: WebSocket) -> None:
                 wake.clear()
                 batch = entry.events.since(cursor)
                 for seq, _etype, data in batch:
-                    async with sock._send_lock:
-                        await ws.send_text(data)
+                    await sock.send_text(data)
                     cursor = seq
                 if not batch:
                     await wake.wait()
@@ -609,22 +611,21 @@ async def events_socket(api: Api, ws: WebSocket) -> None:
         sock.release()
 
 
-def build_ws_routes(api: Api) -> list[WebSocketRoute]:
-    async def exec_ws(ws: WebSocket) -> None:
-        await exec_socket(api, ws, langsmith=False)
+async def exec_ws(ws: WebSocket) -> None:
+    """``/exec/ws``: start or attach to a command, stream its output (PROTOCOL.md 3.3)."""
+    await exec_socket(ws, langsmith=False)
 
-    async def execute_ws(ws: WebSocket) -> None:
-        await exec_socket(api, ws, langsmith=True)
 
-    async def shell_ws(ws: WebSocket) -> None:
-        await shell_socket(api, ws)
+async def execute_ws(ws: WebSocket) -> None:
+    """``/execute/ws``: the same in LangSmith's frames (PROTOCOL.md 3.9)."""
+    await exec_socket(ws, langsmith=True)
 
-    async def events_ws(ws: WebSocket) -> None:
-        await events_socket(api, ws)
 
-    return [
-        WebSocketRoute("/exec/ws", exec_ws),
-        WebSocketRoute("/execute/ws", execute_ws),
-        WebSocketRoute("/shell/ws", shell_ws),
-        WebSocketRoute("/events/ws", events_ws),
-    ]
+async def shell_ws(ws: WebSocket) -> None:
+    """``/shell/ws``: a shared shell (PROTOCOL.md 3.4)."""
+    await shell_socket(ws)
+
+
+async def events_ws(ws: WebSocket) -> None:
+    """``/events/ws``: the event log, then live (PROTOCOL.md 3.7)."""
+    await events_socket(ws)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from sandlot.dataplane.auth import AuthContext
+from sandlot.dataplane.services.auth import AuthContext
 from sandlot.protocol.errors import RateLimited
 
 K = TypeVar("K")

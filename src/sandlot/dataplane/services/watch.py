@@ -20,7 +20,7 @@ import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-log = logging.getLogger("sandlot.dataplane.watch")
+log = logging.getLogger("sandlot.dataplane.services.watch")
 
 IN_MODIFY = 0x00000002
 IN_ATTRIB = 0x00000004

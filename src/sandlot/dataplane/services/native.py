@@ -265,7 +265,7 @@ _library: Native | None = None
 
 
 def source() -> bytes:
-    return resources.files("sandlot.dataplane").joinpath("native.c").read_bytes()
+    return resources.files("sandlot.dataplane.services").joinpath("native.c").read_bytes()
 
 
 def cache_dir() -> Path:

@@ -25,8 +25,8 @@ import errno
 import os
 from pathlib import Path
 
-from sandlot.dataplane.procio import READ_SIZE, FdReader
-from sandlot.dataplane.streams import OutputStream
+from sandlot.dataplane.services.procio import READ_SIZE, FdReader
+from sandlot.dataplane.services.streams import OutputStream
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02

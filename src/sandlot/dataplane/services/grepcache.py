@@ -45,8 +45,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import NamedTuple
 
-from sandlot.dataplane import native
-from sandlot.dataplane.watch import (
+from sandlot.dataplane.services import native
+from sandlot.dataplane.services.watch import (
     IN_ATTRIB,
     IN_CLOSE_WRITE,
     IN_CREATE,
@@ -63,7 +63,7 @@ from sandlot.dataplane.watch import (
     remove_watch,
 )
 
-log = logging.getLogger("sandlot.dataplane.grepcache")
+log = logging.getLogger("sandlot.dataplane.services.grepcache")
 
 #: Everything that changes what a search of a tree finds (contents, names, entries,
 #: permissions, link counts). Reads and opens are not events: a search does not drop

@@ -1,6 +1,6 @@
 """Native filesystem operations of PROTOCOL.md 3.5/3.6, confined by :mod:`paths`.
 
-Every operation is a plain function of a :class:`~sandlot.dataplane.paths.PathResolver`
+Every operation is a plain function of a :class:`~sandlot.dataplane.services.paths.PathResolver`
 (no HTTP here). Writes never modify an existing inode: content goes to a
 temporary file in the same directory, is fsynced and renamed over the name,
 so a hard link planted in the workspace can never be used to write a file
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
 from typing import Any
 
-from sandlot.dataplane import globworker, native
-from sandlot.dataplane.globbing import split_base
-from sandlot.dataplane.paths import PathResolver, Resolved, normalize, os_error
+from sandlot.dataplane.services import globworker, native
+from sandlot.dataplane.services.globbing import split_base
+from sandlot.dataplane.services.paths import PathResolver, Resolved, normalize, os_error
 from sandlot.protocol.errors import (
     InvalidRequest,
     PayloadTooLarge,
@@ -585,9 +585,9 @@ def current_fs_ids() -> tuple[int, int] | None:
     """The calling thread's filesystem identity, when the server may switch identities."""
     if os.geteuid() != 0:
         return None
-    from sandlot.dataplane.fsids import _libc
+    from sandlot.dataplane.services.fsids import c_library
 
-    libc = _libc()
+    libc = c_library()
     return libc.setfsuid(-1), libc.setfsgid(-1)
 
 
@@ -635,11 +635,11 @@ def sync_filesystem(dir_fd: int) -> None:
     ``O_PATH`` descriptor): one syncfs for a whole batch of writes."""
     import ctypes
 
-    from sandlot.dataplane.fsids import _libc
+    from sandlot.dataplane.services.fsids import c_library
 
     fd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        if _libc().syncfs(ctypes.c_int(fd)) != 0:
+        if c_library().syncfs(ctypes.c_int(fd)) != 0:
             os.fsync(fd)
     finally:
         os.close(fd)
@@ -658,9 +658,9 @@ _RENAME_NOREPLACE = 1
 def rename_noreplace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
     import ctypes
 
-    from sandlot.dataplane.fsids import _libc
+    from sandlot.dataplane.services.fsids import c_library
 
-    libc = _libc()
+    libc = c_library()
     rc = libc.renameat2(
         src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), ctypes.c_uint(_RENAME_NOREPLACE)
     )

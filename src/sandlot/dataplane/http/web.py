@@ -3,6 +3,11 @@
 Routes are thin: they parse, authorise, call a service, serialise. Every
 failure leaves as the error envelope of PROTOCOL.md section 1 with an
 ``X-Request-Id``; nothing a client sends can produce a traceback or a 500.
+
+An endpoint finds its :class:`Host` in its app's state (``app.state.dataplane``),
+as Starlette's own examples do, and declares what it takes and answers with
+:func:`endpoint`; the OpenAPI document is drawn from those declarations
+(:mod:`sandlot.dataplane.http.openapi`).
 """
 
 from __future__ import annotations
@@ -12,18 +17,19 @@ import functools
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
-from starlette.requests import Request
+from starlette.requests import HTTPConnection, Request
 from starlette.responses import Response
 
-from sandlot.dataplane.auth import AuthContext, bearer_from_header
-from sandlot.dataplane.paths import os_error
-from sandlot.protocol.common import Capability, new_id
+from sandlot.dataplane.services.auth import AuthContext, bearer_from_header
+from sandlot.dataplane.services.paths import os_error
+from sandlot.protocol.common import Capability, json_bytes, new_id
 from sandlot.protocol.errors import (
     InternalError,
     InvalidRequest,
@@ -35,11 +41,11 @@ from sandlot.protocol.errors import (
 )
 
 if TYPE_CHECKING:
-    from sandlot.dataplane.auth import Authenticator
-    from sandlot.dataplane.metrics import DataplaneMetrics
-    from sandlot.dataplane.sandbox import Connection, SandboxEntry
+    from sandlot.dataplane.http.metrics import DataplaneMetrics
+    from sandlot.dataplane.services.auth import Authenticator
+    from sandlot.dataplane.services.sandbox import Connection, SandboxEntry
+    from sandlot.dataplane.services.socketlimits import SocketLimits
     from sandlot.dataplane.settings import DataplaneSettings
-    from sandlot.dataplane.socketlimits import SocketLimits
 
 log = logging.getLogger("sandlot.dataplane")
 
@@ -54,13 +60,7 @@ def request_id_of(headers: Any) -> str:
     return rid if rid and _REQUEST_ID.match(rid) else new_id("req", 8)
 
 
-def dumps(obj: Any) -> bytes:
-    try:
-        return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-    except UnicodeEncodeError:
-        # A file name that is not valid UTF-8 (lone surrogates): escape instead of failing.
-        return json.dumps(obj, separators=(",", ":")).encode()
-
+dumps = json_bytes
 
 _OUTPUT_FRAMES = frozenset({"stdout", "stderr", "history"})
 
@@ -77,7 +77,13 @@ def dumps_text(frame: dict[str, Any]) -> str:
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    return Response(dumps(obj), status, headers=headers, media_type="application/json")
+    """``obj`` (a wire model, or plain JSON data) as an ``application/json`` response."""
+    body = (
+        obj.__pydantic_serializer__.to_json(obj, by_alias=True)
+        if isinstance(obj, BaseModel)
+        else dumps(obj)
+    )
+    return Response(body, status, headers=headers, media_type="application/json")
 
 
 def error_response(exc: SandlotError, request_id: str) -> Response:
@@ -110,26 +116,80 @@ def as_sandlot_error(exc: BaseException) -> SandlotError:
     return InternalError("internal error")
 
 
-def endpoint(fn: Handler) -> Handler:
-    """Wrap a route: request id in and out, every exception as the error envelope."""
+@dataclass(frozen=True)
+class Param:
+    """A query parameter or header an endpoint reads (for the OpenAPI document)."""
 
-    @functools.wraps(fn)
-    async def wrapper(request: Request) -> Response:
-        rid = request_id_of(request.headers)
-        request.state.request_id = rid
-        try:
-            response = await fn(request)
-        except Exception as exc:
-            error = as_sandlot_error(exc)
-            if isinstance(error, QuotaExceeded) and error.metadata.get("resource") == "disk":
-                entry = getattr(request.state, "sandbox_entry", None)
-                if entry is not None and entry.disk is not None:
-                    entry.disk.write_failed()
-            return error_response(error, rid)
-        response.headers["X-Request-Id"] = rid
-        return response
+    name: str
+    schema: dict[str, Any]
+    required: bool = False
+    where: str = "query"
 
-    return wrapper
+
+#: An answer: a wire model, or an OpenAPI response object for anything else.
+Answer = type[BaseModel] | dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Operation:
+    """What an endpoint takes and answers, declared with :func:`endpoint`."""
+
+    summary: str
+    responses: dict[int, Answer]
+    body: type[BaseModel] | dict[str, Any] | None = None
+    params: tuple[Param, ...] = ()
+    #: Answered without a credential (no error responses of the auth path).
+    public: bool = False
+    #: ``HEAD`` is part of the contract (Starlette answers it for every ``GET``).
+    head: bool = False
+
+
+def endpoint(
+    *,
+    ok: Answer | None = None,
+    responses: Mapping[int, Answer] | None = None,
+    body: type[BaseModel] | dict[str, Any] | None = None,
+    params: tuple[Param, ...] = (),
+    public: bool = False,
+    head: bool = False,
+) -> Callable[[Handler], Handler]:
+    """Make ``fn`` an endpoint: request id in and out, every exception as the error
+    envelope, and an :class:`Operation` (summary: the docstring's first line; ``ok``:
+    the 200 answer) for the OpenAPI document."""
+
+    def wrap(fn: Handler) -> Handler:
+        summary = (fn.__doc__ or fn.__name__).strip().splitlines()[0].rstrip(".")
+        answers = dict(responses or {})
+        if ok is not None:
+            answers[200] = ok
+        operation = Operation(summary, answers, body, params, public, head)
+
+        @functools.wraps(fn)
+        async def wrapper(request: Request) -> Response:
+            rid = request_id_of(request.headers)
+            request.state.request_id = rid
+            try:
+                response = await fn(request)
+            except Exception as exc:
+                error = as_sandlot_error(exc)
+                if isinstance(error, QuotaExceeded) and error.metadata.get("resource") == "disk":
+                    entry = getattr(request.state, "sandbox_entry", None)
+                    if entry is not None and entry.disk is not None:
+                        entry.disk.write_failed()
+                return error_response(error, rid)
+            response.headers["X-Request-Id"] = rid
+            return response
+
+        wrapper.operation = operation  # type: ignore[attr-defined]
+        return wrapper
+
+    return wrap
+
+
+def operation_of(fn: Any) -> Operation | None:
+    """The :class:`Operation` an endpoint declared, if it is one."""
+    found = getattr(fn, "operation", None)
+    return found if isinstance(found, Operation) else None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -190,12 +250,14 @@ def query_path(request: Request, name: str = "path", default: str | None = None)
 
 
 class Host(Protocol):
-    """What the routes use of their host (:class:`~sandlot.dataplane.host.DataplaneHost`)."""
+    """What the routes use of their host (:class:`~sandlot.dataplane.http.host.DataplaneHost`)."""
 
     authenticator: Authenticator
     settings: DataplaneSettings
     sockets: SocketLimits
     metrics: DataplaneMetrics
+    #: The sandbox of routes without a ``{sandbox_id}`` (a standalone dataplane's one).
+    default_sandbox: str | None
 
     def entry(self, sandbox_id: str) -> SandboxEntry: ...
 
@@ -206,33 +268,33 @@ class Host(Protocol):
     def untrack(self, entry: SandboxEntry, conn: Connection) -> None: ...
 
 
-class Api:
-    """What routes need from the host: the sandbox addressed, and who is calling."""
+def host_of(conn: HTTPConnection) -> Host:
+    """The host serving this request or socket."""
+    host: Host = conn.app.state.dataplane
+    return host
 
-    def __init__(self, host: Host, default_sandbox: str | None = None) -> None:
-        self.host = host
-        self.default_sandbox = default_sandbox
 
-    def sandbox_id(self, scope_params: dict[str, Any]) -> str:
-        sid = scope_params.get("sandbox_id") or self.default_sandbox
-        if not sid:
-            raise SandboxNotFound("no such sandbox")
-        return str(sid)
+def sandbox_of(conn: HTTPConnection) -> SandboxEntry:
+    """The sandbox a request or socket addresses (404 SANDBOX_NOT_FOUND if none)."""
+    host = host_of(conn)
+    sid = conn.path_params.get("sandbox_id") or host.default_sandbox
+    if not sid:
+        raise SandboxNotFound("no such sandbox")
+    return host.entry(str(sid))
 
-    def entry(self, request: Request) -> SandboxEntry:
-        return self.host.entry(self.sandbox_id(request.path_params))
 
-    async def auth(
-        self, request: Request, capability: Capability | None
-    ) -> tuple[SandboxEntry, AuthContext]:
-        entry = self.entry(request)
-        ctx = await self.host.authenticator.authenticate(
-            bearer=bearer_from_header(request.headers.get("authorization")),
-            api_key=request.headers.get("x-api-key"),
-            sandbox_id=entry.sandbox_id,
-            generation=entry.generation,
-            capability=capability,
-        )
-        entry.touch()
-        request.state.sandbox_entry = entry  # for the error path (a full disk)
-        return entry, ctx
+async def authorize(
+    request: Request, capability: Capability | None
+) -> tuple[SandboxEntry, AuthContext]:
+    """The sandbox addressed and who is calling, if they hold ``capability`` on it."""
+    entry = sandbox_of(request)
+    ctx = await host_of(request).authenticator.authenticate(
+        bearer=bearer_from_header(request.headers.get("authorization")),
+        api_key=request.headers.get("x-api-key"),
+        sandbox_id=entry.sandbox_id,
+        generation=entry.generation,
+        capability=capability,
+    )
+    entry.touch()
+    request.state.sandbox_entry = entry  # for the error path (a full disk)
+    return entry, ctx
