@@ -127,6 +127,7 @@ class ListResponse(WireModel):
 
 
 class ReadResponse(WireModel):
+    path: str
     content: str
     encoding: Encoding
     total_lines: int
@@ -226,7 +227,6 @@ class PathResponse(WireModel):
 class UploadResponse(WireModel):
     path: str
     size: int
-    etag: str | None = None
 
 
 class ArchiveResponse(WireModel):

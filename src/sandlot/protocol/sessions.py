@@ -347,8 +347,28 @@ class Jwks(WireModel):
     keys: list[dict[str, Any]]
 
 
+class AuditEntry(WireModel):
+    """One action of the audit log: who did it (``actor``: the principal, or the agent it
+    named), when, with what outcome, to which scope, binding and sandbox."""
+
+    id: int
+    timestamp: str
+    request_id: str | None
+    action: str
+    outcome: str
+    principal_id: str | None
+    user_id: str | None
+    actor: Actor | None
+    scope: str | None
+    session_id: str | None
+    sandbox_id: str | None
+    details: dict[str, Any]
+
+
 class AuditPage(WireModel):
-    items: list[dict[str, Any]]
+    """``GET /v1/audit``: entries in id order; ``next_after`` is the cursor of the next page."""
+
+    items: list[AuditEntry]
     next_after: int
 
 
