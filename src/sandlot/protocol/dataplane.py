@@ -243,6 +243,9 @@ class LangSmithExecuteResponse(WireModel):
     stdout: str
     stderr: str
     exit_code: int | None
+    #: Sandlot's additions: the idempotency key given, and whether the timeout ended it.
+    command_id: str | None = None
+    timed_out: bool = False
 
 
 class VersionResponse(WireModel):

@@ -28,13 +28,13 @@ async def execute(request: Request) -> Response:
     """Run a command to completion (LangSmith)."""
     result = await run_exec(request)
     return json_response(
-        {
-            "stdout": result.stdout,
-            "stderr": result.stderr,
-            "exit_code": result.exit_code,
-            "command_id": result.command_id,
-            "timed_out": result.timed_out,
-        }
+        LangSmithExecuteResponse(
+            stdout=result.stdout,
+            stderr=result.stderr,
+            exit_code=result.exit_code,
+            command_id=result.command_id,
+            timed_out=result.timed_out,
+        )
     )
 
 

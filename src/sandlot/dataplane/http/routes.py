@@ -30,7 +30,7 @@ from sandlot.dataplane.http.web import (
 )
 from sandlot.dataplane.services import grep as grep_service
 from sandlot.dataplane.services.execs import Exec, parse_signal
-from sandlot.dataplane.services.fsops import decode_content
+from sandlot.dataplane.services.fsops import Change, decode_content
 from sandlot.protocol.common import API_VERSION, Capability
 from sandlot.protocol.dataplane import (
     EditRequest,
@@ -136,7 +136,7 @@ async def execs(request: Request) -> Response:
     """Commands of the sandbox."""
     entry, _ = await authorize(request, Capability.FS_READ)
     seq = entry.events.last_sequence
-    return json_response({"execs": [e.snapshot(seq) for e in entry.execs.all()]})
+    return json_response(ExecList(execs=[e.snapshot(seq) for e in entry.execs.all()]))
 
 
 @endpoint(ok=ExecSnapshot)
@@ -164,7 +164,7 @@ async def exec_signal(request: Request) -> Response:
 async def shells(request: Request) -> Response:
     """Shared shells of the sandbox."""
     entry, _ = await authorize(request, Capability.SHELL_OBSERVE)
-    return json_response({"shells": [s.snapshot() for s in entry.shells.all()]})
+    return json_response(ShellList(shells=[s.snapshot() for s in entry.shells.all()]))
 
 
 @endpoint(responses={204: {"description": "Ended"}})
@@ -223,14 +223,14 @@ async def fs_write(request: Request) -> Response:
     body = await parse_json(request, WriteRequest, limit=settings.max_write_bytes * 2)
     data = decode_content(body.content, body.encoding)
 
-    def write() -> Any:
+    def write() -> tuple[WriteResponse, Change]:
         return sandbox.files.write(
             body.path, data, if_match=body.if_match, if_none_match=body.if_none_match
         )
 
     result, change = await sandbox.executor.heavy(write)
     entry.changed(change, ctx.actor)
-    return json_response(result, 201 if result["created"] else 200)
+    return json_response(result, 201 if result.created else 200)
 
 
 @endpoint(ok=EditResponse, body=EditRequest)
@@ -241,7 +241,7 @@ async def fs_edit(request: Request) -> Response:
     settings = host_of(request).settings
     body = await parse_json(request, EditRequest, limit=settings.max_write_bytes * 2)
 
-    def edit() -> Any:
+    def edit() -> tuple[EditResponse, Change]:
         return sandbox.files.edit(
             body.path,
             body.old_string,
@@ -322,7 +322,7 @@ async def fs_delete(request: Request) -> Response:
     recursive = query_bool(request, "recursive", True)
     change = await sandbox.executor.heavy(sandbox.files.delete, path, recursive)
     entry.changed(change, ctx.actor)
-    return json_response({"path": change[0]})
+    return json_response(PathResponse(path=change[0]))
 
 
 @endpoint(responses={200: PathResponse, 201: PathResponse}, body=MkdirRequest)
@@ -332,13 +332,13 @@ async def fs_mkdir(request: Request) -> Response:
     sandbox = entry.ready()
     body = await parse_json(request, MkdirRequest)
 
-    def mkdir() -> Any:
+    def mkdir() -> tuple[str, Change | None]:
         return sandbox.files.mkdir(body.path, parents=body.parents, exist_ok=body.exist_ok)
 
     path, change = await sandbox.executor.light(mkdir)
     if change is not None:
         entry.changed(change, ctx.actor)
-    return json_response({"path": path}, 201 if change else 200)
+    return json_response(PathResponse(path=path), 201 if change else 200)
 
 
 @endpoint(ok=PathResponse, body=MoveRequest)
@@ -348,12 +348,12 @@ async def fs_move(request: Request) -> Response:
     sandbox = entry.ready()
     body = await parse_json(request, MoveRequest)
 
-    def move() -> Any:
+    def move() -> Change:
         return sandbox.files.move(body.src, body.dst, overwrite=body.overwrite)
 
     change = await sandbox.executor.light(move)
     entry.changed(change, ctx.actor)
-    return json_response({"path": change[0]})
+    return json_response(PathResponse(path=change[0]))
 
 
 # --- events -------------------------------------------------------------------------------

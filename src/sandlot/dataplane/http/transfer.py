@@ -112,7 +112,7 @@ async def upload(request: Request) -> Response:
             raise
         op = "modified" if mode is not None else "created"
         entry.changed((res.sandbox_path, op, {"size": size}), ctx.actor)
-        return json_response({"path": res.sandbox_path, "size": size}, 201)
+        return json_response(UploadResponse(path=res.sandbox_path, size=size), 201)
 
 
 def _existing_mode(res: Any) -> int | None:
@@ -278,7 +278,7 @@ async def archive_in(request: Request) -> Response:
     finally:
         if entry.watcher is not None:
             entry.watcher.api_tree(normalize(path), done=True)
-    entry.changed((result["path"], "modified", {"archive": True, **result}), ctx.actor)
+    entry.changed((result.path, "modified", {"archive": True, **result.model_dump()}), ctx.actor)
     return json_response(result)
 
 

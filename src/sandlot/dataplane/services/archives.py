@@ -24,6 +24,7 @@ from sandlot.dataplane.services.fsids import FsExecutor
 from sandlot.dataplane.services.fsops import sync_filesystem
 from sandlot.dataplane.services.paths import PathResolver, normalize
 from sandlot.dataplane.services.tarstream import TarError, TarStream
+from sandlot.protocol.dataplane import ArchiveResponse
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge
 
 CHUNK = 256 * 1024
@@ -35,7 +36,7 @@ def extract(
     chunks: Iterable[bytes],
     delete_missing: bool,
     limits: tuple[int, int],
-) -> dict[str, Any]:
+) -> ArchiveResponse:
     max_bytes, max_members = limits
     files = dirs = total = 0
     seen: set[str] = set()
@@ -108,7 +109,7 @@ def extract(
     deleted = _delete_missing(resolver, base, seen) if delete_missing else 0
     with resolver.resolve(base) as root:
         sync_filesystem(root.dir_fd)
-    return {"path": base, "files": files, "directories": dirs, "deleted": deleted, "bytes": total}
+    return ArchiveResponse(path=base, files=files, directories=dirs, deleted=deleted, bytes=total)
 
 
 _NOT_TAR = ("not a tar archive", "empty body")
@@ -378,11 +379,8 @@ def extract_as(
     chunks: Iterable[bytes],
     delete_missing: bool,
     limits: tuple[int, int],
-) -> dict[str, Any]:
+) -> ArchiveResponse:
     """:func:`extract` on the calling thread, as the sandbox user when there is one."""
     if executor.fs_ids is None:
         return extract(resolver, path, chunks, delete_missing, limits)
-    result: dict[str, Any] = executor.run_blocking(
-        extract, resolver, path, chunks, delete_missing, limits
-    )
-    return result
+    return executor.run_blocking(extract, resolver, path, chunks, delete_missing, limits)

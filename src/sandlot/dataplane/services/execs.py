@@ -37,6 +37,7 @@ from sandlot.dataplane.services.spool import SpoolFile, SpoolReader
 from sandlot.dataplane.services.streams import Cursor, OutputStream
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.common import Actor, new_id, rfc3339
+from sandlot.protocol.dataplane import ExecSnapshot
 from sandlot.protocol.errors import ExecNotFound, InvalidRequest, ResourceConflict
 from sandlot.protocol.states import ExecState, check_transition
 from sandlot.runtime.base import (
@@ -181,24 +182,24 @@ class Exec:
             return None
         return TIMEOUT_EXIT_CODE if self.timed_out else self.status.exit_code
 
-    def snapshot(self, last_event_sequence: int) -> dict[str, Any]:
-        return {
-            "exec_id": self.exec_id,
-            "command_id": self.command_id,
-            "command": self.command,
-            "actor": self.actor.model_dump(mode="json") if self.actor else None,
-            "state": self.state.value,
-            "exit_code": self.exit_code,
-            "signal": self.status.signal if self.status else None,
-            "oom_killed": self.oom_killed,
-            "pty": self.pty,
-            "started_at": rfc3339(self.started_at),
-            "ended_at": rfc3339(self.ended_at),
-            "stdout_offset": self.stdout.end,
-            "stderr_offset": self.stderr.end,
-            "clients": self.clients,
-            "last_event_sequence": last_event_sequence,
-        }
+    def snapshot(self, last_event_sequence: int) -> ExecSnapshot:
+        return ExecSnapshot(
+            exec_id=self.exec_id,
+            command_id=self.command_id,
+            command=self.command,
+            actor=self.actor,
+            state=self.state.value,
+            exit_code=self.exit_code,
+            signal=self.status.signal if self.status else None,
+            oom_killed=self.oom_killed,
+            pty=self.pty,
+            started_at=rfc3339(self.started_at) or "",
+            ended_at=rfc3339(self.ended_at),
+            stdout_offset=self.stdout.end,
+            stderr_offset=self.stderr.end,
+            clients=self.clients,
+            last_event_sequence=last_event_sequence,
+        )
 
     def hold_for_client(self, seconds: float) -> None:
         """Pace the output as if the client cut off by a restart were still here, at the

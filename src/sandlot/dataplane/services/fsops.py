@@ -25,11 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii
-from typing import Any
+from typing import Any, Literal
 
 from sandlot.dataplane.services import globworker, native
 from sandlot.dataplane.services.globbing import split_base
 from sandlot.dataplane.services.paths import PathResolver, Resolved, normalize, os_error
+from sandlot.protocol.dataplane import EditResponse, ReadResponse, StatResponse, WriteResponse
 from sandlot.protocol.errors import (
     InvalidRequest,
     PayloadTooLarge,
@@ -218,23 +219,23 @@ class FileOps:
         except OSError as exc:
             raise os_error(exc) from None
 
-    def read(self, path: str, offset: int, limit: int) -> dict[str, Any]:
+    def read(self, path: str, offset: int, limit: int) -> ReadResponse:
         spath, data = self.read_bytes(path)
         etag = etag_of(data)
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            return {
-                "path": spath,
-                "content": base64.b64encode(data).decode("ascii"),
-                "encoding": "base64",
-                "total_lines": 0,
-                "start_line": 0,
-                "end_line": 0,
-                "next_offset": None,
-                "etag": etag,
-                "size": len(data),
-            }
+            return ReadResponse(
+                path=spath,
+                content=base64.b64encode(data).decode("ascii"),
+                encoding="base64",
+                total_lines=0,
+                start_line=0,
+                end_line=0,
+                next_offset=None,
+                etag=etag,
+                size=len(data),
+            )
         newlines = text.count("\n")
         total = newlines + (1 if text and not text.endswith("\n") else 0)
         if offset == 0 and limit >= total:
@@ -244,18 +245,17 @@ class FileOps:
             start = min(offset, total)
             end = min(total, start + limit)
             content = "".join(lines[start:end])
-        start_line = min(offset, total)
-        return {
-            "path": spath,
-            "content": content,
-            "encoding": "utf-8",
-            "total_lines": total,
-            "start_line": start_line,
-            "end_line": end,
-            "next_offset": end if end < total else None,
-            "etag": etag,
-            "size": len(data),
-        }
+        return ReadResponse(
+            path=spath,
+            content=content,
+            encoding="utf-8",
+            total_lines=total,
+            start_line=min(offset, total),
+            end_line=end,
+            next_offset=end if end < total else None,
+            etag=etag,
+            size=len(data),
+        )
 
     def current_etag(self, res: Resolved) -> str | None:
         try:
@@ -280,7 +280,7 @@ class FileOps:
         *,
         if_match: str | None = None,
         if_none_match: str | None = None,
-    ) -> tuple[dict[str, Any], Change]:
+    ) -> tuple[WriteResponse, Change]:
         if len(data) > self.max_write_bytes:
             raise PayloadTooLarge(f"content larger than {self.max_write_bytes} bytes")
         try:
@@ -301,7 +301,7 @@ class FileOps:
                 op = "modified" if existing is not None else "created"
                 etag = etag_of(data)
                 return (
-                    {"path": res.sandbox_path, "etag": etag, "created": existing is None},
+                    WriteResponse(path=res.sandbox_path, etag=etag, created=existing is None),
                     (res.sandbox_path, op, {"size": len(data)}),
                 )
         except OSError as exc:
@@ -331,7 +331,7 @@ class FileOps:
         *,
         replace_all: bool,
         if_match: str | None,
-    ) -> tuple[dict[str, Any], Change]:
+    ) -> tuple[EditResponse, Change]:
         try:
             with self.resolver.resolve(path, for_write=True) as res:
                 fd, st = open_regular(res)
@@ -364,7 +364,7 @@ class FileOps:
                     raise PayloadTooLarge("edited file too large")
                 replace_file(res, [out], stat.S_IMODE(st.st_mode))
                 return (
-                    {"path": res.sandbox_path, "occurrences": count, "etag": etag_of(out)},
+                    EditResponse(path=res.sandbox_path, occurrences=count, etag=etag_of(out)),
                     (res.sandbox_path, "modified", {"size": len(out)}),
                 )
         except OSError as exc:
@@ -372,11 +372,11 @@ class FileOps:
 
     # --- metadata ---------------------------------------------------------------------
 
-    def stat(self, path: str) -> dict[str, Any]:
+    def stat(self, path: str) -> StatResponse:
         try:
             with self.resolver.resolve(path) as res:
                 st = res.lstat()
-                kind = (
+                kind: Literal["file", "directory", "symlink", "other"] = (
                     "directory"
                     if stat.S_ISDIR(st.st_mode)
                     else "file"
@@ -392,14 +392,14 @@ class FileOps:
                         etag = etag_of(read_all(fd, st.st_size))
                     finally:
                         os.close(fd)
-                return {
-                    "path": res.sandbox_path,
-                    "type": kind,
-                    "size": st.st_size,
-                    "mode": stat.S_IMODE(st.st_mode),
-                    "modified_at": iso(st.st_mtime),
-                    "etag": etag,
-                }
+                return StatResponse(
+                    path=res.sandbox_path,
+                    type=kind,
+                    size=st.st_size,
+                    mode=stat.S_IMODE(st.st_mode),
+                    modified_at=iso(st.st_mtime),
+                    etag=etag,
+                )
         except OSError as exc:
             raise os_error(exc) from None
 

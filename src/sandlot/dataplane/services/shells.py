@@ -38,6 +38,7 @@ from sandlot.dataplane.services.spool import SpoolFile, SpoolReader
 from sandlot.dataplane.services.streams import OutputStream
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.common import Actor, new_id, rfc3339
+from sandlot.protocol.dataplane import ShellSnapshot
 from sandlot.protocol.errors import InvalidRequest, ResourceConflict, ResourceNotFound
 from sandlot.protocol.states import ShellState, check_transition
 from sandlot.runtime.base import (
@@ -120,16 +121,16 @@ class Shell:
     def unwatch(self, event: asyncio.Event) -> None:
         self._watchers.discard(event)
 
-    def snapshot(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "session_id": self.session_id,
-            "profile": self.profile,
-            "clients": self.clients,
-            "created_at": rfc3339(self.created_at),
-            "offset": self.stream.end,
-            "state": self.state.value,
-        }
+    def snapshot(self) -> ShellSnapshot:
+        return ShellSnapshot(
+            name=self.name,
+            session_id=self.session_id,
+            profile=self.profile,
+            clients=self.clients,
+            created_at=rfc3339(self.created_at) or "",
+            offset=self.stream.end,
+            state=self.state.value,
+        )
 
     async def write(self, data: bytes) -> None:
         if self.state is not ShellState.RUNNING or self.process is None:
