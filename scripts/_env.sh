@@ -26,7 +26,10 @@ ensure_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv "$VENV"
   fi
-  local stamp="$VENV/.sandlot-$extra-$(sha1sum pyproject.toml | cut -c1-12)"
+  # The install builds the C code too (setup.py): a changed source means a new build.
+  local inputs
+  inputs="$(sha1sum pyproject.toml setup.py src/sandlot/runtime/*.c src/sandlot/dataplane/*.c)"
+  local stamp="$VENV/.sandlot-$extra-$(sha1sum <<<"$inputs" | cut -c1-12)"
   if [ ! -e "$stamp" ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     "$VENV/bin/python" -m pip install -q -e ".[$extra]"
