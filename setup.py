@@ -6,7 +6,7 @@ each beside its source in the package:
 - ``sandlot/runtime/sandlot-init`` (``init.c``): the sandbox init, a static program (it runs
   in any rootfs image, whatever its libc) linked with libseccomp;
 - ``sandlot/runtime/sandlot-limit`` (``limit.c``): the helper launcher, a static program;
-- ``sandlot/dataplane/libsandlot-native.so`` (``native.c``): the dataplane's file operations,
+- ``sandlot/dataplane/services/libsandlot-native.so`` (``native.c``): the dataplane's file operations,
   a shared library loaded with ctypes. Not a Python extension: no Python ABI in its name,
   and a name no ``import`` can pick up (``native.so`` would shadow ``native.py``).
 
@@ -94,7 +94,7 @@ ARTIFACTS = [
         "ripgrep without its launcher",
     ),
     Artifact(
-        "sandlot.dataplane",
+        "sandlot.dataplane.services",
         "libsandlot-native.so",
         "native.c",
         program=False,

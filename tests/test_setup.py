@@ -68,7 +68,7 @@ def test_the_wheel_holds_hardened_builds_of_its_sources(tmp_path: Path) -> None:
     warnings = re.findall(r"^.*\.c:\d+:\d+: warning: .*$", output, re.MULTILINE)
     assert not warnings, "\n".join(warnings)
 
-    runtime, dataplane = package / "runtime", package / "dataplane"
+    runtime, dataplane = package / "runtime", package / "dataplane" / "services"
     for directory, names in ((runtime, PROGRAMS), (dataplane, (LIBRARY,))):
         manifest = json.loads((directory / artifacts.MANIFEST).read_text())
         assert sorted(manifest["artifacts"]) == sorted(names)
@@ -100,7 +100,7 @@ def test_without_a_compiler_the_wheel_builds_and_says_what_to_install(tmp_path: 
     assert "sudo apt-get install -y gcc libc6-dev libseccomp-dev" in output
     for name in (*PROGRAMS, LIBRARY):
         assert f"{name} (src/" in output and "was not built: no C compiler" in output
-    for directory in (package / "runtime", package / "dataplane"):
+    for directory in (package / "runtime", package / "dataplane" / "services"):
         assert json.loads((directory / artifacts.MANIFEST).read_text())["artifacts"] == {}
         assert not [p for p in directory.iterdir() if p.name in (*PROGRAMS, LIBRARY)]
         with pytest.raises(artifacts.ArtifactUnavailable, match="was not built"):
