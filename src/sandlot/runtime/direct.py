@@ -192,15 +192,15 @@ def _die_with_server(server: int) -> Callable[[], None]:
     return preexec
 
 
-_launcher_built = False
+_launcher_checked = False
 
 
 async def _launcher() -> str | None:
-    """The host's ``sandlot-limit`` (built on a thread the first time), or ``None``."""
-    global _launcher_built
-    if not _launcher_built:
+    """The host's ``sandlot-limit`` (checked on a thread the first time), or ``None``."""
+    global _launcher_checked
+    if not _launcher_checked:
         await asyncio.to_thread(host_limit)
-        _launcher_built = True
+        _launcher_checked = True
     return host_limit()
 
 
@@ -268,7 +268,7 @@ class DirectRuntime(SandboxRuntime):
         deadline: float,
     ) -> SandboxProcess:
         """The host's ripgrep as a plain process, under ``sandlot-limit`` (as the sandbox
-        user with ``fs_ids``). Without a C compiler for the launcher: with
+        user with ``fs_ids``). Without the launcher (not built: no C compiler): with
         ``PR_SET_PDEATHSIG`` only, the deadline then kept by the caller alone."""
         program = host_ripgrep() if tool == RIPGREP else None
         if program is None:

@@ -1,32 +1,27 @@
-"""The compiled sandbox init (``init.c``): built on first use, cached by source hash."""
+"""The sandbox init (``init.c``), built with the package (``setup.py``) as ``sandlot-init``."""
 
 from __future__ import annotations
 
 import subprocess
-from importlib import resources
 from pathlib import Path
 
-from sandlot.runtime.cbuild import BuildError, build_cached
+from sandlot.runtime.artifacts import ArtifactUnavailable, verified
 from sandlot.runtime.preflight import RuntimeUnavailable
 
-_INSTALL_HINT = "install them with: sudo apt-get install -y gcc libc6-dev libseccomp-dev"
+INIT = "sandlot-init"
 
 
-def init_source() -> bytes:
-    return resources.files("sandlot.runtime").joinpath("init.c").read_bytes()
-
-
-def ensure_init_binary(cache_dir: Path) -> Path:
-    """Path of the init binary for the current source, compiling it if needed.
+def init_binary() -> Path:
+    """The init program, checked against its build manifest; raises
+    :class:`RuntimeUnavailable` (saying how to rebuild it) when it is not built or not
+    to be trusted.
 
     Statically linked so that it runs in any rootfs image, whatever its libc.
     """
     try:
-        return build_cached(
-            init_source(), cache_dir, "sandlot-init", ["-O2", "-static"], ["-lseccomp"]
-        )
-    except BuildError as exc:
-        raise RuntimeUnavailable(f"{exc}; {_INSTALL_HINT}") from None
+        return verified("sandlot.runtime", INIT)
+    except ArtifactUnavailable as exc:
+        raise RuntimeUnavailable(f"the sandbox init is unavailable: {exc}") from None
 
 
 def export_seccomp(binary: Path) -> bytes:

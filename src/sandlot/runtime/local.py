@@ -36,6 +36,7 @@ from typing import Literal
 
 from sandlot.protocol.sessions import NetworkMode, Template
 from sandlot.protocol.states import SandboxState
+from sandlot.runtime.artifacts import ArtifactUnavailable
 from sandlot.runtime.base import (
     WORKSPACE,
     SandboxRuntime,
@@ -47,12 +48,11 @@ from sandlot.runtime.bwrap import (
     bwrap_args,
     image_entries,
 )
-from sandlot.runtime.cbuild import BuildError
 from sandlot.runtime.cgroups import CgroupError, CgroupLayout, Limits, SandboxCgroup
 from sandlot.runtime.control import INIT_PROTOCOL
 from sandlot.runtime.direct import DirectRuntime
 from sandlot.runtime.disk import MOUNT_ROOT, DiskManager, in_thread
-from sandlot.runtime.initbin import ensure_init_binary, export_seccomp
+from sandlot.runtime.initbin import export_seccomp, init_binary
 from sandlot.runtime.isolated import IsolatedRuntime, SandboxRecord, find_init
 from sandlot.runtime.preflight import (
     RuntimeUnavailable,
@@ -61,7 +61,7 @@ from sandlot.runtime.preflight import (
     check_user_namespaces,
     find_bwrap,
 )
-from sandlot.runtime.tools import TOOLS_DIR, prepare_tools_dir
+from sandlot.runtime.tools import TOOLS_DIR, host_limit, prepare_tools_dir
 
 __all__ = [
     "IsolatedRuntime",
@@ -81,7 +81,7 @@ TAG_REGISTRY = Path("/run/sandlot/tags")
 class RuntimeSettings:
     """Where the local runtime keeps its state, and how it isolates.
 
-    ``run_dir`` holds one directory per sandbox (and the cached init binary);
+    ``run_dir`` holds one directory per sandbox (and the helper programs they bind);
     ``workspaces_dir`` the workspaces, ``volumes_dir`` the named volumes.
     ``mode="unisolated"`` runs plain subprocesses (no isolation; only when
     asked for explicitly). ``uid_base``/``uid_count``: the host uids given to
@@ -196,6 +196,7 @@ class LocalRuntimeManager:
             except OSError as exc:
                 raise RuntimeUnavailable(f"cannot create {d}: {exc.strerror}") from exc
         if self.settings.mode == "unisolated":
+            host_limit()  # said at start if the launcher is unavailable
             self._prepared = True
             return
         check_platform()
@@ -204,7 +205,7 @@ class LocalRuntimeManager:
         bwrap = find_bwrap(self.settings.bwrap)
         check_user_namespaces()
         check_uid_range(self._is_root, self.settings.uid_base, self.settings.uid_count)
-        binary = ensure_init_binary(self.settings.run_dir / ".init")
+        binary = init_binary()
         seccomp = export_seccomp(binary)
         try:
             layout = CgroupLayout(self.tag)
@@ -228,9 +229,9 @@ class LocalRuntimeManager:
             ) from exc
         build_host_etc(self._etc)
         try:
-            self._tools = prepare_tools_dir(self.settings.run_dir / ".tools", binary.parent)
-        except BuildError as exc:
-            raise RuntimeUnavailable(f"building the helper launcher failed: {exc}") from exc
+            self._tools = prepare_tools_dir(self.settings.run_dir / ".tools")
+        except ArtifactUnavailable as exc:
+            raise RuntimeUnavailable(f"the helper launcher is unavailable: {exc}") from None
         self._bwrap, self._init_binary, self._seccomp, self._layout = bwrap, binary, seccomp, layout
         self._trial(binary, bwrap)
         self._disks.prepare()

@@ -18,12 +18,10 @@ import logging
 import math
 import os
 import shutil
-import stat
 import sys
-from importlib import resources
 from pathlib import Path
 
-from sandlot.runtime.cbuild import BuildError, build_cached
+from sandlot.runtime.artifacts import ArtifactUnavailable, verified
 
 log = logging.getLogger("sandlot.runtime.tools")
 
@@ -48,36 +46,19 @@ def host_ripgrep() -> str | None:
     return shutil.which(RIPGREP)
 
 
-def limit_source() -> bytes:
-    return resources.files("sandlot.runtime").joinpath("limit.c").read_bytes()
-
-
-def build_limit(cache_dir: Path) -> Path:
-    """The compiled launcher (static: it runs in any rootfs image); raises ``BuildError``."""
-    return build_cached(limit_source(), cache_dir, LIMIT, ["-O2", "-static"])
-
-
-def default_cache_dir() -> Path:
-    explicit = os.environ.get("SANDLOT_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sandlot"
+def limit_binary() -> Path:
+    """The launcher built with the package (static: it runs in any rootfs image), checked
+    against its build manifest; raises :class:`ArtifactUnavailable`."""
+    return verified("sandlot.runtime", LIMIT)
 
 
 @functools.cache
 def host_limit() -> str | None:
-    """The launcher for plain-process runtimes, built on first use in the user's cache
-    (``None`` without a C compiler: the caller then bounds the process itself)."""
-    directory = default_cache_dir()
+    """The launcher for plain-process runtimes (``None`` when it was not built or is not
+    to be trusted, said once: the caller then bounds the process itself)."""
     try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = directory.stat()
-        if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            log.warning("helper launcher unavailable: %s is not private", directory)
-            return None
-        return str(build_limit(directory))
-    except (BuildError, OSError) as exc:
+        return str(limit_binary())
+    except ArtifactUnavailable as exc:
         log.warning("helper launcher unavailable: %s", exc)
         return None
 
@@ -106,10 +87,11 @@ def _place(source: Path, target: Path) -> None:
     os.replace(tmp, target)
 
 
-def prepare_tools_dir(target: Path, cache_dir: Path) -> Path | None:
+def prepare_tools_dir(target: Path) -> Path | None:
     """Fill ``target`` with ripgrep and the launcher, for isolated sandboxes to bind at
     :data:`TOOLS_DIR`; ``None`` when ripgrep is not installed (``/fs/grep`` then answers
-    503 in those sandboxes). Raises ``BuildError`` if the launcher does not compile."""
+    503 in those sandboxes). Raises :class:`ArtifactUnavailable` if the launcher was not
+    built or is not to be trusted."""
     rg = host_ripgrep()
     if rg is None:
         log.warning("ripgrep is not installed: /fs/grep of large trees will be unavailable")
@@ -117,7 +99,7 @@ def prepare_tools_dir(target: Path, cache_dir: Path) -> Path | None:
     target.mkdir(mode=0o755, parents=True, exist_ok=True)
     target.chmod(0o755)
     _place(Path(rg), target / RIPGREP)
-    _place(build_limit(cache_dir), target / LIMIT)
+    _place(limit_binary(), target / LIMIT)
     return target
 
 
