@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +17,14 @@ import pytest
 from sandlot.dataplane.services import native
 from sandlot.dataplane.services.fsops import FileOps, _jstr, _Listing, _scan_py
 from sandlot.dataplane.services.paths import PathResolver
+from sandlot.runtime import artifacts
 from sandlot.runtime.base import Mount
 
 
 @pytest.fixture(scope="module")
 def scanner() -> native.Native:
     found = native.library()
-    assert found is not None, "the C scanner did not build (is a C compiler installed?)"
+    assert found is not None, "the C scanner is not built (see the warning above)"
     return found
 
 
@@ -173,21 +176,92 @@ def test_an_entry_the_c_code_does_not_format_falls_back_to_python(
         resolver.close()
 
 
-def test_a_cache_directory_others_can_write_is_not_used(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    shared.chmod(0o777)  # anyone could plant a library there
-    monkeypatch.setenv("SANDLOT_CACHE_DIR", str(shared))
+@pytest.fixture
+def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the dataplane's C build as installed, which the loader is pointed at."""
+    real = artifacts.package_dir("sandlot.dataplane.services")
+    copy = tmp_path / "dataplane"
+    copy.mkdir()
+    for name in ("native.c", artifacts.MANIFEST, native.LIBRARY):
+        shutil.copy2(real / name, copy / name)
+    monkeypatch.setattr(artifacts, "package_dir", lambda package: copy)
     monkeypatch.setattr(native, "_loaded", False)
     monkeypatch.setattr(native, "_library", None)
-    assert native.library() is None
-    assert list(shared.iterdir()) == []
-    # A private one gets the library, built from the source.
-    private = tmp_path / "private"
-    monkeypatch.setenv("SANDLOT_CACHE_DIR", str(private))
-    monkeypatch.setattr(native, "_loaded", False)
+    return copy
+
+
+def _listing_by_python(tmp_path: Path) -> None:
+    ws = tmp_path / "workspace"
+    ws.mkdir()
+    (ws / "f").write_text("x")
+    resolver = PathResolver([Mount("/workspace", ws, True)])
+    try:
+        ops = FileOps(resolver, 1 << 20, 1 << 20, 1000, 100)
+        entries = json.loads(ops.list_json("/workspace", 1))["entries"]
+        assert [e["path"] for e in entries] == ["/workspace/f"]
+    finally:
+        resolver.close()
+
+
+def _refused(caplog: pytest.LogCaptureFixture, tmp_path: Path, why: str) -> None:
+    with caplog.at_level(logging.WARNING, logger=native.log.name):
+        assert native.library() is None
+        assert native.library() is None
+    said = [r.getMessage() for r in caplog.records if r.name == native.log.name]
+    assert len(said) == 1, said  # once
+    assert "pure-Python" in said[0] and why in said[0], said[0]
+    assert native.ready() is None
+    _listing_by_python(tmp_path)
+
+
+def test_the_build_installed_is_loaded(installed: Path) -> None:
     assert native.library() is not None
-    assert [p.name.startswith("native-") for p in private.iterdir()] == [True]
-    assert private.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_modified_library_is_refused(
+    installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (installed / native.LIBRARY).open("r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    _refused(caplog, tmp_path, "is not the file built with the package")
+
+
+def test_a_build_of_another_source_is_refused(
+    installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (installed / "native.c").open("a") as f:
+        f.write("/* edited since the build */\n")
+    _refused(caplog, tmp_path, "was built from another native.c")
+
+
+def test_a_library_others_can_write_is_refused(
+    installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (installed / native.LIBRARY).chmod(0o664)
+    _refused(caplog, tmp_path, "writable by its group or by others")
+
+
+def test_a_manifest_others_can_write_is_refused(
+    installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (installed / artifacts.MANIFEST).chmod(0o646)
+    _refused(caplog, tmp_path, "writable by its group or by others")
+
+
+def test_a_library_the_build_did_not_make_says_how_to_build_it(
+    installed: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (installed / artifacts.MANIFEST).write_text('{"format": 1, "artifacts": {}}')
+    _refused(caplog, tmp_path, "apt-get install -y gcc libc6-dev libseccomp-dev")
+
+
+def test_turned_off_it_is_not_loaded_until_turned_on(
+    installed: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(native, "_wanted", False)
+    assert native.library() is None
+    native.configure(True)
+    assert native.library() is not None

@@ -27,7 +27,7 @@
   (every route together) with one token, and on one sandbox; beyond, closed with 4429.
   Sockets waiting for their ``auth`` frame count as one token of their sandbox.
 - ``starting_retry_after``: ``Retry-After`` for 423 SANDBOX_STARTING.
-- ``native``: file operations in C (built on first use); off, the pure-Python ones.
+- ``native``: file operations in C (built with the package); off, the pure-Python ones.
 - ``grep_cache``: keep the content of searched trees in memory between searches
   (invalidated by inotify); off, every search reads the files.
 

@@ -63,6 +63,7 @@ class DataplaneHost:
         self.default_sandbox = default_sandbox
         self.settings = settings or DataplaneSettings()
         native.configure(self.settings.native)
+        native.warm()  # says at start when the C file operations are unavailable
         grepcache.configure(self.settings.grep_cache)
         self.authenticator = Authenticator(verifier, api_key_resolver)
         self._entries: dict[str, SandboxEntry] = {}

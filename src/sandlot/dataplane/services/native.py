@@ -12,29 +12,24 @@ Each writes exactly the JSON text the Python path writes, byte for byte
 (tests compare the two on names and contents of random bytes), and hands
 back to Python whatever it does not write the same way.
 
-The library is compiled on first use with the system's C compiler (the one
-the local runtime needs for its init), into a private cache directory, named
-by the hash of its source. Without a compiler, or when anything about it is
-off, :func:`library` returns ``None`` and both operations take the Python
-path: the C code is an accelerator, never a requirement. The dataplane builds
-it on a background thread when a sandbox is registered (:func:`warm`); file
-operations use it once it is there (:func:`ready`). ``DataplaneSettings.native``
-off (``SANDLOT_DP_NATIVE=0``) turns it off.
+The library (``libsandlot-native.so``) is built with the package (``setup.py``) and
+loaded when the dataplane starts (:func:`warm`), once its hash and its source's are found
+to be those of its build manifest (``sandlot.runtime.artifacts``). When it was not built
+(no C compiler at install time) or is not to be trusted, :func:`library` says why once and
+returns ``None``, and both operations take the Python path: the C code is an accelerator,
+never a requirement. ``DataplaneSettings.native`` off (``SANDLOT_DP_NATIVE=0``) turns it
+off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-import stat
 import threading
-from importlib import resources
-from pathlib import Path
 from typing import Any, NamedTuple
 
-from sandlot.runtime.cbuild import BuildError, build_cached
+from sandlot.runtime.artifacts import ArtifactUnavailable, verified
 
 log = logging.getLogger(__name__)
 
@@ -258,76 +253,36 @@ def _answer(res: _GrepResult, cap: int) -> bytes:
     return b'{"matches":[' + found + b'],"truncated":' + truncated + b"}"
 
 
+#: The library's file name in this package (``setup.py`` builds it).
+LIBRARY = "libsandlot-native.so"
+
 _lock = threading.Lock()
 _loaded = False
-_warming = False
 _library: Native | None = None
 
 
-def source() -> bytes:
-    return resources.files("sandlot.dataplane.services").joinpath("native.c").read_bytes()
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("SANDLOT_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sandlot"
-
-
-def _private(path: Path) -> bool:
-    """Owned by us and writable by nobody else (a library planted there would run as us)."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return False
-    return st.st_uid == os.geteuid() and not (st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
-
-
-#: Hardened as distributions build their libraries.
-CFLAGS = ("-O2", "-shared", "-fPIC", "-fstack-protector-strong", "-D_FORTIFY_SOURCE=2")
-
-
-def _build(directory: Path) -> Path | None:
-    try:
-        lib = build_cached(source(), directory, "native", CFLAGS)
-    except BuildError as exc:
-        log.warning("native file operations unavailable: %s", exc)
-        return None
-    if not _private(lib):
-        return None
-    for old in directory.glob("native-*"):  # builds of earlier sources
-        if old != lib:
-            with contextlib.suppress(OSError):
-                old.unlink()
-    return lib
-
-
 def ready() -> Native | None:
-    """The library if it is built already (never waits for a build)."""
+    """The library if it is loaded already (never loads it)."""
     return _library
 
 
 def warm() -> None:
-    """Build (or load) the library on a background thread, once."""
-    global _warming
-    with _lock:
-        if _loaded or _warming:
-            return
-        _warming = True
-    threading.Thread(target=library, name="sandlot-native", daemon=True).start()
+    """Load the library now (once), so that file operations find it ready."""
+    library()
 
 
 def library() -> Native | None:
-    """The compiled library, built on the first call; ``None`` when unavailable."""
+    """The library, loaded on the first call; ``None`` when unavailable (said once) or
+    not wanted (:func:`configure`)."""
     global _loaded, _library
     with _lock:
-        if not _loaded:
+        if not _loaded and _wanted:
             try:
                 _library = _load()
-            except (OSError, AttributeError) as exc:
-                log.warning("native file operations unavailable: %s", exc)
+            except (ArtifactUnavailable, OSError, AttributeError) as exc:
+                log.warning(
+                    "native file operations unavailable, the pure-Python ones are used: %s", exc
+                )
             _loaded = True
     return _library
 
@@ -347,13 +302,5 @@ def wanted() -> bool:
     return _wanted
 
 
-def _load() -> Native | None:
-    if not _wanted:
-        return None
-    directory = cache_dir()
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if not _private(directory):
-        log.warning("native file operations unavailable: %s is not private", directory)
-        return None
-    lib = _build(directory)
-    return None if lib is None else Native(ctypes.CDLL(str(lib)))
+def _load() -> Native:
+    return Native(ctypes.CDLL(str(verified("sandlot.dataplane.services", LIBRARY))))

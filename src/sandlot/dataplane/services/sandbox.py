@@ -97,7 +97,7 @@ class SandboxEntry:
         self.last_active_at = time.time()
 
     def set_runtime(self, runtime: SandboxRuntime) -> None:
-        native.warm()  # the C file operations, built in the background once
+        native.warm()  # the C file operations (loaded once; the host loads them at start)
         old = self.services
         self.runtime = runtime
         if runtime.spool_dir is not None:
