@@ -15,7 +15,6 @@ dataplane refreshes the token, or re-negotiates if the binding is gone.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -27,6 +26,7 @@ from sandlot.sdk._sync._http import HTTP, KEEPALIVE
 from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.events import EventStream, wait_for_state
 from sandlot.sdk._sync.sandbox import Sandbox
+from sandlot.sdk.settings import load_settings
 from sandlot.sdk.types import Event, Grant
 
 _ACTIVE = ("active", "idle")
@@ -131,7 +131,8 @@ class _Lease:
 class Sandlot:
     """Client of the broker (control plane).
 
-    ``url`` and ``api_key`` default to ``SANDLOT_URL`` and ``SANDLOT_API_KEY``.
+    ``url`` and ``api_key`` default to ``SANDLOT_URL`` and ``SANDLOT_API_KEY``
+    (:mod:`sandlot.sdk.settings`).
     ``timeout`` is the default client-side deadline of every call; each method
     takes its own ``timeout`` too. ``on_behalf_of`` lets a service key act for
     a user. ``auto_refresh=False`` turns the background refresh and heartbeats off.
@@ -150,17 +151,12 @@ class Sandlot:
         wire: Wire | None = None,
         keepalive: float | None = KEEPALIVE,
     ) -> None:
-        url = url or os.environ.get("SANDLOT_URL")
-        api_key = api_key or os.environ.get("SANDLOT_API_KEY")
-        if not url:
-            raise ValueError("no broker URL: pass url= or set SANDLOT_URL")
-        if not api_key:
-            raise ValueError("no API key: pass api_key= or set SANDLOT_API_KEY")
-        self.url = url.rstrip("/")
+        settings = load_settings(url, api_key)
+        self.url = settings.url
         self.timeout = timeout
         self.auto_refresh = auto_refresh
         self.keepalive = keepalive
-        self._api_key = api_key
+        self._api_key = settings.api_key
         self._on_behalf_of = on_behalf_of
         self._wire = wire or Wire()
         self._owns_wire = wire is None
