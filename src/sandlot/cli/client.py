@@ -12,8 +12,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from sandlot.cli.context import ClientSettings, load_client_settings
 from sandlot.cli.errors import fail
+from sandlot.cli.settings import CliSettings, ConfigError, load_settings
 from sandlot.protocol.errors import SandlotError
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, ConnectError
 
@@ -24,12 +24,15 @@ console = Console(highlight=False)
 def run(
     url: str | None,
     api_key: str | None,
-    body: Callable[[AsyncSandlot, ClientSettings], Awaitable[T]],
+    body: Callable[[AsyncSandlot, CliSettings], Awaitable[T]],
     *,
     auto_refresh: bool = True,
 ) -> T:
     """Run ``body`` with a broker client; expected failures become one line and exit 1."""
-    settings = load_client_settings(url, api_key)
+    try:
+        settings = load_settings(url, api_key)
+    except ConfigError as exc:
+        raise fail(str(exc), 2) from None
 
     async def main() -> T:
         client = AsyncSandlot(

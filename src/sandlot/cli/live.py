@@ -12,7 +12,6 @@ import sys
 import termios
 import time
 import tty
-from pathlib import Path
 from typing import Any
 
 import typer
@@ -20,6 +19,7 @@ import typer
 from sandlot.cli.client import run
 from sandlot.cli.context import JsonOption, KeyOption, UrlOption
 from sandlot.cli.errors import err_console, fail
+from sandlot.cli.settings import CliSettings
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, AsyncShell
 from sandlot.sdk.types import RetryBudget
 
@@ -244,11 +244,6 @@ def shell_command(
     raise typer.Exit(code)
 
 
-def _cursor_file(sandbox_id: str) -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sandlot" / "watch"
-    return base / f"{sandbox_id}.seq"
-
-
 def _describe(event: Any) -> str:
     d = event.details.get(event.kind, {}) if event.kind else {}
     if event.kind == "fs":
@@ -287,9 +282,9 @@ def watch_command(
     It resumes where the previous watch of the same sandbox stopped.
     """
 
-    async def body(client: AsyncSandlot, _: Any) -> None:
+    async def body(client: AsyncSandlot, settings: CliSettings) -> None:
         sandbox = await client.ensure(thread)
-        cursor_file = _cursor_file(sandbox.id)
+        cursor_file = settings.watch_dir / f"{sandbox.id}.seq"
         cursor = 0 if from_start else after
         if cursor is None:
             try:
