@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from setuptools import Extension, setup
+from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_ext import build_ext
 
 MANIFEST = "build-manifest.json"
@@ -262,4 +263,13 @@ def _packages() -> list[str]:
     return sorted({ext.package for ext in ARTIFACTS})
 
 
-setup(ext_modules=ARTIFACTS, cmdclass={"build_ext": BuildNative})
+class PlatformWheel(bdist_wheel):
+    """A wheel for any Python 3 on its platform: the artifacts are programs and a library
+    loaded with ctypes, none of them tied to one Python's ABI."""
+
+    def get_tag(self) -> tuple[str, str, str]:
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+setup(ext_modules=ARTIFACTS, cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel})

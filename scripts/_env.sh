@@ -30,7 +30,8 @@ ensure_venv() {
   local inputs
   inputs="$(sha1sum pyproject.toml setup.py src/sandlot/runtime/*.c src/sandlot/dataplane/*.c)"
   local stamp="$VENV/.sandlot-$extra-$(sha1sum <<<"$inputs" | cut -c1-12)"
-  if [ ! -e "$stamp" ]; then
+  # An editable build's artifacts live in src/: rebuild if a clean removed them.
+  if [ ! -e "$stamp" ] || [ ! -e src/sandlot/runtime/build-manifest.json ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     "$VENV/bin/python" -m pip install -q -e ".[$extra]"
     touch "$stamp"

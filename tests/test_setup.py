@@ -48,6 +48,7 @@ def _wheel(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[Path, str
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     [wheel] = (tmp_path / "dist").glob("sandlot-*.whl")
+    assert "-py3-none-linux_" in wheel.name  # any Python 3: no artifact is an extension
     unpacked = tmp_path / "unpacked"
     with zipfile.ZipFile(wheel) as z:
         for info in z.infolist():
