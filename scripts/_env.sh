@@ -28,10 +28,11 @@ ensure_venv() {
   fi
   # The install builds the C code too (setup.py): a changed source means a new build.
   local inputs
-  inputs="$(sha1sum pyproject.toml setup.py src/sandlot/runtime/*.c src/sandlot/dataplane/*.c)"
+  inputs="$(sha1sum pyproject.toml setup.py src/sandlot/runtime/*.c src/sandlot/dataplane/services/*.c)"
   local stamp="$VENV/.sandlot-$extra-$(sha1sum <<<"$inputs" | cut -c1-12)"
   # An editable build's artifacts live in src/: rebuild if a clean removed them.
-  if [ ! -e "$stamp" ] || [ ! -e src/sandlot/runtime/build-manifest.json ]; then
+  if [ ! -e "$stamp" ] || [ ! -e src/sandlot/runtime/build-manifest.json ] \
+    || [ ! -e src/sandlot/dataplane/services/build-manifest.json ]; then
     "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     "$VENV/bin/python" -m pip install -q -e ".[$extra]"
     touch "$stamp"
