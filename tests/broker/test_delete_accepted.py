@@ -172,23 +172,23 @@ async def test_sdk_waits_for_completion_on_the_events(make_harness: MakeHarness)
     async with AsyncSandlot(base, key, timeout=PROMPT) as sdk:
         # wait=True (the default): returns once the sandbox is terminated, not before.
         snap = await sdk.create_sandbox()
-        deleting = asyncio.create_task(sdk.delete_sandbox(snap["id"]))
+        deleting = asyncio.create_task(sdk.delete_sandbox(snap.id))
         await asyncio.wait_for(provider.deleting.wait(), PROMPT)
-        assert (await sdk.get_sandbox(snap["id"]))["state"] == "terminating"
+        assert (await sdk.get_sandbox(snap.id)).state == "terminating"
         assert not deleting.done()
         provider.finish.set()
         done = await deleting
-        assert done["state"] == "terminated"
-        assert done["last_event_sequence"] > snap["last_event_sequence"]
+        assert done.state == "terminated"
+        assert done.last_event_sequence > snap.last_event_sequence
 
         # wait=False: the accepted snapshot, and the events after it say when it is done.
         provider.finish.clear()
         provider.deleting.clear()
         snap = await sdk.create_sandbox()
-        accepted = await sdk.delete_sandbox(snap["id"], wait=False)
-        assert accepted["state"] == "terminating"
+        accepted = await sdk.delete_sandbox(snap.id, wait=False)
+        assert accepted.state == "terminating"
         provider.finish.set()
-        async with sdk.sandbox_events(snap["id"], after=accepted["last_event_sequence"]) as events:
+        async with sdk.sandbox_events(snap.id, after=accepted.last_event_sequence) as events:
             first: Event = await anext(events)
         assert first.details["phase"]["to"] == "terminated"
 
@@ -203,7 +203,7 @@ async def test_sdk_waits_for_completion_on_the_events(make_harness: MakeHarness)
         assert not releasing.done()
         provider.finish.set()
         final = await releasing
-        assert final is not None and final["binding"]["state"] == "terminated"
+        assert final is not None and final.binding.state == "terminated"
 
         # A plain detach is not a teardown: nothing to wait for.
         other = await sdk.ensure("thr_sdk_detach")

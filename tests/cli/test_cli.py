@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pexpect
 import pytest
 
@@ -344,9 +345,15 @@ def test_session_and_resource_commands(env: dict[str, str], server: SandlotServe
         json.loads(sandlot(env, "sandbox", "resume", sb["id"], "--json").stdout)["state"]
         == "active"
     )
+    # --json prints the answer as the server sent it, not the SDK's typed view of it.
+    wire = {"Authorization": f"Bearer {env['SANDLOT_API_KEY']}"}
+    got = json.loads(sandlot(env, "sandbox", "get", sb["id"], "--json").stdout)
+    assert got == httpx.get(f"{server.url}/v1/sandboxes/{sb['id']}", headers=wire).json()
     assert sandlot(env, "sandbox", "delete", sb["id"]).returncode == 0
     assert "default" in sandlot(env, "template", "list").stdout
-    assert json.loads(sandlot(env, "template", "get", "default").stdout)["image"] == "host"
+    template = json.loads(sandlot(env, "template", "get", "default").stdout)
+    assert template["image"] == "host"
+    assert template == httpx.get(f"{server.url}/v1/templates/default", headers=wire).json()
     r = sandlot(env, "pool", "create", "warm", "--template", "default")
     assert r.returncode == 1 and "FORBIDDEN" in r.stderr
     admin = {**env, "SANDLOT_API_KEY": server.key("root")}
@@ -360,6 +367,12 @@ def test_session_and_resource_commands(env: dict[str, str], server: SandlotServe
     assert sandlot(admin, "pool", "delete", "warm").returncode == 0
     audit = json.loads(sandlot(admin, "audit", "--scope", "thread:thr_res", "--json").stdout)
     assert audit and audit[0]["action"] == "session.ensure"
+    page = httpx.get(
+        f"{server.url}/v1/audit",
+        params={"scope": "thread:thr_res"},
+        headers={"Authorization": f"Bearer {admin['SANDLOT_API_KEY']}"},
+    ).json()
+    assert audit == page["items"]
     r = sandlot(env, "session", "release", "thr_res", "--terminate")
     assert r.returncode == 0 and "terminated" in r.stdout
 

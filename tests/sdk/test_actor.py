@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 from sandlot.sdk import AsyncSandlot
+from sandlot.sdk.types import Actor
 from tests.servers import running
 
 
@@ -27,20 +28,14 @@ async def agents(url: str, key: str) -> None:
         a = await researcher.exec("true")
         b = await writer.exec("true")
         assert a.exec_id is not None and b.exec_id is not None
-        assert (await writer.get_exec(a.exec_id))["actor"] == {
-            "type": "agent",
-            "id": "researcher",
-        }
-        assert (await researcher.get_exec(b.exec_id))["actor"] == {
-            "type": "agent",
-            "id": "writer",
-        }
+        assert (await writer.get_exec(a.exec_id)).actor == Actor(type="agent", id="researcher")
+        assert (await researcher.get_exec(b.exec_id)).actor == Actor(type="agent", id="writer")
         plain = await client.ensure(thread)
         c = await plain.exec("true")
         assert c.exec_id is not None
-        assert (await plain.get_exec(c.exec_id))["actor"]["id"] == "agent:erin"
+        assert (await plain.get_exec(c.exec_id)).actor == Actor(type="agent", id="agent:erin")
         # Token renewals keep each one's actor (a refresh would mint for the last one).
         await researcher._renew_token()
         d = await researcher.exec("true")
         assert d.exec_id is not None
-        assert (await researcher.get_exec(d.exec_id))["actor"]["id"] == "researcher"
+        assert (await researcher.get_exec(d.exec_id)).actor == Actor(type="agent", id="researcher")

@@ -17,7 +17,17 @@ from sandlot.protocol.errors import (
     SessionNotFound,
     Unauthenticated,
 )
-from sandlot.sdk import AsyncSandlot
+from sandlot.sdk import (
+    AsyncSandlot,
+    HeartbeatResult,
+    Pool,
+    RefreshResult,
+    SandboxSnapshot,
+    SessionSnapshot,
+    Template,
+    Volume,
+)
+from sandlot.sdk.types import Binding, Scope
 from tests.servers import SandlotServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -36,8 +46,15 @@ async def test_ensure_waits_active_and_caches_the_grant(server: SandlotServer, h
         again = await client.ensure(tid)
         assert again.grant is sandbox.grant  # from the cache, no second negotiation
         snap = await client.session(sandbox.grant.session_id)
-        assert snap["binding"]["state"] == "active"
-        assert snap["binding"]["last_event_sequence"] >= 1
+        assert isinstance(snap, SessionSnapshot) and isinstance(snap.binding, Binding)
+        assert snap.session_id == snap.binding.id == sandbox.grant.session_id
+        assert snap.binding.scope == Scope(type="thread", id=tid)
+        assert snap.binding.state == snap.state == "active"
+        assert snap.binding.last_event_sequence >= 1
+        assert snap.binding.sandbox_id == snap.sandbox.id == sandbox.id
+        assert snap.dataplane.http_base_url == sandbox.grant.http_base_url
+        assert snap.policy.token_ttl_seconds == 6 and snap.policy.lease_ttl_seconds == 6
+        assert snap.to_dict()["binding"]["state"] == "active"  # the body as sent
         got = await client.get(tid)
         assert got.id == sandbox.id
 
@@ -47,8 +64,14 @@ async def test_binding_events_are_ordered_and_resume(server: SandlotServer, huma
         sandbox = await client.ensure(thread())
         sid = sandbox.grant.session_id
         assert sid
-        await client.heartbeat(sid)
-        await client.refresh(sid)
+        beat = await client.heartbeat(sid)
+        assert isinstance(beat, HeartbeatResult) and beat.state == "active"
+        assert beat.lease_expires_at.endswith("Z")
+        fresh = await client.refresh(sid)
+        assert isinstance(fresh, RefreshResult)
+        assert fresh.token == fresh.credentials.access_token and fresh.token
+        assert fresh.expires_at == fresh.credentials.expires_at
+        assert set(fresh.credentials.granted_capabilities) >= {"fs_read", "exec"}
         events = client.binding_events(sid, after=0, timeout=5)
         seen = []
         async with events:
@@ -105,7 +128,7 @@ async def test_release_and_terminate(server: SandlotServer, human_key: str):
         sandbox = await client.ensure(thread())
         await client.release(sandbox.grant.session_id or "", terminate=True)
         snap = await client.get_sandbox(sandbox.id)
-        assert snap["state"] in ("terminated", "terminating")
+        assert snap.state in ("terminated", "terminating")
 
 
 async def test_background_refresh_and_heartbeat(server: SandlotServer, human_key: str):
@@ -145,20 +168,33 @@ async def test_dataplane_401_reacquires(server: SandlotServer, human_key: str):
 
 async def test_sandboxes_templates_pools_volumes(server: SandlotServer, human_key: str):
     async with AsyncSandlot(server.url, human_key) as client:
-        snap = await client.create_sandbox(name=f"box-{uuid.uuid4().hex[:6]}")
-        assert snap["state"] == "active"
+        name = f"box-{uuid.uuid4().hex[:6]}"
+        snap = await client.create_sandbox(name=name)
+        assert isinstance(snap, SandboxSnapshot)
+        assert (snap.state, snap.name, snap.template, snap.scope) == (
+            "active",
+            name,
+            "default",
+            None,
+        )
+        assert snap.dataplane.http_base_url and snap.last_event_sequence >= 1
+        assert snap.to_dict()["id"] == snap.id
         listed = await client.list_sandboxes()
-        assert snap["id"] in {s["id"] for s in listed}
-        suspended = await client.suspend_sandbox(snap["id"])
-        assert suspended["state"] == "suspended"
-        resumed = await client.resume_sandbox(snap["id"])
-        assert resumed["state"] in ("active", "idle")
-        await client.delete_sandbox(snap["id"])
+        assert all(isinstance(s, SandboxSnapshot) for s in listed)
+        assert snap.id in {s.id for s in listed}
+        suspended = await client.suspend_sandbox(snap.id)
+        assert suspended.state == "suspended"
+        resumed = await client.resume_sandbox(snap.id)
+        assert resumed.state in ("active", "idle")
+        assert (await client.delete_sandbox(snap.id)).state == "terminated"
         templates = await client.list_templates()
-        assert "default" in {t["name"] for t in templates}
-        assert (await client.get_template("default"))["name"] == "default"
-        assert isinstance(await client.list_pools(), list)
-        assert isinstance(await client.list_volumes(), list)
+        assert all(isinstance(t, Template) for t in templates)
+        assert "default" in {t.name for t in templates}
+        default = await client.get_template("default")
+        assert default.name == "default" and default.image
+        assert default.resources.memory_mb > 0 and "default" in default.shells
+        assert all(isinstance(p, Pool) for p in await client.list_pools())
+        assert all(isinstance(v, Volume) for v in await client.list_volumes())
 
 
 async def test_deadline_on_every_call(server: SandlotServer, human_key: str):
@@ -200,7 +236,7 @@ async def test_lost_lease_is_negotiated_again(server: SandlotServer, human_key: 
         while sandbox.grant.token == old and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert sandbox.grant.token != old
-        assert (await client.heartbeat(sandbox.grant.session_id or ""))["lease_expires_at"]
+        assert (await client.heartbeat(sandbox.grant.session_id or "")).lease_expires_at
 
 
 async def test_wait_active_follows_the_binding_events(server: SandlotServer, human_key: str):
@@ -208,7 +244,7 @@ async def test_wait_active_follows_the_binding_events(server: SandlotServer, hum
         sandbox = await client.ensure(thread())
         await client.suspend_sandbox(sandbox.id)
         snap = await client.session(sandbox.grant.session_id or "")
-        assert snap["binding"]["state"] == "suspended"
+        assert snap.binding.state == "suspended"
 
         async def resume_later() -> None:
             await asyncio.sleep(0.5)
@@ -218,5 +254,5 @@ async def test_wait_active_follows_the_binding_events(server: SandlotServer, hum
         started = time.monotonic()
         snap = await client.wait_active(sandbox.grant, timeout=20)
         await resumer
-        assert snap["binding"]["state"] in ("active", "idle")
+        assert isinstance(snap, SessionSnapshot) and snap.binding.state in ("active", "idle")
         assert time.monotonic() - started >= 0.4

@@ -181,7 +181,7 @@ async def test_stream_through_faults_loses_and_repeats_nothing(
     async with AsyncSandlot(proxy.url, key) as client:
         sandbox = await client.ensure(thread_id)
         runs = await sandbox.read_text(f"runs/{command_id}")
-        execs = [e for e in await sandbox.list_execs() if e.get("command_id") == command_id]
+        execs = [e for e in await sandbox.list_execs() if e.command_id == command_id]
 
     faults = KINDS[kind]
     # The faults did happen (the test cannot pass by the proxy doing nothing)...
@@ -212,8 +212,8 @@ async def test_stream_through_faults_loses_and_repeats_nothing(
             )
     assert cmd.exit_code == EXIT_CODE
     assert runs == "start\n", f"seed {seed}: the command ran {runs.count('start')} times"
-    assert len(execs) == 1 and execs[0]["state"] == "exited", execs
-    assert execs[0]["stdout_offset"] == len(want["stdout"])
+    assert len(execs) == 1 and execs[0].state == "exited", execs
+    assert execs[0].stdout_offset == len(want["stdout"])
 
     size = len(want["stdout"]) + len(want["stderr"])
     parts = []

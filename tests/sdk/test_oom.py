@@ -54,7 +54,7 @@ async def test_oom_killed_command_says_so(server: SandlotServer) -> None:
         assert result.exit_code == 137 and result.oom_killed
         assert result.exec_id is not None
         snap = await sandbox.get_exec(result.exec_id)
-        assert snap["oom_killed"] is True and snap["signal"] == "SIGKILL"
+        assert snap.oom_killed is True and snap.signal == "SIGKILL"
 
         cmd = await sandbox.stream(HOG)
         streamed = await cmd.wait(check=False)

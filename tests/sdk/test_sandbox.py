@@ -22,8 +22,19 @@ from sandlot.protocol.errors import (
     SandboxStarting,
     SandlotError,
 )
-from sandlot.sdk import AsyncSandbox, AsyncSandlot, Grant
-from sandlot.sdk.types import Deadline
+from sandlot.sdk import (
+    ArchiveResult,
+    AsyncSandbox,
+    AsyncSandlot,
+    EditResult,
+    ExecSnapshot,
+    FileEntry,
+    FileStat,
+    Grant,
+    ShellSnapshot,
+    UploadResult,
+)
+from sandlot.sdk.types import Actor, Deadline
 from tests.servers import SandlotServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -121,7 +132,28 @@ async def test_stream_stdin_and_attach(sandbox: AsyncSandbox) -> None:
     assert result.stdout.strip().endswith("bye")
     assert "got-hello" not in result.stdout
     snap = await sandbox.get_exec(exec_id)
-    assert snap["state"] == "exited" and snap["exit_code"] == 0
+    assert isinstance(snap, ExecSnapshot) and snap.exec_id == exec_id
+    assert (snap.state, snap.exit_code, snap.running) == ("exited", 0, False)
+    assert snap.command == "read line; echo got-$line; sleep 0.3; echo bye"
+    assert isinstance(snap.actor, Actor) and snap.actor.type == "human"
+    assert snap.stdout_offset == first.end + len(result.stdout.encode())
+    assert snap.stderr_offset == 0 and snap.started_at and snap.ended_at
+    assert snap.last_event_sequence >= 1 and not snap.pty and snap.signal is None
+    assert snap.to_dict()["exec_id"] == exec_id  # the body as sent
+    assert exec_id in {e.exec_id for e in await sandbox.list_execs()}
+
+
+async def test_signal_returns_the_snapshot(sandbox: AsyncSandbox) -> None:
+    argv = ["sh", "-c", "echo up; exec sleep 30"]
+    cmd = await sandbox.stream(argv)
+    assert (await cmd.__anext__()).data == "up\n"
+    assert cmd.exec_id
+    sent = await sandbox.signal_exec(cmd.exec_id, "SIGTERM")
+    assert isinstance(sent, ExecSnapshot) and sent.exec_id == cmd.exec_id
+    assert sent.command == argv
+    await cmd.wait()
+    ended = await sandbox.get_exec(cmd.exec_id)
+    assert not ended.running and ended.signal == "SIGTERM"
 
 
 async def test_shells_driver_and_observer(pair: tuple[AsyncSandlot, AsyncSandbox]) -> None:
@@ -135,19 +167,23 @@ async def test_shells_driver_and_observer(pair: tuple[AsyncSandlot, AsyncSandbox
         await driver.send("echo shared-$((6*7))\n")
         assert "shared-42" in await driver.read_until("shared-42")
         assert "shared-42" in await observer.read_until("shared-42")
-        listed = {s["name"]: s for s in await sandbox.list_shells()}
-        assert listed[name]["clients"] == 2
+        listed = {s.name: s for s in await sandbox.list_shells()}
+        shell = listed[name]
+        assert isinstance(shell, ShellSnapshot)
+        assert (shell.clients, shell.state, shell.profile) == (2, "running", "default")
+        assert shell.offset > 0 and shell.session_id and shell.created_at.endswith("Z")
     await sandbox.delete_shell(name)
-    assert name not in {s["name"] for s in await sandbox.list_shells()}
+    assert name not in {s.name for s in await sandbox.list_shells()}
 
 
 async def test_files(sandbox: AsyncSandbox, tmp_path: Path) -> None:
     payload = bytes(range(256)) * 4096  # 1 MiB, binary
     local = tmp_path / "blob.bin"
     local.write_bytes(payload)
-    await sandbox.upload("/workspace/in/blob.bin", local)
+    stored = await sandbox.upload("/workspace/in/blob.bin", local)
+    assert stored == UploadResult(path="/workspace/in/blob.bin", size=len(payload))
     assert await sandbox.download("/workspace/in/blob.bin") == payload
-    await sandbox.upload("raw.txt", b"raw bytes")
+    assert (await sandbox.upload("raw.txt", b"raw bytes")).path == "/workspace/raw.txt"
     assert await sandbox.download_to("raw.txt", str(tmp_path / "raw.txt")) == 9
     with pytest.raises(FileNotFound):
         await sandbox.download("missing.txt")
@@ -157,7 +193,10 @@ async def test_files(sandbox: AsyncSandbox, tmp_path: Path) -> None:
     (tree / "a.txt").write_text("A")
     (tree / "sub" / "b.txt").write_text("B")
     await sandbox.write("/workspace/sync/stale.txt", "old")
-    await sandbox.upload_archive("/workspace/sync", tree, delete_missing=True)
+    synced = await sandbox.upload_archive("/workspace/sync", tree, delete_missing=True)
+    assert isinstance(synced, ArchiveResult)
+    assert (synced.path, synced.files, synced.deleted, synced.bytes) == ("/workspace/sync", 2, 1, 2)
+    assert synced.directories >= 1
     names = {e.path for e in await sandbox.ls("/workspace/sync", depth=2)}
     assert names == {"/workspace/sync/a.txt", "/workspace/sync/sub", "/workspace/sync/sub/b.txt"}
     with tarfile.open(fileobj=io.BytesIO(await sandbox.download_archive("/workspace/sync"))) as tar:
@@ -170,8 +209,11 @@ async def test_fs_operations_with_etags(sandbox: AsyncSandbox) -> None:
     assert (read.content, read.total_lines, read.start_line) == ("y = 2\n", 2, 1)
     full = await sandbox.read("src/app.py")
     assert full.etag == etag
+    assert (full.path, full.size) == ("/workspace/src/app.py", len("x = 1\ny = 2\n"))
     edited = await sandbox.edit("src/app.py", "x = 1", "x = 10", if_match=etag)
-    assert edited["occurrences"] == 1
+    assert isinstance(edited, EditResult)
+    assert (edited.path, edited.occurrences) == ("/workspace/src/app.py", 1)
+    assert edited.etag == (await sandbox.read("src/app.py")).etag != etag
     with pytest.raises(PreconditionFailed):
         await sandbox.write("src/app.py", "clobber", if_match=etag)  # the other party's change
     with pytest.raises(PreconditionFailed):
@@ -179,7 +221,23 @@ async def test_fs_operations_with_etags(sandbox: AsyncSandbox) -> None:
     assert [e.path for e in await sandbox.glob("**/*.py")] == ["/workspace/src/app.py"]
     hits = await sandbox.grep("x = 10")
     assert [(m.path, m.line) for m in hits] == [("/workspace/src/app.py", 1)]
-    assert (await sandbox.stat("src/app.py"))["size"] == len("x = 10\ny = 2\n")
+    raw = await sandbox.grep_raw("x = 10")
+    assert raw == {
+        "matches": [{"path": "/workspace/src/app.py", "line": 1, "text": hits[0].text}],
+        "truncated": False,
+    }
+    stat = await sandbox.stat("src/app.py")
+    assert isinstance(stat, FileStat) and stat.is_file and not stat.is_dir
+    assert (stat.path, stat.type, stat.size) == ("/workspace/src/app.py", "file", 13)
+    assert stat.etag == edited.etag and stat.mode & 0o600 == 0o600 and stat.modified_at
+    folder = await sandbox.stat("/workspace/src")
+    assert folder.is_dir and folder.type == "directory" and folder.etag is None
+    await sandbox.run("ln -s app.py src/link.py")
+    listed = {e.path: e for e in await sandbox.ls("src")}
+    assert listed["/workspace/src/link.py"].is_symlink
+    entry = listed["/workspace/src/app.py"]
+    assert isinstance(entry, FileEntry) and entry.modified_at
+    assert (entry.is_dir, entry.size, entry.is_symlink) == (False, 13, False)
     await sandbox.mkdir("docs/deep")
     await sandbox.move("src/app.py", "docs/deep/app.py")
     assert await sandbox.exists("docs/deep/app.py")

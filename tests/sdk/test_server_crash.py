@@ -129,8 +129,8 @@ async def test_kill9_mid_stream_loses_and_repeats_nothing(
         exec_id = cmd.exec_id
         assert exec_id is not None
         snap = await sandbox.get_exec(exec_id)
-        assert snap["state"] == "exited" and snap["exit_code"] == 5
-        assert snap["stdout_offset"] == TOTAL
+        assert snap.state == "exited" and snap.exit_code == 5
+        assert snap.stdout_offset == TOTAL
         again = await sandbox.exec(["python3", "-c", PRODUCER, str(TOTAL)], command_id=command_id)
         assert again.exec_id == exec_id and again.exit_code == 5
         runs = await sandbox.read_text("/workspace/runs.log")
@@ -235,7 +235,7 @@ async def test_kill9_with_a_shell_attached_keeps_the_shell(
         await again.send("echo kept=$KEPT\n")
         await again.read_until("kept=42")
         shells = await sandbox.list_shells()
-        assert [s["name"] for s in shells] == ["work"]
+        assert [s.name for s in shells] == ["work"]
         await again.aclose()
         await shell.aclose()
     report(

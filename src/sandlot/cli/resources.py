@@ -100,7 +100,7 @@ def session_refresh(
     """Get a fresh token for the session."""
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.refresh(await _session_id(client, thread))
+        return (await client.refresh(await _session_id(client, thread))).to_dict()
 
     data = run(url, api_key, body, auto_refresh=False)
     print_json(data) if as_json else print_mapping({"token_expires_at": data.get("expires_at")})
@@ -116,7 +116,7 @@ def session_heartbeat(
     """Extend your lease on the session (keeps the sandbox from going idle)."""
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.heartbeat(await _session_id(client, thread))
+        return (await client.heartbeat(await _session_id(client, thread))).to_dict()
 
     data = run(url, api_key, body, auto_refresh=False)
     print_json(data) if as_json else print_mapping(data)
@@ -139,8 +139,10 @@ def session_release(
     async def body(client: AsyncSandlot, _: Any) -> tuple[str, str]:
         sid = await _session_id(client, thread)
         snap = await client.release(sid, terminate=terminate, wait=wait)
-        state = (snap or {}).get("binding", {}).get("state") if terminate else "released"
-        return sid, str(state)
+        if not terminate:
+            return sid, "released"
+        assert snap is not None  # a teardown always answers with the binding's snapshot
+        return sid, snap.binding.state
 
     sid, state = run(url, api_key, body, auto_refresh=False)
     typer.echo(f"{state} {sid}")
@@ -159,7 +161,7 @@ def sandbox_list(
     """List your sandboxes."""
 
     async def body(client: AsyncSandlot, _: Any) -> list[dict[str, Any]]:
-        return await client.list_sandboxes(include_ended=include_ended)
+        return [s.to_dict() for s in await client.list_sandboxes(include_ended=include_ended)]
 
     rows = run(url, api_key, body)
     print_json(rows) if as_json else print_table(rows, SANDBOX_COLUMNS, empty="no sandboxes")
@@ -179,7 +181,7 @@ def sandbox_create(
     """Create a sandbox that serves no thread."""
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.create_sandbox(template=template, name=name, wait=wait)
+        return (await client.create_sandbox(template=template, name=name, wait=wait)).to_dict()
 
     data = run(url, api_key, body)
     print_json(data) if as_json else print_mapping({k: data.get(k) for k in SANDBOX_COLUMNS})
@@ -197,10 +199,10 @@ def _sandbox_action(action: str, help_text: str) -> None:
     ) -> None:
         async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
             if action == "get":
-                return await client.get_sandbox(sandbox_id)
+                return (await client.get_sandbox(sandbox_id)).to_dict()
             if action == "suspend":
-                return await client.suspend_sandbox(sandbox_id)
-            return await client.resume_sandbox(sandbox_id)
+                return (await client.suspend_sandbox(sandbox_id)).to_dict()
+            return (await client.resume_sandbox(sandbox_id)).to_dict()
 
         data = run(url, api_key, body)
         print_json(data) if as_json else print_mapping({k: data.get(k) for k in SANDBOX_COLUMNS})
@@ -219,7 +221,7 @@ def sandbox_delete(
     """Terminate a sandbox now (its processes are killed, its files removed)."""
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.delete_sandbox(sandbox_id, wait=wait)
+        return (await client.delete_sandbox(sandbox_id, wait=wait)).to_dict()
 
     data = run(url, api_key, body)
     if as_json:
@@ -257,7 +259,7 @@ def template_list(
     """List templates."""
 
     async def body(client: AsyncSandlot, _: Any) -> list[dict[str, Any]]:
-        return await client.list_templates()
+        return [t.to_dict() for t in await client.list_templates()]
 
     rows = run(url, api_key, body)
     if as_json:
@@ -278,7 +280,7 @@ def template_get(
     """Show a template as JSON."""
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.get_template(name)
+        return (await client.get_template(name)).to_dict()
 
     print_json(run(url, api_key, body))
 
@@ -297,7 +299,7 @@ def template_create(
     data = _load_spec(spec)
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.create_template(data)
+        return (await client.create_template(data)).to_dict()
 
     print_json(run(url, api_key, body))
 
@@ -320,7 +322,7 @@ def pool_list(as_json: bool = JsonOption, url: str = UrlOption, api_key: str = K
     """List warm pools with their ready and provisioning counts."""
 
     async def body(client: AsyncSandlot, _: Any) -> list[dict[str, Any]]:
-        return await client.list_pools()
+        return [p.to_dict() for p in await client.list_pools()]
 
     rows = run(url, api_key, body)
     print_json(rows) if as_json else print_table(
@@ -344,7 +346,8 @@ def pool_create(
     """Create a warm pool (admins)."""
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return await client.create_pool(name, template, min_ready=min_ready, max_ready=max_ready)
+        pool = await client.create_pool(name, template, min_ready=min_ready, max_ready=max_ready)
+        return pool.to_dict()
 
     print_json(run(url, api_key, body))
 
@@ -374,7 +377,8 @@ def audit_command(
     """Who did what, when, to which sandbox (admins)."""
 
     async def body(client: AsyncSandlot, _: Any) -> list[dict[str, Any]]:
-        return await client.audit(scope=scope, actor=actor, after=after, limit=limit)
+        entries = await client.audit(scope=scope, actor=actor, after=after, limit=limit)
+        return [e.to_dict() for e in entries]
 
     rows = run(url, api_key, body)
     if as_json:

@@ -28,7 +28,7 @@ from sandlot.cli.trees import (
     tar_stream,
     walk,
 )
-from sandlot.sdk import AsyncSandbox, AsyncSandlot, FileNotFound
+from sandlot.sdk import ArchiveResult, AsyncSandbox, AsyncSandlot, FileNotFound
 
 DEFAULT_REMOTE = "/workspace"
 
@@ -47,7 +47,7 @@ async def push(
     delete: bool,
     show: bool,
     digests: dict[str, str] | None = None,
-) -> dict[str, Any]:
+) -> ArchiveResult:
     """Send a tree as one tar stream into ``remote`` (with a progress bar when ``show``).
 
     ``source`` is a scanned tree or the entries of a walk still going on (the
@@ -71,7 +71,7 @@ async def push(
         return await _upload(sandbox, remote, stream, delete)
 
 
-async def _upload(sandbox: AsyncSandbox, remote: str, stream: Any, delete: bool) -> dict[str, Any]:
+async def _upload(sandbox: AsyncSandbox, remote: str, stream: Any, delete: bool) -> ArchiveResult:
     return await sandbox.upload_archive(remote, _aiter(stream), delete_missing=delete)
 
 
@@ -106,7 +106,7 @@ def sync_command(
         err_console.print(
             f"synced {len(tree.files)} files ({tree.total_bytes} bytes) to {thread}:{remote} "
             f"in {time.monotonic() - started:.2f} s"
-            + (f", {result.get('deleted')} removed" if result.get("deleted") else "")
+            + (f", {result.deleted} removed" if result.deleted else "")
         )
         if watch:
             await _watch_and_push(sandbox, root, remote)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from deepagents.backends.protocol import (
     DeleteResult,
@@ -45,7 +45,7 @@ from sandlot.protocol.errors import (
     SandlotError,
 )
 from sandlot.sdk import AsyncSandbox, Grant, Sandbox, Sandlot
-from sandlot.sdk.types import FileEntry
+from sandlot.sdk.types import FileEntry, GrepAnswer
 
 EMPTY_FILE = "System reminder: File exists but has empty contents"
 EMPTY_OLD_STRING = "Error: old_string cannot be empty. Provide the exact text to replace."
@@ -306,7 +306,7 @@ class SandlotBackend(BaseSandbox):
             body = self._sandbox.edit(file_path, old_string, new_string, replace_all=replace_all)
         except SandlotError as exc:
             return _edit_error(exc, file_path, old_string)
-        return EditResult(path=file_path, occurrences=int(body.get("occurrences", 1)))
+        return EditResult(path=file_path, occurrences=body.occurrences)
 
     async def aedit(
         self,
@@ -325,7 +325,7 @@ class SandlotBackend(BaseSandbox):
                 )
         except SandlotError as exc:
             return _edit_error(exc, file_path, old_string)
-        return EditResult(path=file_path, occurrences=int(body.get("occurrences", 1)))
+        return EditResult(path=file_path, occurrences=body.occurrences)
 
     def delete(self, file_path: str) -> DeleteResult:
         """Delete a file or a directory tree (``DELETE /fs``)."""
@@ -462,9 +462,10 @@ class SandlotBackend(BaseSandbox):
             return out
 
 
-def _grep_result(found: dict[str, Any], max_count: int | None) -> GrepResult:
-    # The wire's match objects are deepagents' GrepMatch dicts already: path, line, text.
-    matches: list[DAGrepMatch] = found["matches"]
+def _grep_result(found: GrepAnswer, max_count: int | None) -> GrepResult:
+    # The wire's match objects are deepagents' GrepMatch dicts already: path, line, text
+    # (and none of its optional context lines).
+    matches = cast("list[DAGrepMatch]", found["matches"])
     if max_count is not None and len(matches) > max_count:
         return GrepResult(matches=matches[:max_count], truncated=True)
     return GrepResult(matches=matches)

@@ -4,7 +4,8 @@ Broker (control plane): :class:`AsyncSandlot` / :class:`Sandlot`.
 Dataplane of one sandbox: :class:`AsyncSandbox` / :class:`Sandbox`, built
 by ``ensure`` or from a grant in hand (the bootstrap object of PROTOCOL.md 2.10).
 Errors come from the one table of :mod:`sandlot.protocol.errors` and are
-re-exported here. See ``docs/SDK.md``.
+re-exported here, and so are the result types of :mod:`sandlot.sdk.types`
+(the objects nested in them live there). See ``docs/SDK.md``.
 
 The sync twin is loaded on first use: async code (and the CLI) does not pay for it.
 """
@@ -40,13 +41,28 @@ from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk._async.shells import AsyncShell
 from sandlot.sdk.types import (
+    ArchiveResult,
+    AuditEntry,
     CommandResult,
+    EditResult,
     Event,
+    ExecSnapshot,
     FileEntry,
+    FileStat,
     Grant,
+    GrepAnswer,
     GrepMatch,
+    HeartbeatResult,
     OutputChunk,
+    Pool,
     ReadResult,
+    RefreshResult,
+    SandboxSnapshot,
+    SessionSnapshot,
+    ShellSnapshot,
+    Template,
+    UploadResult,
+    Volume,
 )
 
 if TYPE_CHECKING:
@@ -75,39 +91,54 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "ArchiveResult",
     "AsyncCommand",
     "AsyncEventStream",
     "AsyncSandbox",
     "AsyncSandlot",
     "AsyncShell",
+    "AuditEntry",
     "CapabilityDenied",
     "Command",
     "CommandExitError",
     "CommandResult",
     "ConnectError",
     "ConnectionLost",
+    "EditResult",
     "Event",
     "EventStream",
+    "ExecSnapshot",
     "FileEntry",
     "FileNotFound",
+    "FileStat",
     "Forbidden",
     "Grant",
+    "GrepAnswer",
     "GrepMatch",
+    "HeartbeatResult",
     "NotFound",
     "OutputChunk",
+    "Pool",
     "PreconditionFailed",
     "ProtocolVersionError",
     "ReadResult",
+    "RefreshResult",
     "RequestTimeout",
     "Sandbox",
+    "SandboxSnapshot",
     "SandboxStarting",
     "Sandlot",
     "SandlotError",
     "SessionExpired",
     "SessionNotFound",
+    "SessionSnapshot",
     "Shell",
+    "ShellSnapshot",
     "SocketClosed",
+    "Template",
     "TokenExpired",
     "TransportError",
     "Unauthenticated",
+    "UploadResult",
+    "Volume",
 ]

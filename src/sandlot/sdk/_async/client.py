@@ -26,7 +26,18 @@ from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._async.events import AsyncEventStream, wait_for_state
 from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk.settings import load_settings
-from sandlot.sdk.types import Event, Grant
+from sandlot.sdk.types import (
+    AuditEntry,
+    Event,
+    Grant,
+    HeartbeatResult,
+    Pool,
+    RefreshResult,
+    SandboxSnapshot,
+    SessionSnapshot,
+    Template,
+    Volume,
+)
 
 _ACTIVE = ("active", "idle")
 _TERMINATED = ("terminated",)
@@ -106,7 +117,7 @@ class _Lease:
     async def renew(self) -> bool:
         """Refresh the token; re-negotiate when the binding is gone."""
         async with self.lock:
-            body: dict[str, Any] | None = None
+            body: RefreshResult | None = None
             # A refresh mints for the actor that attached last through the key: a lease
             # that names its actor negotiates again instead, to stay that actor.
             if self.grant.session_id is not None and "actor" not in self.request:
@@ -260,49 +271,50 @@ class AsyncSandlot:
             timeout=timeout,
         )
 
-    async def wait_active(self, grant: Grant, *, timeout: float | None = None) -> dict[str, Any]:
+    async def wait_active(self, grant: Grant, *, timeout: float | None = None) -> SessionSnapshot:
         """Wait until a binding is active: subscribe after the snapshot, dispatch, re-read."""
         assert grant.session_id is not None
         deadline = self._http.deadline(timeout)
         snapshot = await self.session(grant.session_id, timeout=deadline.remaining())
         snapshot = await self._wait_binding(snapshot, _ACTIVE, deadline.remaining())
-        grant.state = (snapshot.get("binding") or {}).get("state")
+        grant.state = snapshot.binding.state
         return snapshot
 
     async def _wait_binding(
-        self, snapshot: dict[str, Any], target: tuple[str, ...], timeout: float | None
-    ) -> dict[str, Any]:
+        self, snapshot: SessionSnapshot, target: tuple[str, ...], timeout: float | None
+    ) -> SessionSnapshot:
         """Wait on a binding's events, from its snapshot's sequence, until it is in ``target``.
 
         The snapshot is read again at the end: the events are a notice, the snapshot the truth.
         """
-        session_id = str(snapshot.get("session_id") or (snapshot.get("binding") or {})["id"])
+        session_id = snapshot.session_id
         deadline = self._http.deadline(timeout)
-        binding = snapshot.get("binding") or {}
-        if binding.get("state") not in target:
+        if snapshot.binding.state not in target:
             events = self.binding_events(
-                session_id, after=binding.get("last_event_sequence"), timeout=deadline.remaining()
+                session_id,
+                after=snapshot.binding.last_event_sequence,
+                timeout=deadline.remaining(),
             )
             await wait_for_state(events, _reaches(target), _reaches(_failing(target)))
             snapshot = await self.session(session_id, timeout=deadline.remaining())
-            binding = snapshot.get("binding") or {}
-        if binding.get("state") in _failing(target):
-            raise SandlotError(f"binding {session_id} is {binding.get('state')}")
+        if snapshot.binding.state in _failing(target):
+            raise SandlotError(f"binding {session_id} is {snapshot.binding.state}")
         return snapshot
 
-    async def session(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``)."""
-        return dict(await self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout))
+    async def session(self, session_id: str, *, timeout: float | None = None) -> SessionSnapshot:
+        """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``; no token)."""
+        body = await self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout)
+        return SessionSnapshot.from_wire(body)
 
-    async def refresh(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """A fresh token for the binding: ``{token, expires_at, credentials}``."""
+    async def refresh(self, session_id: str, *, timeout: float | None = None) -> RefreshResult:
+        """A fresh token for the binding (capabilities never wider than granted)."""
         path = f"/v1/sandbox/sessions/{session_id}/refresh"
-        return dict(await self._json("POST", path, timeout, json_body={}))
+        return RefreshResult.from_wire(await self._json("POST", path, timeout, json_body={}))
 
-    async def heartbeat(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """Extend this actor's lease: ``{state, lease_expires_at}``."""
+    async def heartbeat(self, session_id: str, *, timeout: float | None = None) -> HeartbeatResult:
+        """Extend this actor's lease: the binding's state and the lease's new expiry."""
         path = f"/v1/sandbox/sessions/{session_id}/heartbeat"
-        return dict(await self._json("POST", path, timeout, json_body={}))
+        return HeartbeatResult.from_wire(await self._json("POST", path, timeout, json_body={}))
 
     async def release(
         self,
@@ -311,7 +323,7 @@ class AsyncSandlot:
         terminate: bool = False,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> dict[str, Any] | None:
+    ) -> SessionSnapshot | None:
         """Detach this actor (its tokens are revoked); ``terminate=True`` tears the sandbox down.
 
         A teardown is answered as soon as the broker has accepted it (the binding
@@ -333,7 +345,11 @@ class AsyncSandlot:
             return None
         # A broker that answers 204 has finished the teardown already.
         left = deadline.remaining()
-        snapshot = dict(body) if body else await self.session(session_id, timeout=left)
+        snapshot = (
+            SessionSnapshot.from_wire(body)
+            if body
+            else await self.session(session_id, timeout=left)
+        )
         if wait:
             snapshot = await self._wait_binding(snapshot, _TERMINATED, deadline.remaining())
         return snapshot
@@ -354,10 +370,11 @@ class AsyncSandlot:
 
     async def list_sandboxes(
         self, *, include_ended: bool = False, timeout: float | None = None
-    ) -> list[dict[str, Any]]:
-        """The caller's sandboxes."""
+    ) -> list[SandboxSnapshot]:
+        """The caller's sandboxes (``include_ended``: the terminated ones too)."""
         params = {"include_ended": include_ended}
-        return _items(await self._json("GET", "/v1/sandboxes", timeout, params=params))
+        body = await self._json("GET", "/v1/sandboxes", timeout, params=params)
+        return [SandboxSnapshot.from_wire(s) for s in _items(body)]
 
     async def create_sandbox(
         self,
@@ -366,7 +383,7 @@ class AsyncSandlot:
         name: str | None = None,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Create a sandbox bound to no scope; with ``wait`` return once it is active."""
         deadline = self._http.deadline(timeout)
         body: dict[str, Any] = {}
@@ -374,18 +391,23 @@ class AsyncSandlot:
             body["template"] = template
         if name is not None:
             body["name"] = name
-        snap = dict(await self._json("POST", "/v1/sandboxes", deadline.remaining(), json_body=body))
+        snap = SandboxSnapshot.from_wire(
+            await self._json("POST", "/v1/sandboxes", deadline.remaining(), json_body=body)
+        )
         if wait:
             snap = await self._wait_sandbox(snap, _ACTIVE, deadline.remaining())
         return snap
 
-    async def get_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+    async def get_sandbox(
+        self, sandbox_id: str, *, timeout: float | None = None
+    ) -> SandboxSnapshot:
         """One sandbox's snapshot."""
-        return dict(await self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout))
+        body = await self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout)
+        return SandboxSnapshot.from_wire(body)
 
     async def delete_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Terminate and remove a sandbox; return its snapshot.
 
         The broker answers once it has accepted the teardown (state ``terminating``:
@@ -399,49 +421,56 @@ class AsyncSandlot:
         body = await self._json("DELETE", path, deadline.remaining(), params={"wait": False})
         # A broker that answers 204 has finished the teardown already.
         left = deadline.remaining()
-        snap = dict(body) if body else await self.get_sandbox(sandbox_id, timeout=left)
+        snap = (
+            SandboxSnapshot.from_wire(body)
+            if body
+            else await self.get_sandbox(sandbox_id, timeout=left)
+        )
         if wait:
             snap = await self._wait_sandbox(snap, _TERMINATED, deadline.remaining())
         return snap
 
     async def suspend_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Suspend a sandbox (processes frozen, files kept)."""
         return await self._transition(sandbox_id, "suspend", ("suspended",), wait, timeout)
 
     async def resume_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Resume a suspended sandbox."""
         return await self._transition(sandbox_id, "resume", _ACTIVE, wait, timeout)
 
     async def _transition(
         self, sandbox_id: str, verb: str, target: tuple[str, ...], wait: bool, timeout: float | None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         deadline = self._http.deadline(timeout)
         path = f"/v1/sandboxes/{sandbox_id}/{verb}"
         body = await self._json("POST", path, deadline.remaining(), json_body={})
-        snap = dict(body) if body else await self.get_sandbox(sandbox_id)
+        snap = (
+            SandboxSnapshot.from_wire(body)
+            if body
+            else await self.get_sandbox(sandbox_id, timeout=deadline.remaining())
+        )
         if wait:
             snap = await self._wait_sandbox(snap, target, deadline.remaining())
         return snap
 
     async def _wait_sandbox(
-        self, snap: dict[str, Any], target: tuple[str, ...], timeout: float | None
-    ) -> dict[str, Any]:
+        self, snap: SandboxSnapshot, target: tuple[str, ...], timeout: float | None
+    ) -> SandboxSnapshot:
         """Wait on a sandbox's events, from its snapshot's sequence, until it is in ``target``;
         then read the snapshot again (the events are a notice, the snapshot the truth)."""
-        sandbox_id = snap["id"]
         deadline = self._http.deadline(timeout)
-        if snap.get("state") not in target:
+        if snap.state not in target:
             events = self.sandbox_events(
-                sandbox_id, after=snap.get("last_event_sequence"), timeout=deadline.remaining()
+                snap.id, after=snap.last_event_sequence, timeout=deadline.remaining()
             )
             await wait_for_state(events, _reaches(target), _reaches(_failing(target)))
-            snap = await self.get_sandbox(sandbox_id, timeout=deadline.remaining())
-        if snap.get("state") in _failing(target):
-            raise SandlotError(f"sandbox {sandbox_id} is {snap.get('state')}")
+            snap = await self.get_sandbox(snap.id, timeout=deadline.remaining())
+        if snap.state in _failing(target):
+            raise SandlotError(f"sandbox {snap.id} is {snap.state}")
         return snap
 
     def sandbox_events(
@@ -454,27 +483,29 @@ class AsyncSandlot:
 
     # --- templates, pools, volumes --------------------------------------------------
 
-    async def list_templates(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+    async def list_templates(self, *, timeout: float | None = None) -> list[Template]:
         """Templates the caller may use."""
-        return _items(await self._json("GET", "/v1/templates", timeout))
+        body = await self._json("GET", "/v1/templates", timeout)
+        return [Template.from_wire(t) for t in _items(body)]
 
-    async def get_template(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+    async def get_template(self, name: str, *, timeout: float | None = None) -> Template:
         """One template."""
-        return dict(await self._json("GET", f"/v1/templates/{name}", timeout))
+        return Template.from_wire(await self._json("GET", f"/v1/templates/{name}", timeout))
 
     async def create_template(
         self, template: dict[str, Any], *, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> Template:
         """Create a template (admins): ``{name, image, resources, network, env, shells, …}``."""
-        return dict(await self._json("POST", "/v1/templates", timeout, json_body=template))
+        body = await self._json("POST", "/v1/templates", timeout, json_body=template)
+        return Template.from_wire(body)
 
     async def delete_template(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a template (admins)."""
         await self._json("DELETE", f"/v1/templates/{name}", timeout)
 
-    async def list_pools(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Warm pools."""
-        return _items(await self._json("GET", "/v1/pools", timeout))
+    async def list_pools(self, *, timeout: float | None = None) -> list[Pool]:
+        """Warm pools, with how many sandboxes each has ready."""
+        return [Pool.from_wire(p) for p in _items(await self._json("GET", "/v1/pools", timeout))]
 
     async def create_pool(
         self,
@@ -484,27 +515,28 @@ class AsyncSandlot:
         min_ready: int = 1,
         max_ready: int | None = None,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> Pool:
         """Create a warm pool of ``template`` (admins)."""
         body: dict[str, Any] = {"name": name, "template": template, "min_ready": min_ready}
         if max_ready is not None:
             body["max_ready"] = max_ready
-        return dict(await self._json("POST", "/v1/pools", timeout, json_body=body))
+        return Pool.from_wire(await self._json("POST", "/v1/pools", timeout, json_body=body))
 
     async def delete_pool(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a warm pool (admins)."""
         await self._json("DELETE", f"/v1/pools/{name}", timeout)
 
-    async def list_volumes(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+    async def list_volumes(self, *, timeout: float | None = None) -> list[Volume]:
         """The caller's volumes."""
-        return _items(await self._json("GET", "/v1/volumes", timeout))
+        body = await self._json("GET", "/v1/volumes", timeout)
+        return [Volume.from_wire(v) for v in _items(body)]
 
     async def create_volume(
         self, name: str, *, timeout: float | None = None, **fields: Any
-    ) -> dict[str, Any]:
+    ) -> Volume:
         """Create a persistent volume."""
         body = {"name": name, **fields}
-        return dict(await self._json("POST", "/v1/volumes", timeout, json_body=body))
+        return Volume.from_wire(await self._json("POST", "/v1/volumes", timeout, json_body=body))
 
     async def delete_volume(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a volume."""
@@ -520,11 +552,12 @@ class AsyncSandlot:
         after: int = 0,
         limit: int = 100,
         timeout: float | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[AuditEntry]:
         """Audit entries after the id ``after`` (admins): who did what, when, to which
         sandbox; ``scope`` (``thread:thr_1``) and ``actor`` (a principal id) filter them."""
         params = {"scope": scope, "actor": actor, "after": after, "limit": limit}
-        return _items(await self._json("GET", "/v1/audit", timeout, params=params))
+        body = await self._json("GET", "/v1/audit", timeout, params=params)
+        return [AuditEntry.from_wire(e) for e in _items(body)]
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -554,10 +587,5 @@ class AsyncSandlot:
 
 
 def _items(body: Any) -> list[dict[str, Any]]:
-    if isinstance(body, list):
-        return body
-    if isinstance(body, dict):
-        for key in ("items", "sandboxes", "templates", "pools", "volumes", "data"):
-            if isinstance(body.get(key), list):
-                return list(body[key])
-    return []
+    """The objects of a list answer (``{"items": [...]}``, PROTOCOL.md 2.8)."""
+    return list(body["items"])

@@ -26,12 +26,19 @@ from sandlot.sdk._async.commands import AsyncCommand
 from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.shells import AsyncShell
 from sandlot.sdk.types import (
+    ArchiveResult,
     CommandResult,
     Deadline,
+    EditResult,
+    ExecSnapshot,
     FileEntry,
+    FileStat,
     Grant,
+    GrepAnswer,
     GrepMatch,
     ReadResult,
+    ShellSnapshot,
+    UploadResult,
 )
 
 #: Block size of streamed uploads from local files.
@@ -299,20 +306,23 @@ class AsyncSandbox:
         await cmd._connect()
         return cmd
 
-    async def list_execs(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Snapshots of the sandbox's commands (``GET /execs``)."""
+    async def list_execs(self, *, timeout: float | None = None) -> list[ExecSnapshot]:
+        """Snapshots of the sandbox's commands, running and recently ended (``GET /execs``)."""
         body = await self._call("GET", "/execs", timeout)
-        return list(body.get("execs", body) if isinstance(body, dict) else body)
+        return [ExecSnapshot.from_wire(e) for e in body["execs"]]
 
-    async def get_exec(self, exec_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+    async def get_exec(self, exec_id: str, *, timeout: float | None = None) -> ExecSnapshot:
         """One command's snapshot, with ``last_event_sequence`` (``GET /execs/{id}``)."""
-        return dict(await self._call("GET", f"/execs/{exec_id}", timeout))
+        return ExecSnapshot.from_wire(await self._call("GET", f"/execs/{exec_id}", timeout))
 
     async def signal_exec(
         self, exec_id: str, signal: str = "SIGINT", *, timeout: float | None = None
-    ) -> None:
-        """Send a signal to a command."""
-        await self._call("POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal})
+    ) -> ExecSnapshot:
+        """Send a signal to a command; return its snapshot as the signal was sent."""
+        body = await self._call(
+            "POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal}
+        )
+        return ExecSnapshot.from_wire(body)
 
     # --- shells --------------------------------------------------------------------
 
@@ -347,10 +357,10 @@ class AsyncSandbox:
             keepalive=self.keepalive,
         )
 
-    async def list_shells(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        """The sandbox's shells: ``{name, clients, created_at, offset}``."""
+    async def list_shells(self, *, timeout: float | None = None) -> list[ShellSnapshot]:
+        """The sandbox's shells (``GET /shells``)."""
         body = await self._call("GET", "/shells", timeout)
-        return list(body.get("shells", []) if isinstance(body, dict) else body)
+        return [ShellSnapshot.from_wire(s) for s in body["shells"]]
 
     async def delete_shell(self, name: str, *, timeout: float | None = None) -> None:
         """End a shell for every client."""
@@ -364,7 +374,7 @@ class AsyncSandbox:
         data: bytes | str | os.PathLike[str] | AsyncIterable[bytes],
         *,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> UploadResult:
         """Write a file, streamed: ``data`` is bytes, a local file path, or chunks of bytes.
 
         A ``str`` is a local path (``os.PathLike`` too); pass ``text.encode()`` for content.
@@ -372,11 +382,10 @@ class AsyncSandbox:
         content: Any = data
         if isinstance(data, str | os.PathLike):
             content = _local_chunks(os.fspath(data))
-        return dict(
-            await self._call(
-                "POST", "/files/upload", timeout, params={"path": path}, content=content
-            )
+        body = await self._call(
+            "POST", "/files/upload", timeout, params={"path": path}, content=content
         )
+        return UploadResult.from_wire(body)
 
     async def download(self, path: str, *, timeout: float | None = None) -> bytes:
         """A file's bytes."""
@@ -410,24 +419,23 @@ class AsyncSandbox:
         *,
         delete_missing: bool = False,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> ArchiveResult:
         """Extract a tar into ``path``: bytes, a local directory packed first, or a stream
         of chunks sent as they come (a tar written while a tree is walked, say).
 
         ``delete_missing=True`` removes what the archive does not name (a sync). The
-        answer counts what was written (``files``, ``bytes``...).
+        answer counts what was written (``files``, ``bytes``...) and removed (``deleted``).
         """
         if isinstance(data, str | os.PathLike):
             data = _tar_directory(os.fspath(data))
-        return dict(
-            await self._call(
-                "POST",
-                "/files/archive",
-                timeout,
-                params={"path": path, "delete_missing": delete_missing},
-                content=data,
-            )
+        body = await self._call(
+            "POST",
+            "/files/archive",
+            timeout,
+            params={"path": path, "delete_missing": delete_missing},
+            content=data,
         )
+        return ArchiveResult.from_wire(body)
 
     async def download_archive(self, path: str, *, timeout: float | None = None) -> bytes:
         """A tar of the directory ``path``."""
@@ -489,8 +497,13 @@ class AsyncSandbox:
         replace_all: bool = False,
         if_match: str | None = None,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """Replace ``old_string`` by ``new_string``: ``{path, occurrences, etag}``."""
+    ) -> EditResult:
+        """Replace ``old_string`` by ``new_string`` (every occurrence with ``replace_all``).
+
+        More than one occurrence without ``replace_all`` is
+        :class:`~sandlot.protocol.errors.InvalidRequest`; ``if_match`` edits only that
+        version of the file.
+        """
         body: dict[str, Any] = {
             "path": path,
             "old_string": old_string,
@@ -499,7 +512,7 @@ class AsyncSandbox:
         }
         if if_match is not None:
             body["if_match"] = if_match
-        return dict(await self._call("POST", "/fs/edit", timeout, json_body=body))
+        return EditResult.from_wire(await self._call("POST", "/fs/edit", timeout, json_body=body))
 
     async def glob(
         self, pattern: str, path: str = "/workspace", *, timeout: float | None = None
@@ -520,11 +533,15 @@ class AsyncSandbox:
         regex: bool = False,
         timeout: float | None = None,
     ) -> list[GrepMatch]:
-        """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers."""
+        """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers.
+
+        Whether a cap or the server's deadline cut the search short is in
+        :meth:`grep_raw`'s ``truncated``.
+        """
         out = await self.grep_raw(
             pattern, path, glob=glob, max_count=max_count, regex=regex, timeout=timeout
         )
-        return [GrepMatch(m["path"], int(m["line"]), m["text"]) for m in out["matches"]]
+        return [GrepMatch(m["path"], m["line"], m["text"]) for m in out["matches"]]
 
     async def grep_raw(
         self,
@@ -535,19 +552,27 @@ class AsyncSandbox:
         max_count: int | None = None,
         regex: bool = False,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> GrepAnswer:
         """:meth:`grep`'s answer as the server sent it: ``matches`` (dicts of ``path``,
-        ``line``, ``text``) and ``truncated``, for callers that pass plain dicts on."""
+        ``line``, ``text``) and ``truncated``, for callers that pass plain dicts on.
+
+        The one answer the SDK leaves as a dict (:class:`~sandlot.sdk.types.GrepAnswer`),
+        typed as one: a dataclass per match would cost such a caller more than
+        parsing the JSON does.
+        """
         body: dict[str, Any] = {"pattern": pattern, "path": path, "regex": regex}
         if glob is not None:
             body["glob"] = glob
         if max_count is not None:
             body["max_count"] = max_count
-        return dict(await self._call("POST", "/fs/grep", timeout, json_body=body))
+        answer: GrepAnswer = await self._call("POST", "/fs/grep", timeout, json_body=body)
+        return answer
 
-    async def stat(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """A file's metadata."""
-        return dict(await self._call("GET", "/fs/stat", timeout, params={"path": path}))
+    async def stat(self, path: str, *, timeout: float | None = None) -> FileStat:
+        """A path's type, size, mode, modification time and (small files) etag."""
+        return FileStat.from_wire(
+            await self._call("GET", "/fs/stat", timeout, params={"path": path})
+        )
 
     async def exists(self, path: str, *, timeout: float | None = None) -> bool:
         """Whether ``path`` exists."""

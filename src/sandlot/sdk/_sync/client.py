@@ -27,7 +27,18 @@ from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.events import EventStream, wait_for_state
 from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk.settings import load_settings
-from sandlot.sdk.types import Event, Grant
+from sandlot.sdk.types import (
+    AuditEntry,
+    Event,
+    Grant,
+    HeartbeatResult,
+    Pool,
+    RefreshResult,
+    SandboxSnapshot,
+    SessionSnapshot,
+    Template,
+    Volume,
+)
 
 _ACTIVE = ("active", "idle")
 _TERMINATED = ("terminated",)
@@ -107,7 +118,7 @@ class _Lease:
     def renew(self) -> bool:
         """Refresh the token; re-negotiate when the binding is gone."""
         with self.lock:
-            body: dict[str, Any] | None = None
+            body: RefreshResult | None = None
             # A refresh mints for the actor that attached last through the key: a lease
             # that names its actor negotiates again instead, to stay that actor.
             if self.grant.session_id is not None and "actor" not in self.request:
@@ -261,49 +272,50 @@ class Sandlot:
             timeout=timeout,
         )
 
-    def wait_active(self, grant: Grant, *, timeout: float | None = None) -> dict[str, Any]:
+    def wait_active(self, grant: Grant, *, timeout: float | None = None) -> SessionSnapshot:
         """Wait until a binding is active: subscribe after the snapshot, dispatch, re-read."""
         assert grant.session_id is not None
         deadline = self._http.deadline(timeout)
         snapshot = self.session(grant.session_id, timeout=deadline.remaining())
         snapshot = self._wait_binding(snapshot, _ACTIVE, deadline.remaining())
-        grant.state = (snapshot.get("binding") or {}).get("state")
+        grant.state = snapshot.binding.state
         return snapshot
 
     def _wait_binding(
-        self, snapshot: dict[str, Any], target: tuple[str, ...], timeout: float | None
-    ) -> dict[str, Any]:
+        self, snapshot: SessionSnapshot, target: tuple[str, ...], timeout: float | None
+    ) -> SessionSnapshot:
         """Wait on a binding's events, from its snapshot's sequence, until it is in ``target``.
 
         The snapshot is read again at the end: the events are a notice, the snapshot the truth.
         """
-        session_id = str(snapshot.get("session_id") or (snapshot.get("binding") or {})["id"])
+        session_id = snapshot.session_id
         deadline = self._http.deadline(timeout)
-        binding = snapshot.get("binding") or {}
-        if binding.get("state") not in target:
+        if snapshot.binding.state not in target:
             events = self.binding_events(
-                session_id, after=binding.get("last_event_sequence"), timeout=deadline.remaining()
+                session_id,
+                after=snapshot.binding.last_event_sequence,
+                timeout=deadline.remaining(),
             )
             wait_for_state(events, _reaches(target), _reaches(_failing(target)))
             snapshot = self.session(session_id, timeout=deadline.remaining())
-            binding = snapshot.get("binding") or {}
-        if binding.get("state") in _failing(target):
-            raise SandlotError(f"binding {session_id} is {binding.get('state')}")
+        if snapshot.binding.state in _failing(target):
+            raise SandlotError(f"binding {session_id} is {snapshot.binding.state}")
         return snapshot
 
-    def session(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``)."""
-        return dict(self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout))
+    def session(self, session_id: str, *, timeout: float | None = None) -> SessionSnapshot:
+        """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``; no token)."""
+        body = self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout)
+        return SessionSnapshot.from_wire(body)
 
-    def refresh(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """A fresh token for the binding: ``{token, expires_at, credentials}``."""
+    def refresh(self, session_id: str, *, timeout: float | None = None) -> RefreshResult:
+        """A fresh token for the binding (capabilities never wider than granted)."""
         path = f"/v1/sandbox/sessions/{session_id}/refresh"
-        return dict(self._json("POST", path, timeout, json_body={}))
+        return RefreshResult.from_wire(self._json("POST", path, timeout, json_body={}))
 
-    def heartbeat(self, session_id: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """Extend this actor's lease: ``{state, lease_expires_at}``."""
+    def heartbeat(self, session_id: str, *, timeout: float | None = None) -> HeartbeatResult:
+        """Extend this actor's lease: the binding's state and the lease's new expiry."""
         path = f"/v1/sandbox/sessions/{session_id}/heartbeat"
-        return dict(self._json("POST", path, timeout, json_body={}))
+        return HeartbeatResult.from_wire(self._json("POST", path, timeout, json_body={}))
 
     def release(
         self,
@@ -312,7 +324,7 @@ class Sandlot:
         terminate: bool = False,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> dict[str, Any] | None:
+    ) -> SessionSnapshot | None:
         """Detach this actor (its tokens are revoked); ``terminate=True`` tears the sandbox down.
 
         A teardown is answered as soon as the broker has accepted it (the binding
@@ -334,7 +346,9 @@ class Sandlot:
             return None
         # A broker that answers 204 has finished the teardown already.
         left = deadline.remaining()
-        snapshot = dict(body) if body else self.session(session_id, timeout=left)
+        snapshot = (
+            SessionSnapshot.from_wire(body) if body else self.session(session_id, timeout=left)
+        )
         if wait:
             snapshot = self._wait_binding(snapshot, _TERMINATED, deadline.remaining())
         return snapshot
@@ -355,10 +369,11 @@ class Sandlot:
 
     def list_sandboxes(
         self, *, include_ended: bool = False, timeout: float | None = None
-    ) -> list[dict[str, Any]]:
-        """The caller's sandboxes."""
+    ) -> list[SandboxSnapshot]:
+        """The caller's sandboxes (``include_ended``: the terminated ones too)."""
         params = {"include_ended": include_ended}
-        return _items(self._json("GET", "/v1/sandboxes", timeout, params=params))
+        body = self._json("GET", "/v1/sandboxes", timeout, params=params)
+        return [SandboxSnapshot.from_wire(s) for s in _items(body)]
 
     def create_sandbox(
         self,
@@ -367,7 +382,7 @@ class Sandlot:
         name: str | None = None,
         wait: bool = True,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Create a sandbox bound to no scope; with ``wait`` return once it is active."""
         deadline = self._http.deadline(timeout)
         body: dict[str, Any] = {}
@@ -375,18 +390,21 @@ class Sandlot:
             body["template"] = template
         if name is not None:
             body["name"] = name
-        snap = dict(self._json("POST", "/v1/sandboxes", deadline.remaining(), json_body=body))
+        snap = SandboxSnapshot.from_wire(
+            self._json("POST", "/v1/sandboxes", deadline.remaining(), json_body=body)
+        )
         if wait:
             snap = self._wait_sandbox(snap, _ACTIVE, deadline.remaining())
         return snap
 
-    def get_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+    def get_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> SandboxSnapshot:
         """One sandbox's snapshot."""
-        return dict(self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout))
+        body = self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout)
+        return SandboxSnapshot.from_wire(body)
 
     def delete_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Terminate and remove a sandbox; return its snapshot.
 
         The broker answers once it has accepted the teardown (state ``terminating``:
@@ -400,49 +418,54 @@ class Sandlot:
         body = self._json("DELETE", path, deadline.remaining(), params={"wait": False})
         # A broker that answers 204 has finished the teardown already.
         left = deadline.remaining()
-        snap = dict(body) if body else self.get_sandbox(sandbox_id, timeout=left)
+        snap = (
+            SandboxSnapshot.from_wire(body) if body else self.get_sandbox(sandbox_id, timeout=left)
+        )
         if wait:
             snap = self._wait_sandbox(snap, _TERMINATED, deadline.remaining())
         return snap
 
     def suspend_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Suspend a sandbox (processes frozen, files kept)."""
         return self._transition(sandbox_id, "suspend", ("suspended",), wait, timeout)
 
     def resume_sandbox(
         self, sandbox_id: str, *, wait: bool = True, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         """Resume a suspended sandbox."""
         return self._transition(sandbox_id, "resume", _ACTIVE, wait, timeout)
 
     def _transition(
         self, sandbox_id: str, verb: str, target: tuple[str, ...], wait: bool, timeout: float | None
-    ) -> dict[str, Any]:
+    ) -> SandboxSnapshot:
         deadline = self._http.deadline(timeout)
         path = f"/v1/sandboxes/{sandbox_id}/{verb}"
         body = self._json("POST", path, deadline.remaining(), json_body={})
-        snap = dict(body) if body else self.get_sandbox(sandbox_id)
+        snap = (
+            SandboxSnapshot.from_wire(body)
+            if body
+            else self.get_sandbox(sandbox_id, timeout=deadline.remaining())
+        )
         if wait:
             snap = self._wait_sandbox(snap, target, deadline.remaining())
         return snap
 
     def _wait_sandbox(
-        self, snap: dict[str, Any], target: tuple[str, ...], timeout: float | None
-    ) -> dict[str, Any]:
+        self, snap: SandboxSnapshot, target: tuple[str, ...], timeout: float | None
+    ) -> SandboxSnapshot:
         """Wait on a sandbox's events, from its snapshot's sequence, until it is in ``target``;
         then read the snapshot again (the events are a notice, the snapshot the truth)."""
-        sandbox_id = snap["id"]
         deadline = self._http.deadline(timeout)
-        if snap.get("state") not in target:
+        if snap.state not in target:
             events = self.sandbox_events(
-                sandbox_id, after=snap.get("last_event_sequence"), timeout=deadline.remaining()
+                snap.id, after=snap.last_event_sequence, timeout=deadline.remaining()
             )
             wait_for_state(events, _reaches(target), _reaches(_failing(target)))
-            snap = self.get_sandbox(sandbox_id, timeout=deadline.remaining())
-        if snap.get("state") in _failing(target):
-            raise SandlotError(f"sandbox {sandbox_id} is {snap.get('state')}")
+            snap = self.get_sandbox(snap.id, timeout=deadline.remaining())
+        if snap.state in _failing(target):
+            raise SandlotError(f"sandbox {snap.id} is {snap.state}")
         return snap
 
     def sandbox_events(
@@ -455,27 +478,29 @@ class Sandlot:
 
     # --- templates, pools, volumes --------------------------------------------------
 
-    def list_templates(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+    def list_templates(self, *, timeout: float | None = None) -> list[Template]:
         """Templates the caller may use."""
-        return _items(self._json("GET", "/v1/templates", timeout))
+        body = self._json("GET", "/v1/templates", timeout)
+        return [Template.from_wire(t) for t in _items(body)]
 
-    def get_template(self, name: str, *, timeout: float | None = None) -> dict[str, Any]:
+    def get_template(self, name: str, *, timeout: float | None = None) -> Template:
         """One template."""
-        return dict(self._json("GET", f"/v1/templates/{name}", timeout))
+        return Template.from_wire(self._json("GET", f"/v1/templates/{name}", timeout))
 
     def create_template(
         self, template: dict[str, Any], *, timeout: float | None = None
-    ) -> dict[str, Any]:
+    ) -> Template:
         """Create a template (admins): ``{name, image, resources, network, env, shells, …}``."""
-        return dict(self._json("POST", "/v1/templates", timeout, json_body=template))
+        body = self._json("POST", "/v1/templates", timeout, json_body=template)
+        return Template.from_wire(body)
 
     def delete_template(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a template (admins)."""
         self._json("DELETE", f"/v1/templates/{name}", timeout)
 
-    def list_pools(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Warm pools."""
-        return _items(self._json("GET", "/v1/pools", timeout))
+    def list_pools(self, *, timeout: float | None = None) -> list[Pool]:
+        """Warm pools, with how many sandboxes each has ready."""
+        return [Pool.from_wire(p) for p in _items(self._json("GET", "/v1/pools", timeout))]
 
     def create_pool(
         self,
@@ -485,27 +510,26 @@ class Sandlot:
         min_ready: int = 1,
         max_ready: int | None = None,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> Pool:
         """Create a warm pool of ``template`` (admins)."""
         body: dict[str, Any] = {"name": name, "template": template, "min_ready": min_ready}
         if max_ready is not None:
             body["max_ready"] = max_ready
-        return dict(self._json("POST", "/v1/pools", timeout, json_body=body))
+        return Pool.from_wire(self._json("POST", "/v1/pools", timeout, json_body=body))
 
     def delete_pool(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a warm pool (admins)."""
         self._json("DELETE", f"/v1/pools/{name}", timeout)
 
-    def list_volumes(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
+    def list_volumes(self, *, timeout: float | None = None) -> list[Volume]:
         """The caller's volumes."""
-        return _items(self._json("GET", "/v1/volumes", timeout))
+        body = self._json("GET", "/v1/volumes", timeout)
+        return [Volume.from_wire(v) for v in _items(body)]
 
-    def create_volume(
-        self, name: str, *, timeout: float | None = None, **fields: Any
-    ) -> dict[str, Any]:
+    def create_volume(self, name: str, *, timeout: float | None = None, **fields: Any) -> Volume:
         """Create a persistent volume."""
         body = {"name": name, **fields}
-        return dict(self._json("POST", "/v1/volumes", timeout, json_body=body))
+        return Volume.from_wire(self._json("POST", "/v1/volumes", timeout, json_body=body))
 
     def delete_volume(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a volume."""
@@ -521,11 +545,12 @@ class Sandlot:
         after: int = 0,
         limit: int = 100,
         timeout: float | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[AuditEntry]:
         """Audit entries after the id ``after`` (admins): who did what, when, to which
         sandbox; ``scope`` (``thread:thr_1``) and ``actor`` (a principal id) filter them."""
         params = {"scope": scope, "actor": actor, "after": after, "limit": limit}
-        return _items(self._json("GET", "/v1/audit", timeout, params=params))
+        body = self._json("GET", "/v1/audit", timeout, params=params)
+        return [AuditEntry.from_wire(e) for e in _items(body)]
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -555,10 +580,5 @@ class Sandlot:
 
 
 def _items(body: Any) -> list[dict[str, Any]]:
-    if isinstance(body, list):
-        return body
-    if isinstance(body, dict):
-        for key in ("items", "sandboxes", "templates", "pools", "volumes", "data"):
-            if isinstance(body.get(key), list):
-                return list(body[key])
-    return []
+    """The objects of a list answer (``{"items": [...]}``, PROTOCOL.md 2.8)."""
+    return list(body["items"])

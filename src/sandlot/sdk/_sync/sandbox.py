@@ -27,12 +27,19 @@ from sandlot.sdk._sync.commands import Command
 from sandlot.sdk._sync.events import EventStream
 from sandlot.sdk._sync.shells import Shell
 from sandlot.sdk.types import (
+    ArchiveResult,
     CommandResult,
     Deadline,
+    EditResult,
+    ExecSnapshot,
     FileEntry,
+    FileStat,
     Grant,
+    GrepAnswer,
     GrepMatch,
     ReadResult,
+    ShellSnapshot,
+    UploadResult,
 )
 
 #: Block size of streamed uploads from local files.
@@ -298,20 +305,21 @@ class Sandbox:
         cmd._connect()
         return cmd
 
-    def list_execs(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Snapshots of the sandbox's commands (``GET /execs``)."""
+    def list_execs(self, *, timeout: float | None = None) -> list[ExecSnapshot]:
+        """Snapshots of the sandbox's commands, running and recently ended (``GET /execs``)."""
         body = self._call("GET", "/execs", timeout)
-        return list(body.get("execs", body) if isinstance(body, dict) else body)
+        return [ExecSnapshot.from_wire(e) for e in body["execs"]]
 
-    def get_exec(self, exec_id: str, *, timeout: float | None = None) -> dict[str, Any]:
+    def get_exec(self, exec_id: str, *, timeout: float | None = None) -> ExecSnapshot:
         """One command's snapshot, with ``last_event_sequence`` (``GET /execs/{id}``)."""
-        return dict(self._call("GET", f"/execs/{exec_id}", timeout))
+        return ExecSnapshot.from_wire(self._call("GET", f"/execs/{exec_id}", timeout))
 
     def signal_exec(
         self, exec_id: str, signal: str = "SIGINT", *, timeout: float | None = None
-    ) -> None:
-        """Send a signal to a command."""
-        self._call("POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal})
+    ) -> ExecSnapshot:
+        """Send a signal to a command; return its snapshot as the signal was sent."""
+        body = self._call("POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal})
+        return ExecSnapshot.from_wire(body)
 
     # --- shells --------------------------------------------------------------------
 
@@ -346,10 +354,10 @@ class Sandbox:
             keepalive=self.keepalive,
         )
 
-    def list_shells(self, *, timeout: float | None = None) -> list[dict[str, Any]]:
-        """The sandbox's shells: ``{name, clients, created_at, offset}``."""
+    def list_shells(self, *, timeout: float | None = None) -> list[ShellSnapshot]:
+        """The sandbox's shells (``GET /shells``)."""
         body = self._call("GET", "/shells", timeout)
-        return list(body.get("shells", []) if isinstance(body, dict) else body)
+        return [ShellSnapshot.from_wire(s) for s in body["shells"]]
 
     def delete_shell(self, name: str, *, timeout: float | None = None) -> None:
         """End a shell for every client."""
@@ -363,7 +371,7 @@ class Sandbox:
         data: bytes | str | os.PathLike[str] | Iterable[bytes],
         *,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> UploadResult:
         """Write a file, streamed: ``data`` is bytes, a local file path, or chunks of bytes.
 
         A ``str`` is a local path (``os.PathLike`` too); pass ``text.encode()`` for content.
@@ -371,9 +379,8 @@ class Sandbox:
         content: Any = data
         if isinstance(data, str | os.PathLike):
             content = _local_chunks(os.fspath(data))
-        return dict(
-            self._call("POST", "/files/upload", timeout, params={"path": path}, content=content)
-        )
+        body = self._call("POST", "/files/upload", timeout, params={"path": path}, content=content)
+        return UploadResult.from_wire(body)
 
     def download(self, path: str, *, timeout: float | None = None) -> bytes:
         """A file's bytes."""
@@ -402,24 +409,23 @@ class Sandbox:
         *,
         delete_missing: bool = False,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> ArchiveResult:
         """Extract a tar into ``path``: bytes, a local directory packed first, or a stream
         of chunks sent as they come (a tar written while a tree is walked, say).
 
         ``delete_missing=True`` removes what the archive does not name (a sync). The
-        answer counts what was written (``files``, ``bytes``...).
+        answer counts what was written (``files``, ``bytes``...) and removed (``deleted``).
         """
         if isinstance(data, str | os.PathLike):
             data = _tar_directory(os.fspath(data))
-        return dict(
-            self._call(
-                "POST",
-                "/files/archive",
-                timeout,
-                params={"path": path, "delete_missing": delete_missing},
-                content=data,
-            )
+        body = self._call(
+            "POST",
+            "/files/archive",
+            timeout,
+            params={"path": path, "delete_missing": delete_missing},
+            content=data,
         )
+        return ArchiveResult.from_wire(body)
 
     def download_archive(self, path: str, *, timeout: float | None = None) -> bytes:
         """A tar of the directory ``path``."""
@@ -479,8 +485,13 @@ class Sandbox:
         replace_all: bool = False,
         if_match: str | None = None,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """Replace ``old_string`` by ``new_string``: ``{path, occurrences, etag}``."""
+    ) -> EditResult:
+        """Replace ``old_string`` by ``new_string`` (every occurrence with ``replace_all``).
+
+        More than one occurrence without ``replace_all`` is
+        :class:`~sandlot.protocol.errors.InvalidRequest`; ``if_match`` edits only that
+        version of the file.
+        """
         body: dict[str, Any] = {
             "path": path,
             "old_string": old_string,
@@ -489,7 +500,7 @@ class Sandbox:
         }
         if if_match is not None:
             body["if_match"] = if_match
-        return dict(self._call("POST", "/fs/edit", timeout, json_body=body))
+        return EditResult.from_wire(self._call("POST", "/fs/edit", timeout, json_body=body))
 
     def glob(
         self, pattern: str, path: str = "/workspace", *, timeout: float | None = None
@@ -508,11 +519,15 @@ class Sandbox:
         regex: bool = False,
         timeout: float | None = None,
     ) -> list[GrepMatch]:
-        """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers."""
+        """Lines containing ``pattern`` (literal unless ``regex``), 1-based line numbers.
+
+        Whether a cap or the server's deadline cut the search short is in
+        :meth:`grep_raw`'s ``truncated``.
+        """
         out = self.grep_raw(
             pattern, path, glob=glob, max_count=max_count, regex=regex, timeout=timeout
         )
-        return [GrepMatch(m["path"], int(m["line"]), m["text"]) for m in out["matches"]]
+        return [GrepMatch(m["path"], m["line"], m["text"]) for m in out["matches"]]
 
     def grep_raw(
         self,
@@ -523,19 +538,25 @@ class Sandbox:
         max_count: int | None = None,
         regex: bool = False,
         timeout: float | None = None,
-    ) -> dict[str, Any]:
+    ) -> GrepAnswer:
         """:meth:`grep`'s answer as the server sent it: ``matches`` (dicts of ``path``,
-        ``line``, ``text``) and ``truncated``, for callers that pass plain dicts on."""
+        ``line``, ``text``) and ``truncated``, for callers that pass plain dicts on.
+
+        The one answer the SDK leaves as a dict (:class:`~sandlot.sdk.types.GrepAnswer`),
+        typed as one: a dataclass per match would cost such a caller more than
+        parsing the JSON does.
+        """
         body: dict[str, Any] = {"pattern": pattern, "path": path, "regex": regex}
         if glob is not None:
             body["glob"] = glob
         if max_count is not None:
             body["max_count"] = max_count
-        return dict(self._call("POST", "/fs/grep", timeout, json_body=body))
+        answer: GrepAnswer = self._call("POST", "/fs/grep", timeout, json_body=body)
+        return answer
 
-    def stat(self, path: str, *, timeout: float | None = None) -> dict[str, Any]:
-        """A file's metadata."""
-        return dict(self._call("GET", "/fs/stat", timeout, params={"path": path}))
+    def stat(self, path: str, *, timeout: float | None = None) -> FileStat:
+        """A path's type, size, mode, modification time and (small files) etag."""
+        return FileStat.from_wire(self._call("GET", "/fs/stat", timeout, params={"path": path}))
 
     def exists(self, path: str, *, timeout: float | None = None) -> bool:
         """Whether ``path`` exists."""
