@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from sandlot.sdk.types import RetryBudget
+from sandlot.sdk.transport import RetryBudget
 
 
 def test_never_acknowledged_gives_up_after_the_attempts() -> None:

@@ -34,7 +34,8 @@ from sandlot.sdk import (
     ShellSnapshot,
     UploadResult,
 )
-from sandlot.sdk.types import Actor, Deadline
+from sandlot.sdk.transport import Deadline
+from sandlot.sdk.types import Actor
 from tests.servers import SandlotServer
 
 pytestmark = pytest.mark.timeout(60)

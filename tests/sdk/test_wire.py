@@ -29,7 +29,7 @@ from cryptography.x509.oid import NameOID
 from sandlot.sdk import ConnectError, ConnectionLost, RequestTimeout, SandlotError
 from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._sync._wire import Wire
-from sandlot.sdk.types import Deadline
+from sandlot.sdk.transport import Deadline
 
 # A handler gets the connection's number, the request's head and body, and the
 # socket; it answers (or not) and says whether to keep the connection open.

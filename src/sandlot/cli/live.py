@@ -21,7 +21,7 @@ from sandlot.cli.context import JsonOption, KeyOption, UrlOption
 from sandlot.cli.errors import err_console, fail
 from sandlot.cli.settings import CliSettings
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, AsyncShell
-from sandlot.sdk.types import RetryBudget
+from sandlot.sdk.transport import RetryBudget
 
 #: Ctrl-] leaves ``sandlot shell`` (the shell keeps running), as in telnet.
 DETACH_KEY = b"\x1d"

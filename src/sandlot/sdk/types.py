@@ -14,14 +14,12 @@ CLI prints with ``--json``, including fields a newer server added.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, ClassVar, NamedTuple, Self, TypedDict, cast
 
-from sandlot.protocol.errors import RequestTimeout
 from sandlot.protocol.version import check_protocol_version
 
 
@@ -767,74 +765,3 @@ class AuditEntry(WireResult):
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     _nested = {"actor": Actor.from_wire}
-
-
-# --- transport -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Response:
-    """A whole HTTP answer: status, headers (names in lower case) and body."""
-
-    status_code: int
-    headers: Mapping[str, str]
-    content: bytes
-
-    def json(self) -> Any:
-        """The body parsed as JSON (``ValueError`` if it is not)."""
-        return json.loads(self.content)
-
-
-class Deadline:
-    """A client-side deadline shared by every step of one call."""
-
-    def __init__(self, seconds: float | None) -> None:
-        self.seconds = seconds
-        self.at = None if seconds is None else time.monotonic() + seconds
-
-    def remaining(self) -> float | None:
-        """Seconds left (``None``: no deadline); raises ``TimeoutError`` once past."""
-        if self.at is None:
-            return None
-        left = self.at - time.monotonic()
-        if left <= 0:
-            raise RequestTimeout(f"deadline of {self.seconds} s exceeded")
-        return left
-
-
-class RetryBudget:
-    """When to stop reconnecting a stream whose connection broke.
-
-    Given up after ``attempts`` consecutive failures; once the server has
-    acknowledged the stream (a command's ``ready``, an event), only when those
-    failures also span ``window`` seconds: a running command outlives a network
-    outage of that long, while a server that never answered fails fast. Every
-    acknowledgement starts a new budget.
-    """
-
-    def __init__(self, attempts: int = 5, window: float = 30.0) -> None:
-        self.attempts = attempts
-        self.window = window
-        self.failures = 0
-        self.acknowledged = False
-        self._since: float | None = None
-
-    def acknowledge(self) -> None:
-        """The server acknowledged the stream: a new budget."""
-        self.failures = 0
-        self.acknowledged = True
-        self._since = None
-
-    def fail(self) -> bool:
-        """Count one failure; whether to try again (after :meth:`backoff` seconds)."""
-        now = time.monotonic()
-        if self._since is None:
-            self._since = now
-        self.failures += 1
-        if self.failures <= self.attempts:
-            return True
-        return self.acknowledged and now - self._since < self.window
-
-    def backoff(self) -> float:
-        """Seconds to wait before the next attempt (doubling, at most 2 s)."""
-        return min(0.05 * (1 << min(self.failures, 8)), 2.0)

@@ -11,7 +11,7 @@ from urllib.parse import quote_plus
 
 from sandlot.protocol.errors import RequestTimeout, SandlotError, error_from_wire
 from sandlot.sdk._async._wire import CONNECT_TIMEOUT, AsyncStreamedResponse, AsyncWire, Body
-from sandlot.sdk.types import Deadline, Response
+from sandlot.sdk.transport import Deadline, Response
 
 #: Seconds between keepalive pings on WebSockets; a ping unanswered for as long
 #: again means the connection is dead (a command then resumes on a new one).

@@ -28,7 +28,8 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, RetryBudget
+from sandlot.sdk.transport import Deadline, RetryBudget
+from sandlot.sdk.types import CommandResult, OutputChunk
 
 #: Consecutive reconnections without an acknowledgement before giving up...
 RECONNECT_ATTEMPTS = 5
@@ -78,6 +79,13 @@ class AsyncCommand:
         self._text: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._ws: Any = None
         self._budget = RetryBudget(RECONNECT_ATTEMPTS, RECONNECT_WINDOW)
+
+    async def connect(self) -> AsyncCommand:
+        """Open the command's socket: start it, or attach to it (what
+        :meth:`AsyncSandbox.stream` and :meth:`AsyncSandbox.attach` do before returning it).
+        Reconnections after that are the command's own."""
+        await self._connect()
+        return self
 
     async def _open(self, timeout: float) -> None:
         self._ws = await _aio.ws_connect(self._url, self._auth(), timeout, self._keepalive)

@@ -14,7 +14,8 @@ from typing import Any
 from sandlot.protocol.errors import SandlotError, SocketClosed, Unauthenticated, error_from_wire
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, AsyncHTTP, open_timeout
-from sandlot.sdk.types import Deadline, Event, RetryBudget
+from sandlot.sdk.transport import Deadline, RetryBudget
+from sandlot.sdk.types import Event
 
 #: Consecutive failed reconnections before giving up (reset by every event)...
 RECONNECT_ATTEMPTS = 5

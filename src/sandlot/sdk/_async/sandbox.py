@@ -25,10 +25,10 @@ from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._async.commands import AsyncCommand
 from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.shells import AsyncShell
+from sandlot.sdk.transport import Deadline
 from sandlot.sdk.types import (
     ArchiveResult,
     CommandResult,
-    Deadline,
     EditResult,
     ExecSnapshot,
     FileEntry,
@@ -281,8 +281,7 @@ class AsyncSandbox:
             timeout=timeout,
             keepalive=self.keepalive,
         )
-        await cmd._connect()
-        return cmd
+        return await cmd.connect()
 
     async def attach(
         self,
@@ -303,8 +302,7 @@ class AsyncSandbox:
             timeout=timeout,
             keepalive=self.keepalive,
         )
-        await cmd._connect()
-        return cmd
+        return await cmd.connect()
 
     async def list_execs(self, *, timeout: float | None = None) -> list[ExecSnapshot]:
         """Snapshots of the sandbox's commands, running and recently ended (``GET /execs``)."""

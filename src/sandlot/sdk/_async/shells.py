@@ -16,7 +16,8 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _aio
 from sandlot.sdk._async._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, OutputChunk
+from sandlot.sdk.transport import Deadline
+from sandlot.sdk.types import OutputChunk
 
 
 class AsyncShell:

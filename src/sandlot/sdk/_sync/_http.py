@@ -12,7 +12,7 @@ from urllib.parse import quote_plus
 
 from sandlot.protocol.errors import RequestTimeout, SandlotError, error_from_wire
 from sandlot.sdk._sync._wire import CONNECT_TIMEOUT, Body, StreamedResponse, Wire
-from sandlot.sdk.types import Deadline, Response
+from sandlot.sdk.transport import Deadline, Response
 
 #: Seconds between keepalive pings on WebSockets; a ping unanswered for as long
 #: again means the connection is dead (a command then resumes on a new one).

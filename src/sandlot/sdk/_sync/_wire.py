@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 from sandlot.protocol.errors import ConnectError, ConnectionLost, RequestTimeout, TransportError
 from sandlot.sdk import _syncio as _aio
-from sandlot.sdk.types import Deadline, Response
+from sandlot.sdk.transport import Deadline, Response
 
 #: Idle connections kept per origin.
 MAX_IDLE = 16

@@ -29,7 +29,8 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import CommandResult, Deadline, OutputChunk, RetryBudget
+from sandlot.sdk.transport import Deadline, RetryBudget
+from sandlot.sdk.types import CommandResult, OutputChunk
 
 #: Consecutive reconnections without an acknowledgement before giving up...
 RECONNECT_ATTEMPTS = 5
@@ -79,6 +80,13 @@ class Command:
         self._text: dict[str, list[str]] = {"stdout": [], "stderr": []}
         self._ws: Any = None
         self._budget = RetryBudget(RECONNECT_ATTEMPTS, RECONNECT_WINDOW)
+
+    def connect(self) -> Command:
+        """Open the command's socket: start it, or attach to it (what
+        :meth:`Sandbox.stream` and :meth:`Sandbox.attach` do before returning it).
+        Reconnections after that are the command's own."""
+        self._connect()
+        return self
 
     def _open(self, timeout: float) -> None:
         self._ws = _aio.ws_connect(self._url, self._auth(), timeout, self._keepalive)

@@ -26,10 +26,10 @@ from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.commands import Command
 from sandlot.sdk._sync.events import EventStream
 from sandlot.sdk._sync.shells import Shell
+from sandlot.sdk.transport import Deadline
 from sandlot.sdk.types import (
     ArchiveResult,
     CommandResult,
-    Deadline,
     EditResult,
     ExecSnapshot,
     FileEntry,
@@ -280,8 +280,7 @@ class Sandbox:
             timeout=timeout,
             keepalive=self.keepalive,
         )
-        cmd._connect()
-        return cmd
+        return cmd.connect()
 
     def attach(
         self,
@@ -302,8 +301,7 @@ class Sandbox:
             timeout=timeout,
             keepalive=self.keepalive,
         )
-        cmd._connect()
-        return cmd
+        return cmd.connect()
 
     def list_execs(self, *, timeout: float | None = None) -> list[ExecSnapshot]:
         """Snapshots of the sandbox's commands, running and recently ended (``GET /execs``)."""

@@ -17,7 +17,8 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import _syncio as _aio
 from sandlot.sdk._sync._http import KEEPALIVE, open_timeout
-from sandlot.sdk.types import Deadline, OutputChunk
+from sandlot.sdk.transport import Deadline
+from sandlot.sdk.types import OutputChunk
 
 
 class Shell:
