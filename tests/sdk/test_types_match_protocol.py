@@ -63,7 +63,6 @@ TWINS: dict[type, type[BaseModel]] = {
 NOT_TWINS = {
     sdk.Grant: "one view of three shapes: the 2.1 grant, the 2.9 alias, the 2.10 bootstrap",
     sdk.OutputChunk: "made from stream frames (stdout, stderr and gap), not a body",
-    sdk.Response: "a whole HTTP answer: status, headers, bytes",
 }
 
 #: Fields only the SDK has: the body as sent.
