@@ -7,7 +7,8 @@
 Every ``import`` counts, wherever it is written (inside a function or under
 ``TYPE_CHECKING`` too): an import moved into a function hides a cycle from
 Python, not from the design. A cycle is a set of modules each reachable from the
-others (a strongly connected component of more than one module). No module uses
+others (a strongly connected component of more than one module). Every package has
+an ``__init__.py``. No module uses
 another module's underscore names (``from m import _x``, ``m._x``). The packages'
 arrows run one way (docs/ARCHITECTURE.md); the ones checked here (a package is
 named from ``sandlot``, and covers its subpackages):
@@ -22,6 +23,9 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "src"
+
+#: Folders of scripts loaded by path, not imported (Alembic's migrations).
+LOADED_BY_PATH = {"versions"}
 
 #: (from package, to package): arrows that must not exist.
 FORBIDDEN = [
@@ -187,6 +191,11 @@ def main() -> int:
     found = {name: imports_of(path, name, known) for name, path in files.items()}
     graph = {name: imp.modules for name, imp in found.items()}
     problems = 0
+    for folder in sorted({path.parent for path in files.values()}):
+        if not (folder / "__init__.py").exists() and folder.name not in LOADED_BY_PATH:
+            # A namespace package: importlib.resources cannot read files beside its modules.
+            problems += 1
+            print(f"package without __init__.py: {folder.relative_to(ROOT)}")
     for component in strongly_connected(graph):
         problems += 1
         print(f"cycle: {' ↔ '.join(component)}")

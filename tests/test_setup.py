@@ -69,6 +69,11 @@ def test_the_wheel_holds_hardened_builds_of_its_sources(tmp_path: Path) -> None:
     warnings = re.findall(r"^.*\.c:\d+:\d+: warning: .*$", output, re.MULTILINE)
     assert not warnings, "\n".join(warnings)
 
+    # Every module of the sources is in the wheel (a folder without __init__.py would not be).
+    sources = Path(__file__).resolve().parents[1] / "src" / "sandlot"
+    shipped = {p.relative_to(package) for p in package.rglob("*.py")}
+    assert {p.relative_to(sources) for p in sources.rglob("*.py")} <= shipped
+
     runtime, dataplane = package / "runtime", package / "dataplane" / "services"
     for directory, names in ((runtime, PROGRAMS), (dataplane, (LIBRARY,))):
         manifest = json.loads((directory / artifacts.MANIFEST).read_text())
