@@ -7,6 +7,7 @@ started), and runs commands with ``POST /exec``::
 
     backend = SandlotBackend.for_thread("thr_123")          # as an agent, kept fresh
     backend = SandlotBackend(config["configurable"]["sandbox"])  # a grant in hand
+    backend = SandlotBackend.from_run()    # per call: the sandbox of the run's thread
     agent = create_deep_agent(model=..., backend=backend)
 
 Every method returns deepagents' result dataclasses and never raises for an
@@ -17,7 +18,9 @@ carried in the result, in the words ``BaseSandbox`` uses.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from deepagents.backends.protocol import (
@@ -36,6 +39,7 @@ from deepagents.backends.protocol import (
 )
 from deepagents.backends.protocol import GrepMatch as DAGrepMatch
 from deepagents.backends.sandbox import BaseSandbox
+from langgraph.config import get_config
 
 from sandlot.protocol.errors import (
     FileNotFound,
@@ -152,12 +156,40 @@ class SandlotBackend(BaseSandbox):
         timeout: float = 60.0,
         client: Sandlot | None = None,
     ) -> None:
-        if isinstance(grant, Sandbox):
-            self._sandbox = grant
-        else:
-            self._sandbox = Sandbox(grant, timeout=timeout)
+        fixed = grant if isinstance(grant, Sandbox) else Sandbox(grant, timeout=timeout)
+        self._resolve: Callable[[], Sandbox] = lambda: fixed
+        self._close: Callable[[], None] = fixed.close
         self._timeout = timeout
         self._client = client
+
+    @classmethod
+    def from_run(
+        cls,
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        on_behalf_of: str | None = None,
+        timeout: float = 60.0,
+        max_threads: int = 256,
+    ) -> SandlotBackend:
+        """A backend whose sandbox is the current LangGraph run's, resolved on every call.
+
+        The run's config (``langgraph.config.get_config()``) decides: a grant handed in
+        ``configurable.sandbox`` (bootstrap mode, PROTOCOL.md 2.10) first, else the
+        sandbox of ``configurable.thread_id``, ensured with the agent's key
+        (``url``/``api_key`` default to ``SANDLOT_URL``/``SANDLOT_API_KEY``) and kept
+        fresh while it is in use. So one graph, built once, serves every thread; the
+        grants of the ``max_threads`` most recent threads are kept. Used outside a run,
+        or in a run with neither, an operation raises ``RuntimeError``: a set-up mistake,
+        not a failure to report to the model.
+        """
+        runs = _RunSandboxes(url, api_key, on_behalf_of, timeout, max_threads)
+        backend = cls.__new__(cls)
+        backend._resolve = runs.current
+        backend._close = runs.close
+        backend._timeout = timeout
+        backend._client = None
+        return backend
 
     @classmethod
     def for_thread(
@@ -180,13 +212,17 @@ class SandlotBackend(BaseSandbox):
         return cls(sandbox, timeout=timeout, client=client)
 
     @property
+    def _sandbox(self) -> Sandbox:
+        return self._resolve()
+
+    @property
     def id(self) -> str:
-        """The sandbox id."""
+        """The sandbox id (for :meth:`from_run`: the current run's)."""
         return self._sandbox.id
 
     @property
     def sandbox(self) -> Sandbox:
-        """The SDK's sync sandbox this backend drives."""
+        """The SDK's sync sandbox this backend drives (for :meth:`from_run`: the run's)."""
         return self._sandbox
 
     def _asandbox(self) -> AsyncSandbox:
@@ -204,7 +240,7 @@ class SandlotBackend(BaseSandbox):
 
     def close(self) -> None:
         """Stop refreshing the grant (when this backend negotiated it) and close connections."""
-        self._sandbox.close()
+        self._close()
         if self._client is not None:
             self._client.close()
 
@@ -472,3 +508,68 @@ def _grep_result(found: GrepAnswer, max_count: int | None) -> GrepResult:
 
 
 __all__ = ["SandlotBackend"]
+
+
+class _RunSandboxes:
+    """The sandboxes of :meth:`SandlotBackend.from_run`: one per thread (or bootstrap
+    grant), the least recently used closed beyond ``limit``."""
+
+    def __init__(
+        self,
+        url: str | None,
+        api_key: str | None,
+        on_behalf_of: str | None,
+        timeout: float,
+        limit: int,
+    ) -> None:
+        self._options = (url, api_key, on_behalf_of, timeout)
+        self._client: Sandlot | None = None
+        self._limit = max(1, limit)
+        self._sandboxes: OrderedDict[str, Sandbox] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def current(self) -> Sandbox:
+        try:
+            configurable = get_config().get("configurable") or {}
+        except RuntimeError:
+            raise RuntimeError(
+                "SandlotBackend.from_run() is used outside a LangGraph run"
+            ) from None
+        bootstrap = configurable.get("sandbox")
+        thread_id = configurable.get("thread_id")
+        if isinstance(bootstrap, Mapping):
+            grant = Grant.from_response(bootstrap)
+            key = f"grant:{grant.token}"  # a refreshed grant is a new one (kept in memory only)
+        elif thread_id:
+            key = f"thread:{thread_id}"
+        else:
+            raise RuntimeError(
+                "SandlotBackend.from_run(): the run's config has neither "
+                "configurable.sandbox nor configurable.thread_id"
+            )
+        with self._lock:
+            found = self._sandboxes.get(key)
+            if found is not None:
+                self._sandboxes.move_to_end(key)
+                return found
+            url, api_key, on_behalf_of, timeout = self._options
+            if isinstance(bootstrap, Mapping):
+                found = Sandbox(grant, timeout=timeout)
+            else:
+                if self._client is None:
+                    self._client = Sandlot(url, api_key, on_behalf_of=on_behalf_of, timeout=timeout)
+                found = self._client.ensure(str(thread_id), timeout=timeout)
+            self._sandboxes[key] = found
+            while len(self._sandboxes) > self._limit:
+                _, oldest = self._sandboxes.popitem(last=False)
+                oldest.close()
+            return found
+
+    def close(self) -> None:
+        with self._lock:
+            for sandbox in self._sandboxes.values():
+                sandbox.close()
+            self._sandboxes.clear()
+            if self._client is not None:
+                self._client.close()
+                self._client = None
