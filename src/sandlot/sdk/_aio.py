@@ -128,9 +128,9 @@ async def ws_close(ws: ClientConnection) -> None:
 
 
 def ws_close_code(ws: Any) -> int | None:
-    """The close code the server sent, if any."""
-    rcvd = getattr(ws, "close_rcvd", None)
-    return getattr(rcvd, "code", None)
+    """The close code the server sent, if any (1006 when the connection broke without one)."""
+    code = getattr(ws, "close_code", None)
+    return int(code) if code is not None else None
 
 
 def _closed(ws: Any, exc: Exception) -> SocketClosed:

@@ -1,0 +1,39 @@
+"""The SDK reads the close code a dataplane socket ends with (PROTOCOL.md 3.3): a refused
+capability or a command that does not exist fails at once with its error, instead of being
+retried as a broken connection."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from sandlot.protocol.errors import ExecNotFound, Forbidden
+from sandlot.sdk import AsyncSandlot
+from tests.servers import SandlotServer
+
+
+def thread() -> str:
+    return f"thr_close_{uuid.uuid4().hex[:8]}"
+
+
+async def test_a_stream_without_exec_is_refused_at_once(server: SandlotServer, agent_key: str):
+    async with AsyncSandlot(server.url, agent_key) as client:
+        sandbox = await client.ensure(thread(), capabilities=["fs_read"])
+        started = time.monotonic()
+        with pytest.raises(Forbidden):
+            async with sandbox:
+                cmd = await sandbox.stream("echo hi", timeout=30)
+                await cmd.wait()
+        # Not after the reconnection budget (5 attempts with backoff, then an INTERNAL).
+        assert time.monotonic() - started < 5
+
+
+async def test_attaching_to_an_unknown_command_says_so(server: SandlotServer, agent_key: str):
+    async with AsyncSandlot(server.url, agent_key) as client:
+        sandbox = await client.ensure(thread())
+        async with sandbox:
+            with pytest.raises(ExecNotFound):
+                cmd = await sandbox.attach("ex_0000000000000000", timeout=30)
+                await cmd.wait()
