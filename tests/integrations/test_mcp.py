@@ -20,6 +20,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult, TextContent
 
+from sandlot.integrations.mcp import Callers, build_server
 from tests.servers import SandlotServer
 
 TOOLS = {
@@ -180,3 +181,24 @@ async def test_a_long_exec_reports_progress(
         assert len(seen) >= 2  # the chunks came while the command ran, not at the end
         assert "".join(m or "" for _, m in seen) == "1\n2\n3\n"
         assert [v for v, _ in seen] == sorted(v for v, _ in seen)
+
+
+async def test_refused_keys_do_not_pile_up(server: SandlotServer, agent_key: str) -> None:
+    # In process (the official client drives the server object directly), against the
+    # real broker: a refused key's client is dropped, a working key's is kept.
+    bad = Callers(server.url, default_key="sl_not_a_key")
+    async with Client(build_server(bad)) as client:
+        body = await failed(client, "environment_acquire", {"thread_id": "thr_nobody"})
+        assert body["code"] == "UNAUTHENTICATED"
+    assert bad.by_key == {}
+    good = Callers(server.url, default_key=agent_key)
+    try:
+        async with Client(build_server(good)) as client:
+            thread = f"thr_keep_{uuid.uuid4().hex[:8]}"
+            grant = await ok(client, "environment_acquire", {"thread_id": thread})
+            assert list(good.by_key) == [agent_key]
+            assert list(good.by_key[agent_key].sandboxes) == [grant["session_id"]]
+            await ok(client, "environment_release", {"session_id": grant["session_id"]})
+            assert good.by_key[agent_key].sandboxes == {}
+    finally:
+        await good.aclose()

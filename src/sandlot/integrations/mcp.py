@@ -123,15 +123,27 @@ class Callers:
         self.default_key = default_key
         self.by_key: dict[str, Caller] = {}
 
-    def of(self, ctx: Context) -> Caller:
+    def key(self, ctx: Context) -> str | None:
         headers = ctx.headers
-        key = _bearer(headers.get("authorization")) if headers is not None else self.default_key
+        return _bearer(headers.get("authorization")) if headers is not None else self.default_key
+
+    def of(self, ctx: Context) -> Caller:
+        key = self.key(ctx)
         if not key:
             raise Unauthenticated("no API key: send Authorization: Bearer <sandlot API key>")
         caller = self.by_key.get(key)
         if caller is None:
             caller = self.by_key[key] = Caller(self.url, key)
         return caller
+
+    async def forget(self, ctx: Context) -> None:
+        """Drop the client of a key the broker refused, unless it holds sessions: keys
+        that were never valid must not pile up."""
+        key = self.key(ctx)
+        caller = self.by_key.get(key) if key else None
+        if key and caller is not None and not caller.sandboxes:
+            del self.by_key[key]
+            await caller.aclose()
 
     async def aclose(self) -> None:
         for caller in self.by_key.values():
@@ -153,22 +165,30 @@ def error_body(exc: SandlotError) -> Json:
     return body
 
 
-def _tool(fn: Callable[P, Awaitable[Json]]) -> Callable[P, Awaitable[Json | CallToolResult]]:
+def _tool(
+    callers: Callers,
+) -> Callable[[Callable[P, Awaitable[Json]]], Callable[P, Awaitable[Json | CallToolResult]]]:
     """Turn a :class:`SandlotError` into an ``isError`` result carrying the wire code."""
 
-    @functools.wraps(fn)
-    async def run(*args: P.args, **kwargs: P.kwargs) -> Json | CallToolResult:
-        try:
-            return await fn(*args, **kwargs)
-        except SandlotError as exc:
-            body = error_body(exc)
-            return CallToolResult(
-                content=[TextContent(type="text", text=json.dumps(body))],
-                structured_content=body,
-                is_error=True,
-            )
+    def wrap(fn: Callable[P, Awaitable[Json]]) -> Callable[P, Awaitable[Json | CallToolResult]]:
+        @functools.wraps(fn)
+        async def run(*args: P.args, **kwargs: P.kwargs) -> Json | CallToolResult:
+            try:
+                return await fn(*args, **kwargs)
+            except SandlotError as exc:
+                ctx = kwargs.get("ctx")
+                if isinstance(exc, Unauthenticated) and isinstance(ctx, Context):
+                    await callers.forget(ctx)
+                body = error_body(exc)
+                return CallToolResult(
+                    content=[TextContent(type="text", text=json.dumps(body))],
+                    structured_content=body,
+                    is_error=True,
+                )
 
-    return run
+        return run
+
+    return wrap
 
 
 def _grant_summary(sandbox: AsyncSandbox, *, include_token: bool) -> Json:
@@ -258,6 +278,7 @@ async def _download(sandbox: AsyncSandbox, path: str) -> bytes:
 
 def build_server(callers: Callers) -> MCPServer[Any]:
     """The MCP server: its tools and its resource template, over ``callers``."""
+    tool = _tool(callers)
     mcp: MCPServer[Any] = MCPServer(
         "sandlot",
         instructions=(
@@ -268,7 +289,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
     )
 
     @mcp.tool()
-    @_tool
+    @tool
     async def environment_acquire(
         ctx: Context,
         thread_id: str | None = None,
@@ -300,7 +321,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return _grant_summary(sandbox, include_token=include_token)
 
     @mcp.tool()
-    @_tool
+    @tool
     async def environment_refresh(ctx: Context, session_id: str) -> Json:
         """Mint a fresh token for the session (capabilities never wider than granted)."""
         caller = callers.of(ctx)
@@ -315,7 +336,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         }
 
     @mcp.tool()
-    @_tool
+    @tool
     async def environment_heartbeat(ctx: Context, session_id: str) -> Json:
         """Extend this caller's lease on the session: its state and the lease's new expiry."""
         result = await callers.of(ctx).client.heartbeat(session_id)
@@ -326,7 +347,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         }
 
     @mcp.tool()
-    @_tool
+    @tool
     async def environment_release(ctx: Context, session_id: str, terminate: bool = False) -> Json:
         """Detach from the session (its tokens are revoked); terminate tears the sandbox down."""
         caller = callers.of(ctx)
@@ -336,7 +357,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"session_id": session_id, "released": True, "state": state}
 
     @mcp.tool(name="exec")
-    @_tool
+    @tool
     async def exec_(
         ctx: Context,
         command: str,
@@ -358,7 +379,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return _exec_result(result)
 
     @mcp.tool()
-    @_tool
+    @tool
     async def read(
         ctx: Context,
         path: str,
@@ -381,7 +402,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         }
 
     @mcp.tool()
-    @_tool
+    @tool
     async def write(
         ctx: Context,
         path: str,
@@ -396,7 +417,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"path": path, "etag": etag}
 
     @mcp.tool()
-    @_tool
+    @tool
     async def edit(
         ctx: Context,
         path: str,
@@ -412,7 +433,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"path": result.path, "occurrences": result.occurrences, "etag": result.etag}
 
     @mcp.tool()
-    @_tool
+    @tool
     async def ls(
         ctx: Context,
         path: str = "/workspace",
@@ -425,7 +446,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"entries": [_entry(e) for e in await sandbox.ls(path, depth=depth)]}
 
     @mcp.tool()
-    @_tool
+    @tool
     async def glob(
         ctx: Context,
         pattern: str,
@@ -438,7 +459,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"matches": [_entry(e) for e in await sandbox.glob(pattern, path)]}
 
     @mcp.tool()
-    @_tool
+    @tool
     async def grep(
         ctx: Context,
         pattern: str,
@@ -455,7 +476,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"matches": list(answer["matches"]), "truncated": bool(answer.get("truncated"))}
 
     @mcp.tool()
-    @_tool
+    @tool
     async def upload(
         ctx: Context,
         path: str,
@@ -473,7 +494,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         return {"path": result.path, "size": result.size}
 
     @mcp.tool()
-    @_tool
+    @tool
     async def download(
         ctx: Context,
         path: str,
@@ -496,6 +517,8 @@ def build_server(callers: Callers) -> MCPServer[Any]:
             sandbox = await callers.of(ctx).sandbox(session_id, None)
             data = await _download(sandbox, "/" + path)
         except SandlotError as exc:
+            if isinstance(exc, Unauthenticated):
+                await callers.forget(ctx)
             code = INVALID_PARAMS if isinstance(exc, NotFound | InvalidRequest) else INTERNAL_ERROR
             raise MCPError(
                 code=code, message=exc.message, data={**error_body(exc), "uri": uri}
