@@ -202,3 +202,40 @@ async def test_refused_keys_do_not_pile_up(server: SandlotServer, agent_key: str
             assert good.by_key[agent_key].sandboxes == {}
     finally:
         await good.aclose()
+
+
+async def test_scopes_modes_and_the_token(server: SandlotServer, agent_key: str) -> None:
+    async with http_client(server, agent_key) as client:
+        scope = {"type": "thread", "id": f"thr_modes_{uuid.uuid4().hex[:8]}"}
+        missing = await failed(client, "environment_acquire", {"scope": scope, "mode": "attach"})
+        assert missing["code"] == "SESSION_NOT_FOUND"
+        made = await ok(client, "environment_acquire", {"scope": scope, "mode": "create"})
+        assert made["scope"] == scope
+        again = await failed(client, "environment_acquire", {"scope": scope, "mode": "create"})
+        assert again["code"] == "SESSION_CONFLICT"
+        attached = await ok(
+            client, "environment_acquire", {"scope": scope, "mode": "attach", "include_token": True}
+        )
+        assert attached["session_id"] == made["session_id"]
+        assert attached["token"] and attached["http_base_url"].startswith(server.url)
+        nothing = await failed(client, "exec", {"command": "true"})
+        assert nothing["code"] == "INVALID_REQUEST"
+        await ok(
+            client, "environment_release", {"session_id": made["session_id"], "terminate": True}
+        )
+
+
+async def test_a_session_from_another_process_is_adopted(
+    server: SandlotServer, agent_key: str
+) -> None:
+    thread = f"thr_adopt_{uuid.uuid4().hex[:8]}"
+    async with stdio_client(server, agent_key) as first:
+        session = (await ok(first, "environment_acquire", {"thread_id": thread}))["session_id"]
+        await ok(first, "write", {"session_id": session, "path": "a.txt", "content": "kept"})
+    async with stdio_client(server, server.key("mallory", "agent")) as stranger:
+        body = await failed(stranger, "read", {"session_id": session, "path": "a.txt"})
+        assert body["code"] == "FORBIDDEN", body
+    async with stdio_client(server, agent_key) as second:
+        read = await ok(second, "read", {"session_id": session, "path": "a.txt"})
+        assert read["content"] == "kept"
+        await ok(second, "environment_release", {"session_id": session, "terminate": True})
