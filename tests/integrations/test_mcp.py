@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
@@ -239,3 +240,15 @@ async def test_a_session_from_another_process_is_adopted(
         read = await ok(second, "read", {"session_id": session, "path": "a.txt"})
         assert read["content"] == "kept"
         await ok(second, "environment_release", {"session_id": session, "terminate": True})
+
+
+def test_without_the_extra_sandlot_mcp_names_it() -> None:
+    code = (
+        "import sys; sys.modules['mcp'] = None\n"
+        "from sandlot.cli.main import main\n"
+        "sys.argv = ['sandlot', 'mcp', '--url', 'http://127.0.0.1:9', '--api-key', 'k']\n"
+        "main()\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "sandlot[mcp]" in out.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
 from sandlot.cli.errors import fail
 from sandlot.cli.settings import ConfigError, load_settings
@@ -24,6 +25,9 @@ def mcp_command(
         raise fail(str(exc), 2) from None
     try:
         from sandlot.integrations.mcp import run_stdio
-    except ImportError:
-        raise fail("the MCP server needs the mcp extra: pip install 'sandlot[mcp]'", 2) from None
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in ("mcp", "mcp_types"):
+            raise
+        message = "the MCP server needs the mcp extra: pip install 'sandlot[mcp]'"
+        raise fail(escape(message), 2) from None
     run_stdio(settings.url, settings.api_key)

@@ -145,8 +145,10 @@ def _mcp_app(app: ASGIApp, settings: BrokerSettings) -> HttpMcp | None:
     through the SDK, at its own URL), or ``None`` without the ``mcp`` extra."""
     try:
         from sandlot.integrations.mcp import HttpMcp
-    except ImportError:
-        return None
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] in ("mcp", "mcp_types"):
+            return None
+        raise
     return HttpMcp(app, settings.base_url)
 
 
