@@ -240,6 +240,12 @@ async def test_a_session_from_another_process_is_adopted(
         read = await ok(second, "read", {"session_id": session, "path": "a.txt"})
         assert read["content"] == "kept"
         await ok(second, "environment_release", {"session_id": session, "terminate": True})
+        renewed = await ok(second, "environment_acquire", {"thread_id": thread})
+        assert renewed["session_id"] != session
+    async with stdio_client(server, agent_key) as third:
+        # The old session names the scope that is bound anew: never the new session.
+        body = await failed(third, "read", {"session_id": session, "path": "a.txt"})
+        assert body["code"] == "SESSION_EXPIRED", body
 
 
 def test_without_the_extra_sandlot_mcp_names_it() -> None:

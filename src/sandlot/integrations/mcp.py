@@ -47,6 +47,7 @@ from sandlot.protocol.errors import (
     NotFound,
     PayloadTooLarge,
     SandlotError,
+    SessionExpired,
     Unauthenticated,
 )
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, CommandResult, FileEntry
@@ -103,9 +104,14 @@ class Caller:
             known = self.sandboxes.get(session_id)
             if known is not None:
                 return known
-            snapshot = await self.client.session(session_id)
-            scope = snapshot.binding.scope
-            return await self.acquire(scope_type=scope.type, scope_id=scope.id, mode="attach_only")
+            scope = (await self.client.session(session_id)).binding.scope
+            adopted = await self.acquire(
+                scope_type=scope.type, scope_id=scope.id, mode="attach_only"
+            )
+            if adopted.grant.session_id != session_id:
+                # The scope is bound anew: never act on another session than the one named.
+                raise SessionExpired(f"session {session_id} has ended")
+            return adopted
         if thread_id:
             return await self.acquire(scope_type="thread", scope_id=thread_id)
         raise InvalidRequest("name the environment: session_id (or thread_id)")
