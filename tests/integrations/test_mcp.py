@@ -74,6 +74,10 @@ async def ok(client: Client, name: str, args: dict[str, Any], **kw: Any) -> dict
     return result.structured_content
 
 
+async def _ignore(progress: float, total: float | None, message: str | None) -> None:
+    pass
+
+
 async def failed(client: Client, name: str, args: dict[str, Any]) -> dict[str, Any]:
     result = await client.call_tool(name, args)
     assert result.is_error, result
@@ -157,6 +161,17 @@ async def test_a_missing_capability_is_denied_by_the_dataplane(
         assert (await ok(client, "exec", {"session_id": session, "command": "true"}))[
             "exit_code"
         ] == 0
+        no_exec = await ok(
+            client,
+            "environment_acquire",
+            {"thread_id": f"thr_nx_{uuid.uuid4().hex[:8]}", "capabilities": ["fs_read"]},
+        )
+        run = {"session_id": no_exec["session_id"], "command": "true"}
+        assert (await failed(client, "exec", run))["code"] == "CAPABILITY_DENIED"
+        # With a progress token too: the dataplane's own refusal, not a broken socket.
+        streamed = await client.call_tool("exec", run, progress_callback=_ignore)
+        assert streamed.is_error, text(streamed)
+        assert json.loads(text(streamed))["code"] == "CAPABILITY_DENIED", text(streamed)
         with pytest.raises(MCPError) as info:
             await client.read_resource(f"sandlot://{session}/workspace/missing.txt")
         assert info.value.error.data["code"] == "FILE_NOT_FOUND"

@@ -378,7 +378,10 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         progress token, output is streamed as progress notifications while it runs.
         """
         sandbox = await callers.of(ctx).sandbox(session_id, thread_id)
-        if progress_token_from_params(ctx.request_context.params) is not None:
+        # Without exec in the grant, POST /exec lets the dataplane answer CAPABILITY_DENIED
+        # itself (the SDK's socket reports a refused socket only as a broken one).
+        wanted = progress_token_from_params(ctx.request_context.params) is not None
+        if wanted and "exec" in sandbox.grant.capabilities:
             result = await _stream(sandbox, command, ctx, timeout_seconds=timeout, cwd=cwd)
         else:
             result = await sandbox.exec(command, timeout_seconds=timeout, cwd=cwd)
