@@ -7,7 +7,7 @@ import sys
 import typer
 
 from sandlot import __version__
-from sandlot.cli import keys, live, resources, serve, sync
+from sandlot.cli import keys, live, mcp, resources, serve, sync
 
 app = typer.Typer(
     name="sandlot",
@@ -39,6 +39,7 @@ app.command("sync", epilog="Example: sandlot sync ./myproject thr_1:/workspace -
     sync.sync_command
 )
 app.command("pull", epilog="Example: sandlot pull thr_1 ./myproject")(sync.pull_command)
+app.command("mcp", help=mcp.HELP, epilog=mcp.EPILOG)(mcp.mcp_command)
 app.command("audit", epilog="Example: sandlot audit --scope thread:thr_1")(resources.audit_command)
 
 

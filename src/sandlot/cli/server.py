@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -27,6 +27,9 @@ from sandlot.dataplane.services.auth import AuthContext
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import SandlotError, Unauthenticated
 from sandlot.providers.base import Provider, provider_class
+
+if TYPE_CHECKING:
+    from sandlot.integrations.mcp import HttpMcp
 
 log = logging.getLogger("sandlot.server")
 
@@ -120,17 +123,33 @@ def build_app(
 
         app.include_router(provider_router(provider, provider_secret))
 
+    dataplane = getattr(provider, "app", None)
+    served: ASGIApp = MountDispatch(app, {"/dp": dataplane}) if dataplane else app
+    mcp = _mcp_app(served, settings)
+
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await broker.start(migrate=True)
         try:
-            yield
+            async with mcp.lifespan() if mcp else contextlib.nullcontext():
+                yield
         finally:
             await broker.stop()
 
     app.router.lifespan_context = lifespan
-    dataplane = getattr(provider, "app", None)
-    return (MountDispatch(app, {"/dp": dataplane}) if dataplane else app), broker
+    return (mcp or served), broker
+
+
+def _mcp_app(app: ASGIApp, settings: BrokerSettings) -> HttpMcp | None:
+    """``app`` with the MCP server at ``/mcp`` in front (talking to this server's broker
+    through the SDK, at its own URL), or ``None`` without the ``mcp`` extra."""
+    try:
+        from sandlot.integrations.mcp import HttpMcp
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] in ("mcp", "mcp_types"):
+            return None
+        raise
+    return HttpMcp(app, settings.base_url)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
