@@ -124,9 +124,21 @@ def test_watch_and_shell(env: dict[str, str], sandbox_id: str) -> None:
         shell.terminate(force=True)
 
 
+def test_session_get_prints_the_grant(env: dict[str, str], sandbox_id: str) -> None:
+    r = sandlot(env, "session", "get", "--sandbox", sandbox_id, "--json")
+    assert r.returncode == 0, r.stderr
+    grant = json.loads(r.stdout)
+    assert grant["sandbox"]["id"] == sandbox_id
+    assert grant["binding"]["scope"] == {"type": "sandbox", "id": sandbox_id}
+    r = sandlot(env, "session", "release", grant["session_id"])
+    assert r.returncode == 0 and r.stdout == f"released {grant['session_id']}\n"
+
+
 @pytest.mark.parametrize(
     "args",
     [
+        ["session", "get", "thr_x", "--sandbox", "sb_x"],
+        ["session", "get"],
         ["exec", "thr_x", "--sandbox", "sb_x", "--", "true"],
         ["exec", "--", "true"],
         ["exec", "--sandbox", "sb_x"],
