@@ -54,6 +54,7 @@ from sandlot.protocol.errors import (
     CapabilityDenied,
     Forbidden,
     InvalidRequest,
+    SandboxNotFound,
     SessionConflict,
     SessionExpired,
     SessionNotFound,
@@ -271,12 +272,18 @@ class SessionService:
         key = scope.key()
         user = principal.effective_user
         actor = ctx.actor or principal.actor
-        live = conn.execute(_LIVE_BINDING, {"key": key}).first()
         owner = None
+        if req.sandbox_id is not None:
+            live = self._live_binding_of_sandbox(conn, principal, req.sandbox_id)
+            if live is not None:
+                # The binding it serves (its own, or a scope's): report that scope.
+                key, scope = live.scope_key, Scope.parse(live.scope_key)
+        else:
+            live = conn.execute(_LIVE_BINDING, {"key": key}).first()
         if live is not None:
             # A binding's owner is its scope's owner: no need to read the scope.
             check_scope_access(conn, principal, key, live.owner_user_id)
-        else:
+        elif req.sandbox_id is None:
             owner = conn.execute(_SCOPE_OWNER, {"key": key}).first()
             if owner is not None:
                 check_scope_access(conn, principal, key, owner.owner_user_id)
@@ -289,19 +296,15 @@ class SessionService:
                     f"scope {key} already has a live session", metadata={"session_id": live.id}
                 )
             binding = BindingRow.from_row(live)
-            sandbox = get_sandbox(conn, binding.sandbox_id)
-            assert sandbox is not None
-            # The lease now counts as presence; the row's activity stamp needs no rewrite
-            # more than once a second.
-            if now - sandbox.last_active_at > 1.0:
-                conn.execute(_TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
-            resume = sandbox.state is SandboxState.SUSPENDED
-            if sandbox.state is SandboxState.IDLE:
-                self.sandboxes.apply_state_in(
-                    conn, sandbox.id, SandboxState.ACTIVE, reason="attach"
-                )
-                sandbox = get_sandbox(conn, sandbox.id)
-                assert sandbox is not None
+            found = get_sandbox(conn, binding.sandbox_id)
+            assert found is not None
+            sandbox, resume = self._wake(conn, found, now)
+        elif req.sandbox_id is not None:
+            found = get_sandbox(conn, req.sandbox_id)
+            assert found is not None
+            binding = self._bind_standalone(conn, found, actor, now)
+            sandbox, resume = self._wake(conn, found, now)
+            created = True
         else:
             if not req.mode.creates:
                 raise SessionNotFound(f"no live session for scope {key}", metadata={"scope": key})
@@ -375,6 +378,76 @@ class SessionService:
             caps=caps,
         )
         return _Negotiated(grant, provision, template, resume)
+
+    def _wake(self, conn: Connection, sandbox: SandboxRow, now: float) -> tuple[SandboxRow, bool]:
+        """An attach counts as activity: the sandbox as it is now, and whether to resume it."""
+        # The lease now counts as presence; the row's activity stamp needs no rewrite
+        # more than once a second.
+        if now - sandbox.last_active_at > 1.0:
+            conn.execute(_TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
+        if sandbox.state is SandboxState.IDLE:
+            self.sandboxes.apply_state_in(conn, sandbox.id, SandboxState.ACTIVE, reason="attach")
+            sandbox = get_sandbox(conn, sandbox.id) or sandbox
+        return sandbox, sandbox.state is SandboxState.SUSPENDED
+
+    @staticmethod
+    def _live_binding_of_sandbox(conn: Connection, principal: Principal, sandbox_id: str) -> Any:
+        """The live binding a sandbox serves (``None``: none yet, and the caller owns it).
+
+        Attaching by ``sandbox_id`` (docs/BROKER.md): a sandbox that serves a scope is
+        attached through that scope's binding, so whoever may attach to the scope may
+        (checked by the caller); one that serves none only by its owner or an admin.
+        """
+        sandbox = get_sandbox(conn, sandbox_id)
+        if sandbox is None or not sandbox.state.live or sandbox.pool is not None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}", metadata={"sandbox_id": sandbox_id})
+        live = conn.execute(
+            select(bindings).where(
+                bindings.c.sandbox_id == sandbox_id, bindings.c.live_scope.is_not(None)
+            )
+        ).first()
+        mine = sandbox.owner_user_id == principal.effective_user or principal.is_admin
+        if live is None and not mine:
+            raise Forbidden("this sandbox belongs to another user")
+        return live
+
+    def _bind_standalone(
+        self, conn: Connection, sandbox: SandboxRow, actor: Actor, now: float
+    ) -> BindingRow:
+        """A binding of its own (scope ``sandbox:sb_…``) for a sandbox that serves no scope.
+
+        The sandbox stays unbound (``scope`` null in its snapshot); the binding gives it
+        what every session has: leases, refresh, heartbeat, release and events.
+        """
+        key = Scope(type=ScopeType.SANDBOX, id=sandbox.id).key()
+        binding_id = new_id("ssn", 10)
+        try:
+            with conn.begin_nested():
+                conn.execute(
+                    bindings.insert().values(
+                        id=binding_id,
+                        scope_key=key,
+                        live_scope=key,
+                        sandbox_id=sandbox.id,
+                        owner_user_id=sandbox.owner_user_id,
+                        created_at=now,
+                        event_seq=0,
+                    )
+                )
+        except IntegrityError as exc:
+            raise _LostRace() from exc
+        append_event(
+            conn,
+            bindings,
+            binding_id,
+            "binding.created",
+            {"binding": {"op": "created", "scope": key, "sandbox_id": sandbox.id}},
+            state=sandbox.state.value,
+            actor=actor,
+            now=now,
+        )
+        row = conn.execute(select(bindings).where(bindings.c.id == binding_id)).first()
+        return BindingRow.from_row(row)
 
     def _sandbox_for_new_binding(
         self,

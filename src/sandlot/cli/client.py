@@ -6,6 +6,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import typer
@@ -59,19 +60,42 @@ def run(
         raise typer.Exit(130) from None
 
 
-def split_target(target: str) -> tuple[str, str | None]:
-    """``THREAD[:REMOTE_DIR]`` → (thread, remote dir or None)."""
-    thread, sep, remote = target.partition(":")
-    if not thread:
-        raise fail("name a thread: THREAD or THREAD:/remote/dir", 2)
-    return thread, (remote or None) if sep else None
+@dataclass(frozen=True)
+class Target:
+    """The sandbox a command works in: a thread's (``ensure``), or one named by id."""
+
+    thread: str | None = None
+    sandbox_id: str | None = None
+
+    async def open(self, client: AsyncSandlot) -> AsyncSandbox:
+        """The sandbox, once active: the thread's (created if missing), or the one named."""
+        if self.sandbox_id is not None:
+            return await client.attach_sandbox(self.sandbox_id)
+        assert self.thread is not None
+        return await client.ensure(self.thread)
 
 
-async def sandbox_for(client: AsyncSandlot, thread: str, *, create: bool = True) -> AsyncSandbox:
-    """The thread's sandbox (created if missing unless ``create=False``), once active."""
-    if create:
-        return await client.ensure(thread)
-    return await client.get(thread)
+def target_of(thread: str | None, sandbox_id: str | None) -> Target:
+    """``THREAD`` or ``--sandbox ID``: exactly one of the two (else a usage error, exit 2)."""
+    if (thread is None) == (sandbox_id is None):
+        raise fail("name the sandbox: THREAD or --sandbox ID (one of the two)", 2)
+    if sandbox_id is not None and not sandbox_id:
+        raise fail("--sandbox wants a sandbox id", 2)
+    if thread is not None and not thread:
+        raise fail("name a thread: THREAD", 2)
+    return Target(thread, sandbox_id)
+
+
+def split_target(target: str | None, sandbox_id: str | None) -> tuple[Target, str | None]:
+    """``THREAD[:REMOTE_DIR]`` or ``--sandbox ID[:REMOTE_DIR]`` → (target, remote dir or None)."""
+    given = target if sandbox_id is None else sandbox_id
+    if given is None or (target is not None and sandbox_id is not None):
+        raise fail("name the sandbox: THREAD[:DIR] or --sandbox ID[:DIR] (one of the two)", 2)
+    name, sep, remote = given.partition(":")
+    if not name:
+        raise fail("name a thread: THREAD or THREAD:/remote/dir (or --sandbox ID[:DIR])", 2)
+    dest = Target(sandbox_id=name) if sandbox_id is not None else Target(thread=name)
+    return dest, (remote or None) if sep else None
 
 
 def print_json(data: Any) -> None:

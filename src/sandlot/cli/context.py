@@ -15,3 +15,17 @@ KeyOption = typer.Option(
     None, "--api-key", help="API key (env SANDLOT_API_KEY).", show_default=False
 )
 JsonOption = typer.Option(False, "--json", help="Print JSON.")
+SandboxOption = typer.Option(
+    None,
+    "--sandbox",
+    metavar="ID",
+    help="A sandbox by id (one `sandlot sandbox create` made) instead of a thread.",
+    show_default=False,
+)
+SandboxDirOption = typer.Option(
+    None,
+    "--sandbox",
+    metavar="ID[:DIR]",
+    help="A sandbox by id (one `sandlot sandbox create` made) instead of THREAD[:DIR].",
+    show_default=False,
+)

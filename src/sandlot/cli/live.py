@@ -1,4 +1,7 @@
-"""``sandlot exec``, ``sandlot shell`` and ``sandlot watch``: working in a thread's sandbox live."""
+"""``sandlot exec``, ``sandlot shell`` and ``sandlot watch``: working in a sandbox live.
+
+Each addresses a thread's sandbox (``THREAD``) or a sandbox by id (``--sandbox ID``).
+"""
 
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ import tty
 from typing import Any
 
 import typer
+from typer.core import TyperCommand
 
-from sandlot.cli.client import run
-from sandlot.cli.context import JsonOption, KeyOption, UrlOption
+from sandlot.cli.client import run, target_of
+from sandlot.cli.context import JsonOption, KeyOption, SandboxOption, UrlOption
 from sandlot.cli.errors import err_console, fail
 from sandlot.cli.settings import CliSettings
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, AsyncShell
@@ -27,11 +31,42 @@ from sandlot.sdk.transport import RetryBudget
 DETACH_KEY = b"\x1d"
 
 
+class CommandAfterDashes(TyperCommand):
+    """Keeps what followed ``--``: Click hands THREAD the first positional, before or after
+    it, and only this tells ``exec T --sandbox ID -- cmd`` from ``exec --sandbox ID -- cmd``."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:  # Click's own Context
+        ctx.meta[AFTER_DASHES] = args[args.index("--") + 1 :] if "--" in args else None
+        return super().parse_args(ctx, args)
+
+
+AFTER_DASHES = "sandlot.after_dashes"
+
+
+def _split_command(
+    ctx: typer.Context, thread: str | None, words: list[str], sandbox: str | None
+) -> tuple[str | None, list[str]]:
+    """(THREAD, command): with ``--sandbox``, a THREAD is one given before ``--``."""
+    if sandbox is None or thread is None:
+        return thread, words
+    after = ctx.meta.get(AFTER_DASHES)
+    if after is None or len(words) + 1 == len(after):
+        return None, [thread, *words]
+    return thread, words
+
+
 def exec_command(
-    thread: str = typer.Argument(..., help="The thread whose sandbox runs the command."),
-    command: list[str] = typer.Argument(
-        ..., help="The command after --; one argument runs under the shell."
+    ctx: typer.Context,
+    thread: str | None = typer.Argument(
+        None,
+        metavar="[THREAD]",
+        help="The thread whose sandbox runs the command (or --sandbox ID).",
+        show_default=False,
     ),
+    command: list[str] = typer.Argument(
+        None, help="The command after --; one argument runs under the shell.", show_default=False
+    ),
+    sandbox_id: str | None = SandboxOption,
     cwd: str = typer.Option(None, help="Working directory in the sandbox (default: /workspace)."),
     env: list[str] = typer.Option(None, "--env", help="KEY=VALUE (repeatable)."),
     timeout: float = typer.Option(
@@ -41,21 +76,26 @@ def exec_command(
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
-    """Run a command in the thread's sandbox, streaming its output; exit with its code.
+    """Run a command in the thread's sandbox (or --sandbox ID), streaming its output; exit
+    with its code.
 
     The output survives a dropped connection: the command keeps running and
     the client reattaches where it stopped, without running it again.
     """
+    thread, words = _split_command(ctx, thread, list(command or []), sandbox_id)
+    target = target_of(thread, sandbox_id)
+    if not words:
+        raise fail("give the command after --: sandlot exec THREAD -- CMD…", 2)
     environ: dict[str, str] = {}
     for item in env or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise fail(f"--env wants KEY=VALUE, got {item!r}", 2)
         environ[key] = value
-    argv: str | list[str] = command[0] if len(command) == 1 else list(command)
+    argv: str | list[str] = words[0] if len(words) == 1 else words
 
     async def body(client: AsyncSandlot, _: Any) -> int:
-        sandbox = await client.ensure(thread)
+        sandbox = await target.open(client)
         cmd = await sandbox.stream(
             argv, cwd=cwd, env=environ or None, timeout_seconds=timeout, pty=pty
         )
@@ -217,23 +257,31 @@ async def _pump(shell: AsyncShell, out: Any) -> None:
 
 
 def shell_command(
-    thread: str = typer.Argument(..., help="The thread whose sandbox hosts the shell."),
+    thread: str | None = typer.Argument(
+        None,
+        metavar="[THREAD]",
+        help="The thread whose sandbox hosts the shell (or --sandbox ID).",
+        show_default=False,
+    ),
+    sandbox_id: str | None = SandboxOption,
     session: str = typer.Option("main", "--session", help="The shared shell's name."),
     observe: bool = typer.Option(False, "--observe", help="Watch without typing."),
     profile: str = typer.Option(None, help="Shell profile of the template (default: default)."),
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
-    """Open a terminal on a shared shell of the thread's sandbox (Ctrl-] detaches).
+    """Open a terminal on a shared shell of the thread's sandbox (or --sandbox ID; Ctrl-]
+    detaches).
 
     Everyone attached to the same --session sees the same screen; the shell
     keeps running after you detach, and a dropped connection reattaches
     without losing output.
     """
+    target = target_of(thread, sandbox_id)
     role = "observer" if observe else "driver"
 
     async def body(client: AsyncSandlot, _: Any) -> int | None:
-        sandbox = await client.ensure(thread)
+        sandbox = await target.open(client)
         with _Terminal():
             return await _shell_session(sandbox, session, role, profile)
 
@@ -268,7 +316,13 @@ def _describe(event: Any) -> str:
 
 
 def watch_command(
-    thread: str = typer.Argument(..., help="The thread whose sandbox to watch."),
+    thread: str | None = typer.Argument(
+        None,
+        metavar="[THREAD]",
+        help="The thread whose sandbox to watch (or --sandbox ID).",
+        show_default=False,
+    ),
+    sandbox_id: str | None = SandboxOption,
     after: int | None = typer.Option(
         None, help="Start after this event sequence (default: where the last watch stopped)."
     ),
@@ -281,9 +335,10 @@ def watch_command(
 
     It resumes where the previous watch of the same sandbox stopped.
     """
+    target = target_of(thread, sandbox_id)
 
     async def body(client: AsyncSandlot, settings: CliSettings) -> None:
-        sandbox = await client.ensure(thread)
+        sandbox = await target.open(client)
         cursor_file = settings.watch_dir / f"{sandbox.id}.seq"
         cursor = 0 if from_start else after
         if cursor is None:

@@ -25,20 +25,38 @@ app.add_typer(resources.template_app, name="template")
 app.add_typer(resources.pool_app, name="pool")
 app.command(
     "exec",
+    cls=live.CommandAfterDashes,
     epilog=(
         "Example: sandlot exec thr_1 -- python3 -c 'print(42)'   "
-        "(one argument runs under the shell: sandlot exec thr_1 -- 'ls | wc -l')"
+        "(one argument runs under the shell: sandlot exec thr_1 -- 'ls | wc -l'; "
+        "a sandbox by id: sandlot exec --sandbox sb_123 -- ls)"
     ),
 )(live.exec_command)
 app.command(
     "shell",
-    epilog="Example: sandlot shell thr_1   (another terminal: sandlot shell thr_1 --observe)",
+    epilog=(
+        "Example: sandlot shell thr_1   (another terminal: sandlot shell thr_1 --observe; "
+        "a sandbox by id: sandlot shell --sandbox sb_123)"
+    ),
 )(live.shell_command)
-app.command("watch", epilog="Example: sandlot watch thr_1")(live.watch_command)
-app.command("sync", epilog="Example: sandlot sync ./myproject thr_1:/workspace --watch")(
-    sync.sync_command
-)
-app.command("pull", epilog="Example: sandlot pull thr_1 ./myproject")(sync.pull_command)
+app.command(
+    "watch",
+    epilog="Example: sandlot watch thr_1   (a sandbox by id: sandlot watch --sandbox sb_123)",
+)(live.watch_command)
+app.command(
+    "sync",
+    epilog=(
+        "Example: sandlot sync ./myproject thr_1:/workspace --watch   "
+        "(a sandbox by id: sandlot sync ./myproject --sandbox sb_123:/workspace)"
+    ),
+)(sync.sync_command)
+app.command(
+    "pull",
+    epilog=(
+        "Example: sandlot pull thr_1 ./myproject   "
+        "(a sandbox by id: sandlot pull --sandbox sb_123 ./myproject)"
+    ),
+)(sync.pull_command)
 app.command("mcp", help=mcp.HELP, epilog=mcp.EPILOG)(mcp.mcp_command)
 app.command("audit", epilog="Example: sandlot audit --scope thread:thr_1")(resources.audit_command)
 

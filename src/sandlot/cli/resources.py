@@ -9,8 +9,8 @@ from typing import Any
 
 import typer
 
-from sandlot.cli.client import print_json, print_mapping, print_table, run
-from sandlot.cli.context import JsonOption, KeyOption, UrlOption
+from sandlot.cli.client import print_json, print_mapping, print_table, run, target_of
+from sandlot.cli.context import JsonOption, KeyOption, SandboxOption, UrlOption
 from sandlot.cli.errors import fail
 from sandlot.sdk import AsyncSandlot
 
@@ -74,17 +74,31 @@ def session_ensure(
     print_json(grant) if as_json else print_mapping(_grant_view(grant))
 
 
-@session_app.command("get", epilog="Example: sandlot session get thr_1")
+@session_app.command(
+    "get",
+    epilog=(
+        "Example: sandlot session get thr_1   "
+        "(a sandbox by id: sandlot session get --sandbox sb_123)"
+    ),
+)
 def session_get(
-    thread: str = ThreadArg,
+    thread: str | None = typer.Argument(
+        None, metavar="[THREAD]", help="A thread id (or --sandbox ID).", show_default=False
+    ),
+    sandbox_id: str | None = SandboxOption,
     as_json: bool = JsonOption,
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
-    """Attach to the thread's existing sandbox (never creates one) and print the grant."""
+    """Attach to the thread's existing sandbox, or a sandbox by id (never creates one), and
+    print the grant."""
+    target = target_of(thread, sandbox_id)
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return dict((await client.get(thread, wait=False)).grant.raw)
+        if target.sandbox_id is not None:
+            return dict((await client.attach_sandbox(target.sandbox_id, wait=False)).grant.raw)
+        assert target.thread is not None
+        return dict((await client.get(target.thread, wait=False)).grant.raw)
 
     grant = run(url, api_key, body, auto_refresh=False)
     print_json(grant) if as_json else print_mapping(_grant_view(grant))

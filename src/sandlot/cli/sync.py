@@ -1,4 +1,7 @@
-"""``sandlot sync`` and ``sandlot pull``: a local tree into a thread's sandbox, and back."""
+"""``sandlot sync`` and ``sandlot pull``: a local tree into a sandbox, and back.
+
+The sandbox is a thread's (``THREAD[:DIR]``) or one named by id (``--sandbox ID[:DIR]``).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import typer
 from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
 from sandlot.cli.client import console, run, split_target
-from sandlot.cli.context import KeyOption, UrlOption
+from sandlot.cli.context import KeyOption, SandboxDirOption, UrlOption
 from sandlot.cli.errors import err_console, fail
 from sandlot.cli.trees import (
     Entry,
@@ -77,9 +80,13 @@ async def _upload(sandbox: AsyncSandbox, remote: str, stream: Any, delete: bool)
 
 def sync_command(
     local_dir: Path = typer.Argument(..., help="The local directory to send."),
-    target: str = typer.Argument(
-        ..., help="THREAD or THREAD:/remote/dir (default dir: /workspace)."
+    target: str | None = typer.Argument(
+        None,
+        metavar="[THREAD[:DIR]]",
+        help="THREAD or THREAD:/remote/dir (default dir: /workspace), or --sandbox.",
+        show_default=False,
     ),
+    sandbox_id: str | None = SandboxDirOption,
     delete: bool = typer.Option(
         False, "--delete", help="Remove remote files the local tree does not have."
     ),
@@ -87,15 +94,17 @@ def sync_command(
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
-    """Send a local tree into the thread's sandbox as one tar stream (honours .gitignore)."""
+    """Send a local tree into the thread's sandbox (or --sandbox ID) as one tar stream
+    (honours .gitignore)."""
+    dest, remote = split_target(target, sandbox_id)
     if not local_dir.is_dir():
         raise fail(f"{local_dir} is not a directory", 2)
-    thread, remote = split_target(target)
     remote = remote or DEFAULT_REMOTE
     root = local_dir.resolve()
+    where = dest.thread or dest.sandbox_id
 
     async def body(client: AsyncSandlot, _: Any) -> None:
-        sandbox = await client.ensure(thread)
+        sandbox = await dest.open(client)
         started = time.monotonic()
         tree = LocalTree(root)
         digests: dict[str, str] = {}
@@ -104,7 +113,7 @@ def sync_command(
         result = await push(sandbox, entries, remote, delete=delete, show=True, digests=digests)
         save_manifest(root, digests)
         err_console.print(
-            f"synced {len(tree.files)} files ({tree.total_bytes} bytes) to {thread}:{remote} "
+            f"synced {len(tree.files)} files ({tree.total_bytes} bytes) to {where}:{remote} "
             f"in {time.monotonic() - started:.2f} s"
             + (f", {result.deleted} removed" if result.deleted else "")
         )
@@ -160,27 +169,39 @@ def _parents(rels: list[str]) -> list[str]:
 
 
 def pull_command(
-    target: str = typer.Argument(
-        ..., help="THREAD or THREAD:/remote/dir (default dir: /workspace)."
+    target: str | None = typer.Argument(
+        None,
+        metavar="[THREAD[:DIR]]",
+        help="THREAD or THREAD:/remote/dir (default dir: /workspace), or --sandbox.",
+        show_default=False,
     ),
-    local_dir: Path = typer.Argument(..., help="The local directory to update."),
+    local_dir: Path | None = typer.Argument(
+        None, metavar="LOCAL", help="The local directory to update.", show_default=False
+    ),
+    sandbox_id: str | None = SandboxDirOption,
     force: bool = typer.Option(False, "--force", help="Overwrite local changes too."),
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
-    """Bring the sandbox's changes back; a file you changed locally is never overwritten silently.
+    """Bring the sandbox's changes back (a thread's, or --sandbox ID); a file you changed
+    locally is never overwritten silently.
 
     A conflicting file (changed locally and remotely since the last sync or
     pull) is left as it is, and the sandbox's version is written next to it as
     FILE.sandlot-remote; the command then exits with status 1.
     """
-    thread, remote = split_target(target)
+    if sandbox_id is not None and local_dir is None:
+        # Click hands the first positional to THREAD: with --sandbox it is LOCAL.
+        target, local_dir = None, Path(target) if target is not None else None
+    source, remote = split_target(target, sandbox_id)
+    if local_dir is None:
+        raise fail("name the local directory: sandlot pull THREAD[:DIR] LOCAL", 2)
     remote = remote or DEFAULT_REMOTE
     root = local_dir.resolve()
     root.mkdir(parents=True, exist_ok=True)
 
     async def body(client: AsyncSandlot, _: Any) -> int:
-        sandbox = await client.ensure(thread)
+        sandbox = await source.open(client)
         data = await sandbox.download_archive(remote)
         files: dict[str, bytes] = {}
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as tar:

@@ -52,6 +52,9 @@ class ScopeType(StrEnum):
     DEPLOYMENT = "deployment"
     USER = "user"
     RUN = "run"
+    #: The binding a standalone sandbox gets when attached by id (``sandbox_id`` in 2.1):
+    #: never named in a request's ``scope``.
+    SANDBOX = "sandbox"
 
 
 class Capability(StrEnum):

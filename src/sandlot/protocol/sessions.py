@@ -32,13 +32,18 @@ class SessionMode(StrEnum):
 
 
 class SessionRequest(WireModel):
-    """Both shapes of 2.1: MVP ``{thread_id, mode}`` and the full shape with ``scope``."""
+    """Both shapes of 2.1: MVP ``{thread_id, mode}`` and the full shape with ``scope``.
+
+    Sandlot's extension (docs/BROKER.md): ``{"sandbox_id": "sb_…", "mode": "attach_only"}``
+    attaches to a sandbox by id instead of a scope; it never creates.
+    """
 
     model_config = WireModel.model_config | {
         "json_schema_extra": {
             "anyOf": [
                 {"required": ["thread_id"], "properties": {"thread_id": {"type": "string"}}},
                 {"required": ["scope"], "properties": {"scope": {"type": "object"}}},
+                {"required": ["sandbox_id"], "properties": {"sandbox_id": {"type": "string"}}},
             ]
         }
     }
@@ -53,11 +58,24 @@ class SessionRequest(WireModel):
     sandbox_hint: Name | None = None
     provider_preference: str = "auto"
     assistant_id: Name | None = None
+    #: Attach to this sandbox (its owner, an admin, or whoever may attach to the scope it
+    #: serves) instead of a scope: ``attach_only``/``get`` only, without a scope.
+    sandbox_id: Name | None = None
 
     @model_validator(mode="after")
     def _scope_given(self) -> SessionRequest:
+        if self.sandbox_id is not None:
+            if self.scope is not None or self.thread_id is not None:
+                raise ValueError("sandbox_id names the sandbox: give no scope or thread_id")
+            if self.mode.creates:
+                raise ValueError("sandbox_id attaches only: mode must be attach_only or get")
+            if self.sandbox_hint is not None or self.template is not None:
+                raise ValueError("sandbox_id attaches only: no sandbox_hint or template")
+            return self
         if self.scope is None and self.thread_id is None:
-            raise ValueError("either scope or thread_id is required")
+            raise ValueError("either scope, thread_id or sandbox_id is required")
+        if self.scope is not None and self.scope.type is ScopeType.SANDBOX:
+            raise ValueError("a sandbox is attached with sandbox_id, not a scope")
         if (
             self.scope is not None
             and self.thread_id is not None
@@ -69,6 +87,8 @@ class SessionRequest(WireModel):
     def effective_scope(self) -> Scope:
         if self.scope is not None:
             return self.scope
+        if self.sandbox_id is not None:
+            return Scope(type=ScopeType.SANDBOX, id=self.sandbox_id)
         assert self.thread_id is not None
         return Scope(type=ScopeType.THREAD, id=self.thread_id)
 

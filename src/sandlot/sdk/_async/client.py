@@ -232,13 +232,62 @@ class AsyncSandlot:
         if actor_id is not None:
             request["actor"] = {"type": actor_type, "id": actor_id}
         key = (scope_type, sid, ",".join(sorted(capabilities or [])), actor_id or "")
+        return await self._leased(
+            key,
+            request,
+            {**request, "mode": "ensure"},
+            fresh=mode == "create_only",
+            wait=wait,
+            timeout=timeout,
+        )
+
+    async def attach_sandbox(
+        self,
+        sandbox_id: str,
+        *,
+        capabilities: list[str] | None = None,
+        actor_id: str | None = None,
+        actor_type: str = "agent",
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> AsyncSandbox:
+        """Attach to a sandbox by id (one :meth:`create_sandbox` made, say); never creates.
+
+        The caller must own the sandbox (or be an admin); a sandbox that serves a scope is
+        attached through that scope's session, so whoever may attach to the scope may.
+        Otherwise as :meth:`ensure`: the grant is cached and kept fresh until
+        :meth:`release`. Raises ``SandboxNotFound`` for a sandbox that is gone and
+        ``Forbidden`` for another user's.
+        """
+        if not sandbox_id:
+            raise ValueError("name a sandbox: sandbox_id")
+        request: dict[str, Any] = {"sandbox_id": sandbox_id, "mode": "attach_only"}
+        if capabilities is not None:
+            request["requested_capabilities"] = capabilities
+        if actor_id is not None:
+            request["actor"] = {"type": actor_type, "id": actor_id}
+        key = ("sandbox", sandbox_id, ",".join(sorted(capabilities or [])), actor_id or "")
+        return await self._leased(key, request, request, fresh=False, wait=wait, timeout=timeout)
+
+    async def _leased(
+        self,
+        key: tuple[str, str, str, str],
+        request: dict[str, Any],
+        renewal: dict[str, Any],
+        *,
+        fresh: bool,
+        wait: bool,
+        timeout: float | None,
+    ) -> AsyncSandbox:
+        """The sandbox of a cached lease, negotiating ``request`` when there is none (or a
+        stale one, or ``fresh``); ``renewal`` is what the lease negotiates to renew."""
         lease = self._leases.get(key)
-        if lease is None or lease.stale() or mode == "create_only":
+        if lease is None or lease.stale() or fresh:
             deadline = self._http.deadline(timeout)
             grant = Grant.from_response(await self._negotiate(request, deadline.remaining()))
             if lease is not None:
                 await lease.stop()
-            lease = _Lease(self, {**request, "mode": "ensure"}, grant)
+            lease = _Lease(self, renewal, grant)
             self._leases[key] = lease
             if self.auto_refresh:
                 lease.start()
