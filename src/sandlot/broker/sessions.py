@@ -314,34 +314,8 @@ class SessionService:
                     scopes.insert().values(scope_key=key, owner_user_id=user, created_at=now)
                 )
             sandbox, provision = self._sandbox_for_new_binding(conn, req, template, user, key)
-            binding_id = new_id("ssn", 10)
-            try:
-                with conn.begin_nested():
-                    conn.execute(
-                        bindings.insert().values(
-                            id=binding_id,
-                            scope_key=key,
-                            live_scope=key,
-                            sandbox_id=sandbox.id,
-                            owner_user_id=owner.owner_user_id if owner else user,
-                            created_at=now,
-                            event_seq=0,
-                        )
-                    )
-            except IntegrityError as exc:
-                raise _LostRace() from exc
-            append_event(
-                conn,
-                bindings,
-                binding_id,
-                "binding.created",
-                {"binding": {"op": "created", "scope": key, "sandbox_id": sandbox.id}},
-                state=sandbox.state.value,
-                actor=actor,
-                now=now,
-            )
-            row = conn.execute(select(bindings).where(bindings.c.id == binding_id)).first()
-            binding = BindingRow.from_row(row)
+            owner_id = owner.owner_user_id if owner else user
+            binding = self._insert_binding(conn, key, sandbox, owner_id, actor, now)
             created = True
         lease_expires = self._attach(conn, principal, actor, binding, caps, now)
         seq = append_event(
@@ -420,6 +394,19 @@ class SessionService:
         what every session has: leases, refresh, heartbeat, release and events.
         """
         key = Scope(type=ScopeType.SANDBOX, id=sandbox.id).key()
+        return self._insert_binding(conn, key, sandbox, sandbox.owner_user_id, actor, now)
+
+    @staticmethod
+    def _insert_binding(
+        conn: Connection,
+        key: str,
+        sandbox: SandboxRow,
+        owner: str | None,
+        actor: Actor,
+        now: float,
+    ) -> BindingRow:
+        """A new live binding of ``key`` to ``sandbox``, with its ``binding.created`` event
+        (``_LostRace`` when another one won the scope meanwhile)."""
         binding_id = new_id("ssn", 10)
         try:
             with conn.begin_nested():
@@ -429,7 +416,7 @@ class SessionService:
                         scope_key=key,
                         live_scope=key,
                         sandbox_id=sandbox.id,
-                        owner_user_id=sandbox.owner_user_id,
+                        owner_user_id=owner,
                         created_at=now,
                         event_seq=0,
                     )
