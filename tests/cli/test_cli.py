@@ -30,20 +30,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandlotServer]:
         yield srv
 
 
-@pytest.fixture(scope="module")
-def env(server: SandlotServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    home = tmp_path_factory.mktemp("home")
-    return {
-        **os.environ,
-        "SANDLOT_URL": server.url,
-        "SANDLOT_API_KEY": server.key("alice"),
-        "HOME": str(home),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "COLUMNS": "200",
-    }
-
-
 def sandlot(
     env: dict[str, str], *args: str, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:

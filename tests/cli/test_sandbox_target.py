@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +13,10 @@ import pexpect
 import pytest
 
 from sandlot.sdk import AsyncSandlot
-from tests.cli.test_cli import SANDLOT, sandlot
+from tests.cli.test_cli import (
+    SANDLOT,
+    sandlot,
+)
 from tests.servers import SandlotServer, running
 
 
@@ -22,20 +24,6 @@ from tests.servers import SandlotServer, running
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandlotServer]:
     with running(tmp_path_factory.mktemp("cli-sb") / "d") as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def env(server: SandlotServer, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    home = tmp_path_factory.mktemp("home")
-    return {
-        **os.environ,
-        "SANDLOT_URL": server.url,
-        "SANDLOT_API_KEY": server.key("alice"),
-        "HOME": str(home),
-        "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_CONFIG_HOME": str(home / ".config"),
-        "COLUMNS": "200",
-    }
 
 
 def create(env: dict[str, str]) -> str:
