@@ -53,16 +53,24 @@ _KEY_REVOKED = select(api_keys.c.revoked_at).where(api_keys.c.id == bindparam("i
 _KEY_REVOKED_LOCKED = _KEY_REVOKED.with_for_update(read=True)
 
 
-def check_key_live(conn: Connection, key_id: str) -> None:
+def check_key_live(conn: Connection, key_id: str | None) -> None:
     """Inside a transaction that mints a token: the caller's key is not revoked.
 
     A server trusts a looked-up key for up to a second; a key revoked meanwhile
-    (by another process) must not mint a token its revocation did not see.
+    (by another process) must not mint a token its revocation did not see. A caller
+    the hosting platform authenticated (``key_id`` ``None``) has no key to check.
     """
+    if key_id is None:
+        return
     stmt = _KEY_REVOKED_LOCKED if conn.dialect.name == "postgresql" else _KEY_REVOKED
     row = conn.execute(stmt, {"id": key_id}).first()
     if row is None or row.revoked_at is not None:
         raise Unauthenticated("invalid API key")
+
+
+def looks_like_key(raw: str | None) -> bool:
+    """Whether ``raw`` has the shape of a sandlot API key (``sl_…``): not whether it is valid."""
+    return raw is not None and _KEY_RE.match(raw.strip()) is not None
 
 
 def _hash(secret: str) -> str:

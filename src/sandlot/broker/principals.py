@@ -14,7 +14,9 @@ class Principal:
     type: PrincipalType
     id: str
     user_id: str
-    key_id: str
+    #: The API key it authenticated with; ``None`` when the platform hosting the broker
+    #: authenticated it (a LangGraph server's own auth, :mod:`sandlot.integrations.langgraph`).
+    key_id: str | None
     is_admin: bool = False
     #: Set when a service principal acts for a user (``X-Sandlot-On-Behalf-Of``).
     on_behalf_of: str | None = None

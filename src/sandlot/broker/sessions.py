@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, overload
 
@@ -70,6 +71,9 @@ from sandlot.protocol.sessions import (
     Template,
 )
 from sandlot.protocol.states import SandboxState
+
+#: See :attr:`SessionService.scope_guard`.
+ScopeGuard = Callable[[Principal, Scope], Awaitable[None]]
 
 log = logging.getLogger("sandlot.broker.sessions")
 
@@ -129,6 +133,10 @@ class SessionService:
         self.sandboxes = sandboxes
         self.templates = templates
         self.hub = hub
+        #: Checked before every negotiation with the scope the caller named (before any
+        #: promotion): raises to refuse it. Set by a platform that owns the scopes, e.g.
+        #: a LangGraph server whose threads the caller must be able to see.
+        self.scope_guard: ScopeGuard | None = None
 
     @property
     def clock(self) -> Any:
@@ -207,6 +215,8 @@ class SessionService:
         """Attach or create; ``claim`` (an ``Idempotency-Key``) is settled in the same
         transaction. ``None``: the claim holds an earlier identical request's answer."""
         ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
+        if self.scope_guard is not None and req.sandbox_id is None:
+            await self.scope_guard(principal, req.effective_scope())
         scope = self.effective_scope(req)
         caps = self.granted_capabilities(principal, req.requested_capabilities)
         result = await anyio.to_thread.run_sync(

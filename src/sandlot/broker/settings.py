@@ -125,9 +125,15 @@ def load_settings(
     *,
     config_file: Path | None = None,
     environ: Mapping[str, str] | None = None,
+    hosted_url_var: str | None = None,
+    hosted_url: str | None = None,
     **overrides: Any,
 ) -> BrokerSettings:
-    """Build the settings: ``overrides`` (non-None values) > env > file > shipped defaults."""
+    """Build the settings: ``overrides`` (non-None values) > env > file > shipped defaults.
+
+    Hosted by another server (a LangGraph server), the public URL is by default that
+    server's: the variable ``hosted_url_var`` names, else ``hosted_url``.
+    """
     env = os.environ if environ is None else environ
     raw = _shipped_config()
     file_path = config_file or (Path(env["SANDLOT_CONFIG"]) if env.get("SANDLOT_CONFIG") else None)
@@ -210,6 +216,8 @@ def load_settings(
     for var, key in env_map.items():
         if env.get(var):
             values[key] = env[var]
+    if "public_url" not in values and (hosted_url_var or hosted_url):
+        values["public_url"] = (env.get(hosted_url_var) if hosted_url_var else None) or hosted_url
     if env.get("SANDLOT_FAILPOINTS"):
         values["failpoints"] = frozenset(p.strip() for p in env["SANDLOT_FAILPOINTS"].split(","))
     values.update({k: v for k, v in overrides.items() if v is not None})

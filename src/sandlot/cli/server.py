@@ -68,7 +68,7 @@ def build_provider(
             sandbox_id=sandbox_id,
             generation=row.generation,
             # Revoking the key revokes this id: its sockets close like a token's.
-            jti=api_key_jti(principal.key_id),
+            jti=api_key_jti(principal.key_id) if principal.key_id else None,
         )
 
     try:

@@ -18,9 +18,10 @@ carried in the result, in the words ``BaseSandbox`` uses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 
 from deepagents.backends.protocol import (
@@ -49,6 +50,7 @@ from sandlot.protocol.errors import (
     SandlotError,
 )
 from sandlot.sdk import AsyncSandbox, Grant, Sandbox, Sandlot
+from sandlot.sdk.settings import in_process, load_settings
 from sandlot.sdk.types import FileEntry, GrepAnswer
 
 EMPTY_FILE = "System reminder: File exists but has empty contents"
@@ -157,6 +159,8 @@ class SandlotBackend(BaseSandbox):
         client: Sandlot | None = None,
     ) -> None:
         fixed = grant if isinstance(grant, Sandbox) else Sandbox(grant, timeout=timeout)
+        #: The sandbox, when it is one for the backend's life (not :meth:`from_run`'s).
+        self._fixed: Sandbox | None = fixed
         self._resolve: Callable[[], Sandbox] = lambda: fixed
         self._close: Callable[[], None] = fixed.close
         self._timeout = timeout
@@ -185,6 +189,7 @@ class SandlotBackend(BaseSandbox):
         """
         runs = _RunSandboxes(url, api_key, on_behalf_of, timeout, max_threads)
         backend = cls.__new__(cls)
+        backend._fixed = None
         backend._resolve = runs.current
         backend._close = runs.close
         backend._timeout = timeout
@@ -225,18 +230,25 @@ class SandlotBackend(BaseSandbox):
         """The SDK's sync sandbox this backend drives (for :meth:`from_run`: the run's)."""
         return self._sandbox
 
-    def _asandbox(self) -> AsyncSandbox:
+    @contextlib.asynccontextmanager
+    async def _asandbox(self) -> AsyncIterator[AsyncSandbox]:
         # An async connection pool belongs to one event loop, and agents may run
-        # each step on a new loop: each async call gets its own short-lived pool
-        # (used with ``async with``), sharing the grant and its fresh token.
-        renew = self._sandbox.renew
+        # each step on a new loop: each async call gets its own short-lived pool,
+        # sharing the grant and its fresh token. A run's sandbox may first have to be
+        # ensured over HTTP, perhaps from the very server running this loop: that
+        # happens on a worker thread, never on the loop.
+        sandbox = self._fixed
+        if sandbox is None:
+            sandbox = await asyncio.to_thread(self._resolve)
+        renew = sandbox.renew
 
         async def arenew() -> bool:
             return await asyncio.to_thread(renew) if renew is not None else False
 
-        return AsyncSandbox(
-            self._sandbox.grant, timeout=self._timeout, renew=arenew if renew else None
-        )
+        async with AsyncSandbox(
+            sandbox.grant, timeout=self._timeout, renew=arenew if renew else None
+        ) as opened:
+            yield opened
 
     def close(self) -> None:
         """Stop refreshing the grant (when this backend negotiated it) and close connections."""
@@ -512,7 +524,12 @@ __all__ = ["SandlotBackend"]
 
 class _RunSandboxes:
     """The sandboxes of :meth:`SandlotBackend.from_run`: one per thread (or bootstrap
-    grant), the least recently used closed beyond ``limit``."""
+    grant), the least recently used closed beyond ``limit``.
+
+    With no URL or key given or in the environment, inside a LangGraph server that
+    serves :mod:`sandlot.integrations.langgraph`, the server's own key is used, acting
+    for the run's LangGraph user (``configurable.langgraph_auth_user_id``).
+    """
 
     def __init__(
         self,
@@ -523,25 +540,32 @@ class _RunSandboxes:
         limit: int,
     ) -> None:
         self._options = (url, api_key, on_behalf_of, timeout)
-        self._client: Sandlot | None = None
+        self._clients: dict[str | None, Sandlot] = {}
         self._limit = max(1, limit)
         self._sandboxes: OrderedDict[str, Sandbox] = OrderedDict()
         self._lock = threading.Lock()
 
     def current(self) -> Sandbox:
         try:
-            configurable = get_config().get("configurable") or {}
+            config = get_config()
         except RuntimeError:
             raise RuntimeError(
                 "SandlotBackend.from_run() is used outside a LangGraph run"
             ) from None
+        return self.for_config(config)
+
+    def for_config(self, config: Mapping[str, Any]) -> Sandbox:
+        configurable = config.get("configurable") or {}
         bootstrap = configurable.get("sandbox")
         thread_id = configurable.get("thread_id")
+        url, api_key, on_behalf_of, timeout = self._options
         if isinstance(bootstrap, Mapping):
             grant = Grant.from_response(bootstrap)
             key = f"grant:{grant.token}"  # a refreshed grant is a new one (kept in memory only)
         elif thread_id:
-            key = f"thread:{thread_id}"
+            if on_behalf_of is None and _hosted(url, api_key):
+                on_behalf_of = configurable.get("langgraph_auth_user_id") or None
+            key = f"thread:{thread_id}@{on_behalf_of or ''}"
         else:
             raise RuntimeError(
                 "SandlotBackend.from_run(): the run's config has neither "
@@ -552,13 +576,14 @@ class _RunSandboxes:
             if found is not None:
                 self._sandboxes.move_to_end(key)
                 return found
-            url, api_key, on_behalf_of, timeout = self._options
             if isinstance(bootstrap, Mapping):
                 found = Sandbox(grant, timeout=timeout)
             else:
-                if self._client is None:
-                    self._client = Sandlot(url, api_key, on_behalf_of=on_behalf_of, timeout=timeout)
-                found = self._client.ensure(str(thread_id), timeout=timeout)
+                client = self._clients.get(on_behalf_of)
+                if client is None:
+                    client = Sandlot(url, api_key, on_behalf_of=on_behalf_of, timeout=timeout)
+                    self._clients[on_behalf_of] = client
+                found = client.ensure(str(thread_id), timeout=timeout)
             self._sandboxes[key] = found
             while len(self._sandboxes) > self._limit:
                 _, oldest = self._sandboxes.popitem(last=False)
@@ -570,6 +595,37 @@ class _RunSandboxes:
             for sandbox in self._sandboxes.values():
                 sandbox.close()
             self._sandboxes.clear()
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            for client in self._clients.values():
+                client.close()
+            self._clients.clear()
+
+
+def _hosted(url: str | None, api_key: str | None) -> bool:
+    """Whether a client made with these arguments uses the in-process server's key."""
+    hosted = in_process()
+    return hosted is not None and load_settings(url, api_key) is hosted
+
+
+def graph_factory(
+    build: Callable[[SandlotBackend], Any],
+    *,
+    url: str | None = None,
+    api_key: str | None = None,
+    timeout: float = 60.0,
+    max_threads: int = 256,
+) -> Callable[[Mapping[str, Any]], Any]:
+    """A LangGraph graph factory (``"graphs": {"agent": "./graph.py:make_graph"}``) that
+    builds each run's graph on the sandbox of the run's config, as :meth:`from_run`
+    resolves it (a bootstrap grant first, else the thread's sandbox)::
+
+        make_graph = graph_factory(lambda backend: create_deep_agent(model, backend=backend))
+
+    The grants of the ``max_threads`` most recent threads are kept fresh and reused.
+    """
+    runs = _RunSandboxes(url, api_key, None, timeout, max_threads)
+
+    def make_graph(config: Mapping[str, Any]) -> Any:
+        sandbox = runs.for_config(config)
+        return build(SandlotBackend(sandbox, timeout=timeout))
+
+    return make_graph

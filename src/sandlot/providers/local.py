@@ -83,7 +83,7 @@ class LocalProvider(Provider):
     async def start(self, listener: StatusListener | None = None) -> None:
         self._listener = listener
         try:
-            self.manager.preflight()
+            await asyncio.to_thread(self.manager.preflight)
         except RuntimeUnavailable as exc:
             raise ProviderUnavailable(str(exc)) from exc
         if self.mode == "unisolated":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Annotated, Any, TypeVar
 
@@ -46,11 +47,22 @@ def api_key_of(request: Request) -> str | None:
     return request.headers.get("x-api-key")
 
 
+#: Who a request comes from when the platform hosting the broker authenticated it, or
+#: ``None`` to authenticate its API key (``app.state.principal_of``; see
+#: :mod:`sandlot.integrations.langgraph`).
+PrincipalOf = Callable[[Request], Awaitable[Principal | None]]
+
+
 async def get_principal(request: Request) -> Principal:
     broker = broker_of(request)
     cached = getattr(request.state, "principal", None)
     if cached is not None:
         return cached  # type: ignore[no-any-return]
+    hosted: PrincipalOf | None = getattr(request.app.state, "principal_of", None)
+    principal = await hosted(request) if hosted is not None else None
+    if principal is not None:
+        request.state.principal = principal
+        return principal
     principal = broker.keys.authenticate(api_key_of(request))
     on_behalf = request.headers.get("x-sandlot-on-behalf-of")
     if on_behalf:

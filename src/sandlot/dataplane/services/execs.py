@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import secrets
+import shlex
 import signal as signals
 import time
 from collections.abc import Callable, Coroutine
@@ -81,6 +82,18 @@ def sandbox_cwd(cwd: str | None) -> str:
     from sandlot.dataplane.services.paths import normalize
 
     return normalize(cwd) if cwd else WORKSPACE
+
+
+#: The most of a command an ``exec.started`` event carries (a feed shows what ran).
+COMMAND_PREVIEW_CHARS = 1000
+
+
+def command_preview(command: str | list[str]) -> str:
+    """The command as a shell would read it, cut at :data:`COMMAND_PREVIEW_CHARS`."""
+    text = command if isinstance(command, str) else shlex.join(command)
+    if len(text) > COMMAND_PREVIEW_CHARS:
+        return text[: COMMAND_PREVIEW_CHARS - 1] + "…"
+    return text
 
 
 class Exec:
@@ -537,6 +550,7 @@ class ExecManager:
                 {
                     "exec_id": ex.exec_id,
                     "command_id": command_id,
+                    "command": command_preview(ex.command),
                     "pid": ex.pid,
                     "pty": ex.pty,
                     "status": "started",

@@ -1,0 +1,468 @@
+"""Sandlot inside a LangGraph server: the control plane, the dataplane and the MCP server
+on the server's own port, its users as sandlot's, its threads' lifecycle as the sandboxes'.
+
+``langgraph.json``::
+
+    {"graphs": {"agent": "./graph.py:agent"},
+     "auth": {"path": "./auth.py:auth"},
+     "http": {"app": "./webapp.py:app", "enable_custom_route_auth": true}}
+
+``webapp.py``::
+
+    from sandlot.integrations.langgraph import create_app
+    app = create_app()
+
+What a request meets (docs/INTEGRATIONS.md, "LangGraph"):
+
+- ``/dp/…`` (the dataplane) goes straight to it: it checks sandlot's own tokens.
+- ``/sandlot/mcp`` is sandlot's MCP server (LangGraph's own stays at ``/mcp``).
+- The control plane (``/v1/…``, the aliases ``/sandbox/…``, ``/v2/sandboxes/…``) with a
+  sandlot API key (``sl_…``) goes straight to the broker; with anything else it passes
+  the LangGraph server's auth, and the LangGraph user is the sandlot user
+  (:data:`PERMISSIONS` maps its permissions to an actor type).
+- A thread-scoped session is refused (403) unless the caller may see the thread in this
+  LangGraph server: a LangGraph user is checked through the threads API with its own
+  credentials; a sandlot key's user must be the thread's ``metadata.owner`` when the
+  thread has one.
+- ``DELETE /threads/{id}`` that succeeds ends the thread's sandbox at once; a pass every
+  ``reconcile_seconds`` ends the sandboxes of threads deleted otherwise (TTL, prune, or
+  while sandlot was down) and of runs that ended (``run`` scopes named ``THREAD/RUN``).
+
+Graphs the server runs need no configuration: :class:`~sandlot.integrations.deepagents.
+SandlotBackend` ``.from_run()`` uses a service key this app makes at start (kept in memory,
+revoked at stop), acting for the run's LangGraph user.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import anyio
+import httpx
+from fastapi import Request
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.routing import BaseRoute, Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from sandlot.broker.app import MountDispatch
+from sandlot.broker.app import create_app as create_broker_app
+from sandlot.broker.core import Broker
+from sandlot.broker.hosted import end_scopes, live_scopes
+from sandlot.broker.keys import looks_like_key
+from sandlot.broker.principals import Principal
+from sandlot.broker.settings import BrokerSettings, load_settings
+from sandlot.cli.server import build_provider
+from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.protocol.common import PrincipalType, ScopeType
+from sandlot.protocol.common import Scope as SandlotScope
+from sandlot.protocol.errors import (
+    Forbidden,
+    InvalidRequest,
+    ProviderUnavailable,
+    Unauthenticated,
+)
+from sandlot.sdk.settings import ClientSettings, register_in_process
+
+log = logging.getLogger("sandlot.integrations.langgraph")
+
+#: The control plane's paths (PROTOCOL.md section 2 and its aliases, 2.9).
+CONTROL_PATHS = ("/v1/", "/v2/sandboxes", "/sandbox/", "/.well-known/jwks.json", "/healthz")
+MCP_PATH = "/sandlot/mcp"
+#: A LangGraph user's permission (``"permissions"`` of the auth handler's answer) → the
+#: principal type it authenticates as; a user with none of them is a human.
+PERMISSIONS = {"sandlot:agent": PrincipalType.AGENT, "sandlot:service": PrincipalType.SERVICE}
+#: The permission that makes a LangGraph user a sandlot admin.
+ADMIN_PERMISSION = "sandlot:admin"
+#: The service key the server's own graphs use (one at a time; revoked at stop).
+RUNTIME_USER, RUNTIME_PRINCIPAL, RUNTIME_KEY_NAME = "langgraph", "langgraph-runs", "langgraph runs"
+#: Run states after which a run's sandbox ends.
+LIVE_RUN_STATES = frozenset({"pending", "running"})
+_THREAD_PATH = re.compile(r"^/threads/([^/]+)/?$")
+_FORWARDED_OUT = {b"host", b"content-length", b"content-type", b"transfer-encoding", b"connection"}
+
+
+@dataclass(frozen=True)
+class _Caller:
+    """A control-plane request that passed the LangGraph server's auth."""
+
+    headers: list[tuple[bytes, bytes]]
+    app: ASGIApp
+
+
+_caller: ContextVar[_Caller | None] = ContextVar("sandlot_langgraph_caller", default=None)
+
+
+def create_app(
+    settings: BrokerSettings | None = None, *, reconcile_seconds: float = 10.0
+) -> Starlette:
+    """The app for ``langgraph.json``'s ``http.app``.
+
+    ``settings`` default to :func:`sandlot.broker.settings.load_settings` (``SANDLOT_*``
+    variables, ``SANDLOT_CONFIG``), with the public URL the LangGraph server's own
+    (``LANGGRAPH_API_URL``, which ``langgraph dev`` sets) unless ``SANDLOT_PUBLIC_URL``
+    names another.
+    """
+    return SandlotInLangGraph(settings, reconcile_seconds=reconcile_seconds).app
+
+
+def default_settings() -> BrokerSettings:
+    """``SANDLOT_*`` settings; the public URL defaults to the LangGraph server's."""
+    return load_settings(hosted_url_var="LANGGRAPH_API_URL", hosted_url="http://127.0.0.1:2024")
+
+
+class SandlotInLangGraph:
+    """The broker, its provider's dataplane and the MCP server, assembled for a LangGraph
+    server (see the module's documentation); :attr:`app` is what it serves."""
+
+    def __init__(
+        self, settings: BrokerSettings | None = None, *, reconcile_seconds: float = 10.0
+    ) -> None:
+        self.settings = settings = settings or default_settings()
+        self.reconcile_seconds = reconcile_seconds
+        ref: list[Broker] = []
+        provider = build_provider(settings, ref)
+        self.broker = broker = Broker(settings, provider)
+        ref.append(broker)
+        self.api = create_broker_app(broker)
+        self.api.state.principal_of = self.principal_of
+        broker.sessions.scope_guard = self.check_scope
+        host = getattr(provider, "host", None)
+        if isinstance(host, DataplaneHost):
+            metrics = self.api.state.metrics
+            host.metrics.attach(metrics.registry, metrics.errors)
+        self.dataplane: ASGIApp | None = getattr(provider, "app", None)
+        self.mcp = _mcp(settings.base_url)
+        #: The LangGraph server's app, as its first request met it.
+        self.langgraph: ASGIApp | None = None
+        self.tasks: set[asyncio.Task[Any]] = set()
+        self.app = Starlette(
+            routes=[_Paths(CONTROL_PATHS, _WithCaller(self.api, self))],
+            middleware=[Middleware(_Gateway, sandlot=self)],
+            lifespan=self.lifespan,
+        )
+
+    # --- lifespan --------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _app: Any) -> AsyncIterator[None]:
+        await self.broker.start(migrate=True)
+        key_id = await anyio.to_thread.run_sync(self._runtime_key)
+        try:
+            async with self.mcp.lifespan() if self.mcp else contextlib.nullcontext():
+                reconciler = asyncio.get_running_loop().create_task(self._reconcile_forever())
+                try:
+                    yield
+                finally:
+                    reconciler.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reconciler
+        finally:
+            register_in_process(None)
+            await anyio.to_thread.run_sync(self._revoke_runtime_keys, key_id)
+            for task in list(self.tasks):
+                task.cancel()
+            await self.broker.stop()
+
+    def _runtime_key(self) -> str:
+        """A fresh service key for the server's graphs, registered in this process only."""
+        self._revoke_runtime_keys(None)
+        secret, info = self.broker.keys.create(
+            user_id=RUNTIME_USER,
+            principal_type=PrincipalType.SERVICE,
+            principal_id=RUNTIME_PRINCIPAL,
+            name=RUNTIME_KEY_NAME,
+        )
+        register_in_process(ClientSettings(url=self.settings.base_url, api_key=secret))
+        return info.id
+
+    def _revoke_runtime_keys(self, only: str | None) -> None:
+        for info in self.broker.keys.list(RUNTIME_USER):
+            mine = info.revoked_at is None and info.name == RUNTIME_KEY_NAME
+            if mine and (only is None or info.id == only):
+                self.broker.keys.revoke(info.id)
+
+    # --- who calls ---------------------------------------------------------------------
+
+    async def principal_of(self, request: Request) -> Principal | None:
+        """The LangGraph user the server's auth put on the request, if any."""
+        user = request.scope.get("user")
+        identity = getattr(user, "identity", None) if user is not None else None
+        if not identity:
+            return None
+        identity = str(identity)
+        if len(identity) > 180 or any(ord(c) < 0x20 or c == "\x7f" for c in identity):
+            raise Unauthenticated("the LangGraph user's identity is not a usable sandlot user id")
+        if request.headers.get("x-sandlot-on-behalf-of"):
+            raise Forbidden("acting on behalf of a user takes a sandlot service key")
+        auth = request.scope.get("auth")
+        permissions = set(getattr(auth, "scopes", None) or ())
+        kind = next((t for p, t in PERMISSIONS.items() if p in permissions), PrincipalType.HUMAN)
+        return Principal(
+            type=kind,
+            id=f"langgraph:{identity}",
+            user_id=identity,
+            key_id=None,
+            is_admin=ADMIN_PERMISSION in permissions or identity in self.settings.admins,
+        )
+
+    async def check_scope(self, principal: Principal, scope: SandlotScope) -> None:
+        """Refuse a thread (or run) the caller may not see in this LangGraph server."""
+        if scope.type not in (ScopeType.THREAD, ScopeType.RUN):
+            return
+        thread_id = scope.id
+        if scope.type is ScopeType.RUN:
+            thread_id, slash, run_id = scope.id.partition("/")
+            if not slash or not thread_id or not run_id:
+                raise InvalidRequest(
+                    "in a LangGraph server a run scope's id is THREAD_ID/RUN_ID",
+                    metadata={"scope": scope.key()},
+                )
+        caller = _caller.get()
+        if caller is not None and principal.key_id is None:
+            visible = await self._visible_to(caller, thread_id)
+        else:
+            visible = await self._owned_by(principal, thread_id)
+        if not visible:
+            raise Forbidden(
+                f"no thread {thread_id} that you may see in this LangGraph server",
+                metadata={"thread_id": thread_id},
+            )
+
+    async def _visible_to(self, caller: _Caller, thread_id: str) -> bool:
+        """Whether the LangGraph server shows the thread to the caller (its own credentials,
+        its auth handlers: ``GET /threads/{id}`` in process)."""
+        headers = [(k, v) for k, v in caller.headers if k not in _FORWARDED_OUT]
+        transport = httpx.ASGITransport(app=caller.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://langgraph") as client:
+            resp = await client.get(
+                f"/threads/{quote(thread_id, safe='')}",
+                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
+            )
+        if resp.status_code >= 500:
+            raise ProviderUnavailable("the LangGraph server could not look the thread up; retry")
+        return resp.status_code == 200
+
+    async def _owned_by(self, principal: Principal, thread_id: str) -> bool:
+        """For a sandlot key: the thread exists, and is the user's if it names an owner."""
+        thread = await _thread(thread_id)
+        if thread is None:
+            return False
+        owner = (thread.get("metadata") or {}).get("owner")
+        return principal.is_admin or owner is None or owner == principal.effective_user
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def thread_deleted(self, thread_id: str) -> None:
+        """End the sandbox of a thread the server just deleted (in the background)."""
+        task = asyncio.get_running_loop().create_task(self._end_thread(thread_id))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _end_thread(self, thread_id: str) -> None:
+        try:
+            runs = await anyio.to_thread.run_sync(live_scopes, self.broker.store, ScopeType.RUN)
+            keys = [f"thread:{thread_id}"]
+            keys += [f"run:{r}" for r in runs if r.partition("/")[0] == thread_id]
+            await self._end(keys, "its LangGraph thread was deleted")
+        except Exception:
+            log.exception("ending the sandbox of deleted thread %s failed", thread_id)
+
+    async def _end(self, keys: Iterable[str], reason: str) -> None:
+        ended = await end_scopes(self.broker.sandboxes, self.broker.store, keys, reason)
+        for sandbox_id in ended:
+            log.info("sandbox %s ends: %s", sandbox_id, reason)
+
+    async def _reconcile_forever(self) -> None:
+        while True:
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("reconciling sandboxes with LangGraph's threads failed")
+            await asyncio.sleep(self.reconcile_seconds)
+
+    async def reconcile(self) -> None:
+        """End the sandboxes of threads that no longer exist and of runs that ended."""
+        store = self.broker.store
+        threads = await anyio.to_thread.run_sync(live_scopes, store, ScopeType.THREAD)
+        ids = [t for t in threads if _is_uuid(t)]
+        gone: list[str] = []
+        for start in range(0, len(ids), 100):
+            chunk = ids[start : start + 100]
+            found = await _search_threads(chunk)
+            gone += [f"thread:{t}" for t in chunk if t not in found]
+        await self._end(gone, "its LangGraph thread no longer exists")
+        runs = await anyio.to_thread.run_sync(live_scopes, store, ScopeType.RUN)
+        ended = []
+        for key in runs:
+            thread_id, _, run_id = key.partition("/")
+            if _is_uuid(thread_id) and _is_uuid(run_id):
+                status = await _run_status(thread_id, run_id)
+                if status not in LIVE_RUN_STATES:
+                    ended.append(f"run:{key}")
+        await self._end(ended, "its LangGraph run ended")
+
+
+class _Paths(BaseRoute):
+    """One route for every path under the given prefixes (the control plane's): the
+    LangGraph server applies its auth to it as to any custom route."""
+
+    def __init__(self, prefixes: tuple[str, ...], app: ASGIApp) -> None:
+        self.prefixes = prefixes
+        self.app = app
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] == "http" and _under(scope["path"], self.prefixes):
+            return Match.FULL, {}
+        return Match.NONE, {}
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.app(scope, receive, send)
+
+
+class _WithCaller:
+    """Remembers, for the request it passes on, the caller's credentials and the server."""
+
+    def __init__(self, app: ASGIApp, sandlot: SandlotInLangGraph) -> None:
+        self.app = app
+        self.sandlot = sandlot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        server = self.sandlot.langgraph
+        token = _caller.set(_Caller(list(scope.get("headers", ())), server) if server else None)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _caller.reset(token)
+
+
+class _Gateway:
+    """The app's middleware, in front of every route of the LangGraph server."""
+
+    def __init__(self, app: ASGIApp, sandlot: SandlotInLangGraph) -> None:
+        self.sandlot = sandlot
+        self.app = app
+        dataplane = sandlot.dataplane
+        self.route: ASGIApp = (
+            MountDispatch(self._rest, {"/dp": dataplane}) if dataplane else self._rest
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        if self.sandlot.langgraph is None and "app" in scope:
+            self.sandlot.langgraph = scope["app"]
+        await self.route(scope, receive, send)
+
+    async def _rest(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path: str = scope["path"]
+        mcp = self.sandlot.mcp
+        if mcp is not None and scope["type"] == "http" and path.rstrip("/") == MCP_PATH:
+            await mcp.mcp_app(scope, receive, send)
+            return
+        if _under(path, CONTROL_PATHS) and _carries_key(scope):
+            # A sandlot key: the broker checks it; the LangGraph server's auth would not.
+            await self.sandlot.api(scope, receive, send)
+            return
+        deleted = _THREAD_PATH.match(path) if scope.get("method") == "DELETE" else None
+        if deleted is None:
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, watch)
+        if 200 <= status < 300:
+            self.sandlot.thread_deleted(deleted.group(1))
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path.startswith(p) or path == p.rstrip("/") for p in prefixes)
+
+
+def _carries_key(scope: Scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, raw = value.decode("latin-1").partition(" ")
+            return scheme.lower() == "bearer" and looks_like_key(raw)
+        if name == b"x-api-key":
+            return looks_like_key(value.decode("latin-1"))
+    return False
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _mcp(url: str) -> Any:
+    try:
+        from sandlot.integrations.mcp import HttpMcp
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] in ("mcp", "mcp_types"):
+            return None
+        raise
+
+    async def unused(scope: Scope, receive: Receive, send: Send) -> None:
+        raise RuntimeError("the MCP server is reached through the gateway only")
+
+    return HttpMcp(unused, url, path=MCP_PATH)
+
+
+# --- the LangGraph server's own view (in process, as its loopback client sees it) ------
+
+
+def _client() -> Any:
+    from langgraph_sdk import get_client
+
+    return get_client()
+
+
+async def _thread(thread_id: str) -> dict[str, Any] | None:
+    from langgraph_sdk.errors import NotFoundError
+
+    try:
+        thread: dict[str, Any] = await _client().threads.get(thread_id)
+    except NotFoundError:
+        return None
+    except httpx.HTTPStatusError as exc:
+        if exc.response.status_code in (404, 422):
+            return None
+        raise ProviderUnavailable("the LangGraph server could not look the thread up") from exc
+    return thread
+
+
+async def _search_threads(ids: list[str]) -> set[str]:
+    found = await _client().threads.search(ids=ids, limit=len(ids), select=["thread_id"])
+    return {str(t["thread_id"]) for t in found}
+
+
+async def _run_status(thread_id: str, run_id: str) -> str | None:
+    from langgraph_sdk.errors import NotFoundError
+
+    try:
+        run = await _client().runs.get(thread_id, run_id)
+    except NotFoundError:
+        return None
+    return str(run.get("status"))
+
+
+__all__ = ["ADMIN_PERMISSION", "PERMISSIONS", "SandlotInLangGraph", "create_app"]

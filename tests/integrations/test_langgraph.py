@@ -1,0 +1,252 @@
+"""Sandlot inside a real ``langgraph dev`` serving ``examples/langgraph``: the agent's
+sandbox is the thread's, the thread's user joins it from the CLI, another user is
+refused, and deleting the thread ends the sandbox (also when sandlot restarted since).
+
+The LangGraph server runs in its own virtualenv (``.venv-langgraph``, made by
+``scripts/test``: ``langgraph-api`` pins versions the rest of the suite cannot share).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from langgraph_sdk import get_sync_client
+
+from tests.servers import free_port, isolation_mode
+
+pytestmark = pytest.mark.timeout(300)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "langgraph"
+VENV = Path(os.environ.get("SANDLOT_LANGGRAPH_VENV", ROOT / ".venv-langgraph"))
+USERS = {"alice": "alice-token", "bob": "bob-token"}
+SOURCE = "print('hello from the agent')\n"
+
+
+def call(name: str, n: int, **args: Any) -> dict[str, Any]:
+    return {"content": "", "tool_calls": [{"name": name, "args": args, "id": f"call_{n}"}]}
+
+
+SCRIPT = [
+    call("write_file", 1, file_path="/workspace/app.py", content=SOURCE),
+    call("execute", 2, command="cd /workspace && python3 app.py"),
+    {"content": "done"},
+]
+
+
+class LangGraphDev:
+    """``langgraph dev`` on loopback, serving a copy of the example."""
+
+    def __init__(self, workdir: Path, data_dir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        script = workdir / "script.json"
+        script.write_text(json.dumps(SCRIPT))
+        self.env = {
+            **os.environ,
+            "EXAMPLE_USERS": ",".join(f"{token}:{user}" for user, token in USERS.items()),
+            "EXAMPLE_SCRIPT": str(script),
+            "SANDLOT_DATA_DIR": str(data_dir),
+            "SANDLOT_PROVIDER_MODE": isolation_mode(),
+            "LANGSMITH_TRACING": "false",
+            "LANGGRAPH_CLI_NO_ANALYTICS": "1",
+        }
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / "langgraph.log"
+
+    def start(self) -> None:
+        binary = VENV / "bin" / "langgraph"
+        assert binary.exists(), f"{binary} is missing: ./scripts/test makes it"
+        argv = [str(binary), "dev", "--no-browser", "--no-reload", "--allow-blocking"]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-4000:]
+            try:
+                if httpx.get(f"{self.url}/ok", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise AssertionError(f"langgraph dev did not start:\n{self.log.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangGraphDev]:
+    workdir = tmp_path_factory.mktemp("langgraph")
+    shutil.copytree(EXAMPLE, workdir, dirs_exist_ok=True)
+    dev = LangGraphDev(workdir, workdir / "sandlot-data")
+    dev.start()
+    try:
+        yield dev
+    finally:
+        dev.stop()
+
+
+def headers(user: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {USERS[user]}"}
+
+
+def sandlot(server: LangGraphDev, user: str, *args: str, **kw: Any) -> Any:
+    """The ``sandlot`` command, authenticating with the user's LangGraph token."""
+    env = {
+        **os.environ,
+        "SANDLOT_URL": server.url,
+        "SANDLOT_API_KEY": USERS[user],
+        "HOME": str(server.workdir / f"home-{user}"),
+        "XDG_CACHE_HOME": str(server.workdir / f"cache-{user}"),
+        "XDG_CONFIG_HOME": str(server.workdir / f"config-{user}"),
+    }
+    argv = [sys.executable, "-m", "sandlot.cli.main", *args]
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def session(server: LangGraphDev, user: str, thread_id: str) -> httpx.Response:
+    return httpx.post(
+        f"{server.url}/v1/sandbox/sessions",
+        json={"thread_id": thread_id, "mode": "ensure"},
+        headers=headers(user),
+        timeout=60,
+    )
+
+
+def sandbox_state(server: LangGraphDev, user: str, sandbox_id: str) -> str:
+    resp = httpx.get(f"{server.url}/v1/sandboxes/{sandbox_id}", headers=headers(user), timeout=30)
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["state"])
+
+
+def wait_state(server: LangGraphDev, sandbox_id: str, wanted: set[str], within: float) -> str:
+    deadline = time.monotonic() + within
+    state = ""
+    while time.monotonic() < deadline:
+        state = sandbox_state(server, "alice", sandbox_id)
+        if state in wanted:
+            return state
+        time.sleep(0.2)
+    raise AssertionError(f"sandbox {sandbox_id} still {state} after {within} s")
+
+
+@pytest.fixture
+def lg(server: LangGraphDev) -> Iterator[Any]:
+    """The LangGraph SDK's client, as alice."""
+    with get_sync_client(url=server.url, api_key=None, headers=headers("alice")) as client:
+        yield client
+
+
+def test_agent_human_and_thread_lifecycle(server: LangGraphDev, lg: Any) -> None:
+    thread_id = lg.threads.create()["thread_id"]
+
+    # The human watches the thread's sandbox live, before the agent starts.
+    watch = sandlot(server, "alice", "watch", thread_id, "--json", "--from-start")
+    lines: list[dict[str, Any]] = []
+
+    def read() -> None:
+        assert watch.stdout is not None
+        for line in watch.stdout:
+            lines.append(json.loads(line))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        result = lg.runs.wait(
+            thread_id,
+            "agent",
+            input={"messages": [{"role": "user", "content": "write app.py and run it"}]},
+        )
+        assert isinstance(result, dict), result
+        outputs = [m for m in result["messages"] if m.get("type") == "tool"]
+        assert any("hello from the agent" in str(m["content"]) for m in outputs), outputs
+
+        # The human reads the agent's file through the same LangGraph server.
+        cat = sandlot(server, "alice", "exec", thread_id, "--", "cat", "/workspace/app.py")
+        out, err = cat.communicate(timeout=60)
+        assert cat.returncode == 0, err
+        assert out.decode() == SOURCE
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            commands = [e for e in lines if "python3 app.py" in json.dumps(e)]
+            files = [e for e in lines if "/workspace/app.py" in json.dumps(e)]
+            if commands and files:
+                break
+            time.sleep(0.2)
+        assert commands, json.dumps(lines, indent=1)
+        assert files, lines
+        # The agent's command is attributed to an agent acting for alice, not to alice.
+        assert any((e.get("actor") or {}).get("type") == "agent" for e in commands), commands
+    finally:
+        watch.terminate()
+        watch.communicate(timeout=10)
+        reader.join(timeout=10)
+
+    # Another LangGraph user may not see alice's thread, nor its sandbox.
+    refused = session(server, "bob", thread_id)
+    assert refused.status_code == 403, refused.text
+    assert refused.json()["error"]["code"] == "FORBIDDEN"
+    bob_exec = sandlot(server, "bob", "exec", thread_id, "--", "true")
+    _, err = bob_exec.communicate(timeout=60)
+    assert bob_exec.returncode != 0
+    assert b"FORBIDDEN" in err
+
+    # Deleting the thread ends its sandbox at once (documented: within a second or so).
+    sandbox_id = session(server, "alice", thread_id).json()["sandbox"]["id"]
+    lg.threads.delete(thread_id)
+    wait_state(server, sandbox_id, {"terminating", "terminated"}, within=5)
+
+
+def test_thread_deleted_while_sandlot_was_down_is_reconciled(server: LangGraphDev, lg: Any) -> None:
+    thread_id = lg.threads.create()["thread_id"]
+    grant = session(server, "alice", thread_id)
+    assert grant.status_code == 200, grant.text
+    sandbox_id = grant.json()["sandbox"]["id"]
+
+    # Pruned threads are not deleted through DELETE /threads/{id}: nothing observes them
+    # go. The server stops before the reconciling pass comes round, and starts again.
+    pruned = httpx.post(
+        f"{server.url}/threads/prune",
+        json={"thread_ids": [thread_id]},
+        headers=headers("alice"),
+        timeout=30,
+    )
+    assert pruned.status_code == 200, pruned.text
+    server.stop()
+    server.start()
+    wait_state(server, sandbox_id, {"terminating", "terminated"}, within=30)
+
+
+def test_mcp_beside_langgraphs_own(server: LangGraphDev) -> None:
+    # LangGraph's MCP endpoint stays where it is; sandlot's is at /sandlot/mcp and wants
+    # a sandlot credential.
+    own = httpx.get(f"{server.url}/mcp", headers=headers("alice"), timeout=30)
+    assert own.status_code != 404
+    anonymous = httpx.post(f"{server.url}/sandlot/mcp", json={}, timeout=30)
+    assert anonymous.status_code == 401
