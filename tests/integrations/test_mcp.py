@@ -19,7 +19,7 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
-from mcp_types import CallToolResult, TextContent
+from mcp_types import INVALID_PARAMS, CallToolResult, TextContent
 
 from sandlot.integrations.mcp import Callers, build_server
 from tests.servers import SandlotServer
@@ -175,6 +175,12 @@ async def test_a_missing_capability_is_denied_by_the_dataplane(
         with pytest.raises(MCPError) as info:
             await client.read_resource(f"sandlot://{session}/workspace/missing.txt")
         assert info.value.error.data["code"] == "FILE_NOT_FOUND"
+        assert info.value.error.data["uri"] == f"sandlot://{session}/workspace/missing.txt"
+        # Not an id a sandlot:// URI can carry: refused before the broker is asked.
+        with pytest.raises(MCPError) as info:
+            await client.read_resource("sandlot://not%20an%20id/workspace/a.txt")
+        assert info.value.error.code == INVALID_PARAMS
+        assert "not a session or sandbox id" in info.value.error.message
         await ok(client, "environment_release", {"session_id": session, "terminate": True})
 
 

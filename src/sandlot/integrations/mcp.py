@@ -23,7 +23,8 @@ object in ``data``.
 
 Resources: ``sandlot://{session_id}/{+path}`` is a sandbox file, ``path`` being its
 absolute path inside the sandbox without the leading ``/``
-(``sandlot://ssn_1/workspace/a.py`` is ``/workspace/a.py``).
+(``sandlot://ssn_1/workspace/a.py`` is ``/workspace/a.py``): the form of
+:mod:`sandlot.protocol.uris`, which A2A parts share (with a sandbox id).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from sandlot.protocol.errors import (
     SessionExpired,
     Unauthenticated,
 )
+from sandlot.protocol.uris import sandbox_uri
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, CommandResult, FileEntry
 
 #: Largest file ``download`` (and a resource read) returns: MCP messages are held whole.
@@ -521,7 +523,10 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         description="A file of a session's sandbox: sandlot://SESSION_ID/workspace/a.py",
     )
     async def sandbox_file(session_id: str, path: str, ctx: Context) -> str | bytes:
-        uri = f"sandlot://{session_id}/{path}"
+        try:
+            uri = sandbox_uri(session_id, "/" + path)
+        except ValueError as exc:
+            raise MCPError(code=INVALID_PARAMS, message=str(exc)) from None
         try:
             sandbox = await callers.of(ctx).sandbox(session_id, None)
             data = await _download(sandbox, "/" + path)

@@ -1,4 +1,5 @@
-"""The wire contract: models, states, events, token claims and the error table. No I/O.
+"""The wire contract: models, states, events, token claims, the error table and the
+``sandlot://`` URI form (:mod:`~sandlot.protocol.uris`). No I/O.
 
 The names below are loaded on first use: a client that only needs the error
 table (the SDK, the CLI) does not pay for building the pydantic models.
