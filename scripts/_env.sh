@@ -38,3 +38,23 @@ ensure_venv() {
     touch "$stamp"
   fi
 }
+
+# The LangGraph server the integration tests start (``langgraph dev``) lives in a virtualenv
+# of its own: langgraph-api pins versions (jsonschema-rs) the rest of the suite cannot share.
+LANGGRAPH_VENV="${SANDLOT_LANGGRAPH_VENV:-$PWD/.venv-langgraph}"
+LANGGRAPH_SERVER="langgraph-cli[inmem]>=0.4.40,<0.5"
+
+ensure_langgraph_venv() {
+  if [ ! -x "$LANGGRAPH_VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$LANGGRAPH_VENV"
+  fi
+  local inputs
+  inputs="$(sha1sum pyproject.toml setup.py; echo "$LANGGRAPH_SERVER")"
+  local stamp="$LANGGRAPH_VENV/.sandlot-langgraph-$(sha1sum <<<"$inputs" | cut -c1-12)"
+  if [ ! -e "$stamp" ]; then
+    echo "installing the LangGraph server for the integration tests into $LANGGRAPH_VENV" >&2
+    "$LANGGRAPH_VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    "$LANGGRAPH_VENV/bin/python" -m pip install -q -e ".[langgraph,deepagents,mcp]" "$LANGGRAPH_SERVER"
+    touch "$stamp"
+  fi
+}

@@ -21,8 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
 from langgraph_sdk import get_sync_client
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 
 from tests.servers import free_port, isolation_mode
 
@@ -243,10 +246,81 @@ def test_thread_deleted_while_sandlot_was_down_is_reconciled(server: LangGraphDe
     wait_state(server, sandbox_id, {"terminating", "terminated"}, within=30)
 
 
-def test_mcp_beside_langgraphs_own(server: LangGraphDev) -> None:
-    # LangGraph's MCP endpoint stays where it is; sandlot's is at /sandlot/mcp and wants
-    # a sandlot credential.
-    own = httpx.get(f"{server.url}/mcp", headers=headers("alice"), timeout=30)
-    assert own.status_code != 404
-    anonymous = httpx.post(f"{server.url}/sandlot/mcp", json={}, timeout=30)
-    assert anonymous.status_code == 401
+def sandlot_key(server: LangGraphDev, user: str, actor: str = "human") -> str:
+    """A sandlot API key, made on the server's data directory as an operator would."""
+    argv = [sys.executable, "-m", "sandlot.cli.main", "keys", "create", "--user", user]
+    argv += ["--actor", actor, "--data-dir", server.env["SANDLOT_DATA_DIR"], "--json"]
+    out = subprocess.run(argv, capture_output=True, check=True, timeout=60)
+    return str(json.loads(out.stdout)["key"])
+
+
+async def test_mcp_beside_langgraphs_own(server: LangGraphDev, lg: Any) -> None:
+    # LangGraph's own MCP endpoint stays at /mcp; sandlot's is /sandlot/mcp.
+    async with httpx.AsyncClient(base_url=server.url, timeout=30) as plain:
+        own = await plain.get("/mcp", headers=headers("alice"))
+        assert own.status_code != 404
+        anonymous = await plain.post("/sandlot/mcp", json={})
+        assert anonymous.status_code == 401
+
+    thread_id = lg.threads.create()["thread_id"]
+    key = sandlot_key(server, "alice")
+    http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    url = f"{server.url}/sandlot/mcp"
+    async with http, Client(streamable_http_client(url, http_client=http)) as client:
+        acquired = await client.call_tool("environment_acquire", {"thread_id": thread_id})
+        assert not acquired.is_error, acquired
+        assert acquired.structured_content is not None
+        session_id = acquired.structured_content["session_id"]
+        ran = await client.call_tool(
+            "exec", {"session_id": session_id, "command": "echo from-mcp > m.txt; cat m.txt"}
+        )
+        assert ran.structured_content is not None, ran
+        assert ran.structured_content["stdout"] == "from-mcp\n"
+        # A thread of another LangGraph user is refused, with the protocol's code.
+        with lg_client(server, "bob") as bob:
+            bobs = bob.threads.create()["thread_id"]
+        refused = await client.call_tool("environment_acquire", {"thread_id": bobs})
+        assert refused.is_error
+        assert "FORBIDDEN" in str(refused.content[0])
+    # What MCP's exec wrote is alice's thread's sandbox: she reads it from the CLI.
+    cat = sandlot(server, "alice", "exec", thread_id, "--", "cat", "m.txt")
+    out, err = cat.communicate(timeout=60)
+    assert cat.returncode == 0, err
+    assert out == b"from-mcp\n"
+
+
+def lg_client(server: LangGraphDev, user: str) -> Any:
+    return get_sync_client(url=server.url, api_key=None, headers=headers(user))
+
+
+def test_a_run_scoped_sandbox_ends_with_its_run(server: LangGraphDev, lg: Any) -> None:
+    thread_id = lg.threads.create()["thread_id"]
+    run = lg.runs.create(thread_id, "agent", input={"messages": []})
+    lg.runs.join(thread_id, run["run_id"])
+    scope = {"type": "run", "id": f"{thread_id}/{run['run_id']}"}
+    grant = httpx.post(
+        f"{server.url}/v1/sandbox/sessions",
+        json={"scope": scope, "mode": "ensure"},
+        headers=headers("alice"),
+        timeout=60,
+    )
+    assert grant.status_code == 200, grant.text
+    # The run is over: the reconciling pass (every 10 s) ends its sandbox.
+    wait_state(server, grant.json()["sandbox"]["id"], {"terminating", "terminated"}, within=30)
+
+    # A run scope must name its thread, and the thread must be the caller's.
+    bad = httpx.post(
+        f"{server.url}/v1/sandbox/sessions",
+        json={"scope": {"type": "run", "id": run["run_id"]}, "mode": "ensure"},
+        headers=headers("alice"),
+        timeout=60,
+    )
+    assert bad.status_code == 400, bad.text
+    assert bad.json()["error"]["code"] == "INVALID_REQUEST"
+    bobs = httpx.post(
+        f"{server.url}/v1/sandbox/sessions",
+        json={"scope": scope, "mode": "ensure"},
+        headers=headers("bob"),
+        timeout=60,
+    )
+    assert bobs.status_code == 403, bobs.text

@@ -128,7 +128,8 @@ class Grant:
     sandbox_id: str
     http_base_url: str
     ws_base_url: str
-    token: str
+    #: Never in its repr: a logged grant must not leak it.
+    token: str = field(repr=False)
     expires_at: float | None = None
     session_id: str | None = None
     capabilities: tuple[str, ...] = ()
