@@ -279,3 +279,25 @@ def test_without_the_extra_sandlot_mcp_names_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "sandlot[mcp]" in out.stderr
+
+
+async def test_with_workers_mcp_is_at_the_sandbox_hosts_port(tmp_path: Any) -> None:
+    # MCP sessions live in one process: the broker's port names where they are.
+    srv = SandlotServer(tmp_path / "d", workers=2).start()
+    try:
+        key = srv.key("alice", "agent")
+        async with httpx.AsyncClient(timeout=30) as plain:
+            resp = await plain.post(
+                f"{srv.url}/mcp", json={}, headers={"Authorization": f"Bearer {key}"}
+            )
+        assert resp.status_code == 404
+        error = resp.json()["error"]
+        assert error["code"] == "NOT_FOUND"
+        mcp_url = error["metadata"]["mcp_url"]
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60)
+        async with http, Client(streamable_http_client(mcp_url, http_client=http)) as client:
+            grant = await ok(client, "environment_acquire", {"thread_id": "thr_workers"})
+            ran = await ok(client, "exec", {"session_id": grant["session_id"], "command": "echo w"})
+            assert ran["stdout"] == "w\n"
+    finally:
+        srv.stop()

@@ -38,6 +38,7 @@ from sandlot.cli.server import (
     make_server,
     run_until_signalled,
 )
+from sandlot.protocol.errors import ResourceNotFound
 from sandlot.providers.remote import RemoteProvider
 
 
@@ -62,6 +63,14 @@ def _run_worker(
     )
     broker = Broker(settings, provider, run_reaper=False)
     app = create_app(broker)
+    mcp_url = f"{dp_url.rstrip('/')}/mcp"
+
+    @app.api_route("/mcp", methods=["GET", "POST", "DELETE"], include_in_schema=False)
+    async def _mcp_elsewhere() -> None:
+        # An MCP session lives in one process: the sandbox host's serves them all.
+        raise ResourceNotFound(
+            f"with --workers over 1, the MCP server is at {mcp_url}", metadata={"mcp_url": mcp_url}
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
