@@ -165,3 +165,22 @@ def test_refusals(env: dict[str, str], server: SandlotServer) -> None:
     assert r.status_code == 404 and r.json()["error"]["code"] == "SANDBOX_NOT_FOUND"
     r = sandlot(env, "exec", "--sandbox", mine, "--", "echo hi")
     assert r.returncode == 1 and "SANDBOX_NOT_FOUND" in r.stderr
+
+
+def test_session_commands_by_sandbox_id(env: dict[str, str]) -> None:
+    sandbox_id = create(env)
+    r = sandlot(env, "session", "refresh", "--sandbox", sandbox_id, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["expires_at"]
+    r = sandlot(env, "session", "heartbeat", "--sandbox", sandbox_id, "--json")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["state"] in ("active", "idle")
+    r = sandlot(env, "session", "release", "--sandbox", sandbox_id, "--terminate")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("terminated ssn_")
+    r = sandlot(env, "sandbox", "get", sandbox_id, "--json")
+    assert json.loads(r.stdout)["state"] == "terminated"
+    # Both, or neither, is a usage error.
+    r = sandlot(env, "session", "heartbeat")
+    assert r.returncode == 2
+    assert "THREAD or --sandbox ID" in r.stderr

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from sandlot.cli.client import print_json, print_mapping, print_table, run, target_of
+from sandlot.cli.client import Target, print_json, print_mapping, print_table, run, target_of
 from sandlot.cli.context import JsonOption, KeyOption, SandboxOption, UrlOption
 from sandlot.cli.errors import fail
 from sandlot.sdk import AsyncSandlot
@@ -42,10 +42,24 @@ def _grant_view(grant: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-async def _session_id(client: AsyncSandlot, target: str) -> str:
-    if target.startswith("ssn_"):
-        return target
-    sandbox = await client.get(target, wait=False)
+OptionalThreadArg = typer.Argument(
+    None,
+    metavar="[THREAD]",
+    help="A thread id or a session id ssn_… (or --sandbox ID).",
+    show_default=False,
+)
+
+
+async def _session_id(client: AsyncSandlot, target: Target) -> str:
+    """The session a command means: a session id as given, else the thread's or the
+    sandbox's (attached, never created)."""
+    if target.sandbox_id is not None:
+        sandbox = await client.attach_sandbox(target.sandbox_id, wait=False)
+    else:
+        assert target.thread is not None
+        if target.thread.startswith("ssn_"):
+            return target.thread
+        sandbox = await client.get(target.thread, wait=False)
     assert sandbox.grant.session_id is not None
     return sandbox.grant.session_id
 
@@ -106,15 +120,17 @@ def session_get(
 
 @session_app.command("refresh", epilog="Example: sandlot session refresh thr_1 --json")
 def session_refresh(
-    thread: str = ThreadArg,
+    thread: str | None = OptionalThreadArg,
+    sandbox_id: str | None = SandboxOption,
     as_json: bool = JsonOption,
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
     """Get a fresh token for the session."""
+    target = target_of(thread, sandbox_id)
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return (await client.refresh(await _session_id(client, thread))).to_dict()
+        return (await client.refresh(await _session_id(client, target))).to_dict()
 
     data = run(url, api_key, body, auto_refresh=False)
     print_json(data) if as_json else print_mapping({"token_expires_at": data.get("expires_at")})
@@ -122,15 +138,17 @@ def session_refresh(
 
 @session_app.command("heartbeat", epilog="Example: sandlot session heartbeat thr_1")
 def session_heartbeat(
-    thread: str = ThreadArg,
+    thread: str | None = OptionalThreadArg,
+    sandbox_id: str | None = SandboxOption,
     as_json: bool = JsonOption,
     url: str = UrlOption,
     api_key: str = KeyOption,
 ) -> None:
     """Extend your lease on the session (keeps the sandbox from going idle)."""
+    target = target_of(thread, sandbox_id)
 
     async def body(client: AsyncSandlot, _: Any) -> dict[str, Any]:
-        return (await client.heartbeat(await _session_id(client, thread))).to_dict()
+        return (await client.heartbeat(await _session_id(client, target))).to_dict()
 
     data = run(url, api_key, body, auto_refresh=False)
     print_json(data) if as_json else print_mapping(data)
@@ -138,7 +156,8 @@ def session_heartbeat(
 
 @session_app.command("release", epilog="Example: sandlot session release thr_1 --terminate")
 def session_release(
-    thread: str = ThreadArg,
+    thread: str | None = OptionalThreadArg,
+    sandbox_id: str | None = SandboxOption,
     terminate: bool = typer.Option(
         False, "--terminate", help="Tear the sandbox down for everyone (owner only)."
     ),
@@ -149,9 +168,10 @@ def session_release(
     api_key: str = KeyOption,
 ) -> None:
     """Detach from the session (your tokens are revoked); --terminate ends the sandbox."""
+    target = target_of(thread, sandbox_id)
 
     async def body(client: AsyncSandlot, _: Any) -> tuple[str, str]:
-        sid = await _session_id(client, thread)
+        sid = await _session_id(client, target)
         snap = await client.release(sid, terminate=terminate, wait=wait)
         if not terminate:
             return sid, "released"

@@ -76,7 +76,14 @@ from sandlot.sdk.settings import ClientSettings, register_in_process
 log = logging.getLogger("sandlot.integrations.langgraph")
 
 #: The control plane's paths (PROTOCOL.md section 2 and its aliases, 2.9).
-CONTROL_PATHS = ("/v1/", "/v2/sandboxes", "/sandbox/", "/.well-known/jwks.json", "/healthz")
+CONTROL_PATHS = (
+    "/v1/",
+    "/v2/sandboxes",
+    "/sandbox/",
+    "/.well-known/jwks.json",
+    "/healthz",
+    "/readyz",
+)
 MCP_PATH = "/sandlot/mcp"
 #: A LangGraph user's permission (``"permissions"`` of the auth handler's answer) → the
 #: principal type it authenticates as; a user with none of them is a human.
