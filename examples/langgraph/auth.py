@@ -1,9 +1,11 @@
 """Who may use this LangGraph server: a bearer token per user, and each user's threads
 their own.
 
-Tokens come from ``EXAMPLE_USERS`` (``token:user,token:user``). Replace this with your
-identity provider; sandlot takes whatever user it returns. A user whose ``permissions``
-include ``sandlot:agent`` is recorded as an agent, ``sandlot:admin`` is a sandlot admin.
+Tokens come from ``EXAMPLE_USERS``: ``token:user`` pairs separated by commas, a user
+optionally followed by ``/`` and its permissions joined by ``+``
+(``ci-token:ci-bot/sandlot:agent``). Replace this with your identity provider; sandlot
+takes whatever user it returns. A user whose ``permissions`` include ``sandlot:agent``
+is recorded as an agent, ``sandlot:admin`` is a sandlot admin.
 """
 
 from __future__ import annotations
@@ -15,18 +17,24 @@ from langgraph_sdk import Auth
 auth = Auth()
 
 
-def _users() -> dict[str, str]:
-    pairs = (p.partition(":") for p in os.environ.get("EXAMPLE_USERS", "").split(",") if p)
-    return {token: user for token, _, user in pairs if token and user}
+def _users() -> dict[str, tuple[str, list[str]]]:
+    users = {}
+    for entry in os.environ.get("EXAMPLE_USERS", "").split(","):
+        token, _, rest = entry.partition(":")
+        user, _, permissions = rest.partition("/")
+        if token and user:
+            users[token] = (user, [p for p in permissions.split("+") if p])
+    return users
 
 
 @auth.authenticate
 async def authenticate(authorization: str | None) -> Auth.types.MinimalUserDict:
     scheme, _, token = (authorization or "").partition(" ")
-    user = _users().get(token) if scheme.lower() == "bearer" else None
-    if user is None:
+    found = _users().get(token) if scheme.lower() == "bearer" else None
+    if found is None:
         raise Auth.exceptions.HTTPException(status_code=401, detail="unknown token")
-    return {"identity": user, "permissions": []}
+    user, permissions = found
+    return {"identity": user, "permissions": permissions}
 
 
 @auth.on

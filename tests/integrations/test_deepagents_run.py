@@ -13,7 +13,7 @@ import pytest
 from deepagents import create_deep_agent
 from langchain_core.messages import AIMessage
 
-from sandlot.integrations.deepagents import SandlotBackend
+from sandlot.integrations.deepagents import SandlotBackend, graph_factory
 from sandlot.protocol.errors import SessionNotFound
 from sandlot.sdk import Sandlot
 from tests.integrations.test_deepagents_agent import ScriptedModel, call, tool_outputs
@@ -103,3 +103,31 @@ def test_outside_a_run_it_says_so(server: SandlotServer, agent_key: str) -> None
             assert "neither configurable.sandbox nor configurable.thread_id" in out["ls"]
     finally:
         backend.close()
+
+
+def test_a_graph_factory_builds_each_run_on_its_sandbox(
+    server: SandlotServer, agent_key: str, human_key: str
+) -> None:
+    script = iter(writes(("/workspace/f.txt", "from the factory\n")))
+    built: list[SandlotBackend] = []
+
+    def build(backend: SandlotBackend) -> Any:
+        built.append(backend)
+        return create_deep_agent(model=ScriptedModel(messages=script), backend=backend)
+
+    make_graph = graph_factory(build, url=server.url, api_key=agent_key)
+    human = Sandlot(server.url, human_key)
+    try:
+        config = {"configurable": {"thread_id": "thr_factory"}}
+        make_graph(config).invoke({"messages": [{"role": "user", "content": "go"}]}, config)
+        sandbox = human.ensure("thr_factory")
+        assert built[0].id == sandbox.id
+        assert sandbox.read_text("/workspace/f.txt") == "from the factory\n"
+        # The same thread again: the same sandbox; a bootstrap grant wins over the thread.
+        assert make_graph(config) is not None and built[1].id == sandbox.id
+        other = human.ensure("thr_factory_boot")
+        boot = {"configurable": {"thread_id": "thr_factory", "sandbox": other.grant.raw}}
+        make_graph(boot)
+        assert built[2].id == other.id
+    finally:
+        human.close()

@@ -8,6 +8,7 @@ The LangGraph server runs in its own virtualenv (``.venv-langgraph``, made by
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -34,7 +35,9 @@ pytestmark = pytest.mark.timeout(300)
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "langgraph"
 VENV = Path(os.environ.get("SANDLOT_LANGGRAPH_VENV", ROOT / ".venv-langgraph"))
-USERS = {"alice": "alice-token", "bob": "bob-token"}
+USERS = {"alice": "alice-token", "bob": "bob-token", "robot": "robot-token"}
+#: LangGraph permissions of the users that have some (the example's auth returns them).
+PERMISSIONS = {"robot": "sandlot:agent"}
 SOURCE = "print('hello from the agent')\n"
 
 
@@ -60,7 +63,10 @@ class LangGraphDev:
         script.write_text(json.dumps(SCRIPT))
         self.env = {
             **os.environ,
-            "EXAMPLE_USERS": ",".join(f"{token}:{user}" for user, token in USERS.items()),
+            "EXAMPLE_USERS": ",".join(
+                f"{token}:{user}" + (f"/{PERMISSIONS[user]}" if user in PERMISSIONS else "")
+                for user, token in USERS.items()
+            ),
             "EXAMPLE_SCRIPT": str(script),
             "SANDLOT_DATA_DIR": str(data_dir),
             "SANDLOT_PROVIDER_MODE": isolation_mode(),
@@ -324,3 +330,19 @@ def test_a_run_scoped_sandbox_ends_with_its_run(server: LangGraphDev, lg: Any) -
         timeout=60,
     )
     assert bobs.status_code == 403, bobs.text
+
+
+def test_a_langgraph_permission_makes_the_user_an_agent(server: LangGraphDev) -> None:
+    with lg_client(server, "robot") as robot:
+        thread_id = robot.threads.create()["thread_id"]
+    grant = session(server, "robot", thread_id)
+    assert grant.status_code == 200, grant.text
+    payload = grant.json()["token"].split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert claims["act"] == {"type": "agent", "id": "langgraph:robot"}
+    # Alice, a human, is recorded as one.
+    with lg_client(server, "alice") as alice:
+        hers = alice.threads.create()["thread_id"]
+    payload = session(server, "alice", hers).json()["token"].split(".")[1]
+    claims = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+    assert claims["act"] == {"type": "human", "id": "langgraph:alice"}
