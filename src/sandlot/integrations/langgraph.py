@@ -56,12 +56,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from sandlot.broker.app import MountDispatch
 from sandlot.broker.app import create_app as create_broker_app
+from sandlot.broker.assembly import build_provider
 from sandlot.broker.core import Broker
 from sandlot.broker.hosted import end_scopes, live_scopes
 from sandlot.broker.keys import looks_like_key
 from sandlot.broker.principals import Principal
 from sandlot.broker.settings import BrokerSettings, load_settings
-from sandlot.cli.server import build_provider
 from sandlot.dataplane.http.host import DataplaneHost
 from sandlot.protocol.common import PrincipalType, ScopeType
 from sandlot.protocol.common import Scope as SandlotScope

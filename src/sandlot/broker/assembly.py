@@ -1,0 +1,76 @@
+"""The provider a server runs, wired to the broker in its process: what ``sandlot serve``
+and a LangGraph server hosting sandlot (:mod:`sandlot.integrations.langgraph`) share."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from typing import Any
+
+from sandlot.broker.core import Broker
+from sandlot.broker.principals import Principal
+from sandlot.broker.revocations import api_key_jti
+from sandlot.broker.settings import BrokerSettings, ConfigError
+from sandlot.dataplane.services.auth import AuthContext
+from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.protocol.common import Scope
+from sandlot.protocol.errors import SandlotError, Unauthenticated
+from sandlot.providers.base import Provider, provider_class
+
+
+def build_provider(
+    settings: BrokerSettings, broker_ref: list[Broker], *, dataplane_url: str | None = None
+) -> Provider:
+    """Instantiate the configured provider, wiring in what an in-process dataplane needs."""
+
+    async def jwks() -> Mapping[str, Any]:
+        return await asyncio.to_thread(broker_ref[0].keyring.jwks)
+
+    async def api_key_resolver(api_key: str, sandbox_id: str) -> AuthContext | None:
+        broker = broker_ref[0]
+        try:
+            principal: Principal = await asyncio.to_thread(broker.keys.authenticate, api_key)
+            row = await asyncio.to_thread(broker.sandboxes.get, sandbox_id)
+        except (Unauthenticated, SandlotError):
+            return None
+        allowed = row.owner_user_id == principal.effective_user or principal.is_admin
+        if not allowed and row.scope_key is not None:
+            try:
+                members = await asyncio.to_thread(
+                    broker.members.members, principal, _scope_of(row.scope_key)
+                )
+                allowed = principal.effective_user in members.members
+            except SandlotError:
+                allowed = False
+        if not allowed:
+            return None
+        policy = settings.policy_for(principal.actor_type)
+        return AuthContext(
+            principal_id=principal.id,
+            actor=principal.actor,
+            caps=frozenset(policy.allowed),
+            sandbox_id=sandbox_id,
+            generation=row.generation,
+            # Revoking the key revokes this id: its sockets close like a token's.
+            jti=api_key_jti(principal.key_id) if principal.key_id else None,
+        )
+
+    try:
+        dataplane_settings = DataplaneSettings.from_env()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    config: dict[str, Any] = {
+        **settings.provider_config,
+        "mode": settings.provider_mode,
+        "data_dir": settings.data_dir,
+        "public_url": dataplane_url or settings.base_url,
+        "issuer": settings.issuer,
+        "jwks": jwks,
+        "api_key_resolver": api_key_resolver,
+        "dataplane_settings": dataplane_settings,
+    }
+    return provider_class(settings.provider_name)(config)
+
+
+def _scope_of(key: str) -> Scope:
+    return Scope.parse(key)
