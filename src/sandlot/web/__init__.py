@@ -1,0 +1,1 @@
+"""The browser workspace's server: boring-ui's routes over a sandbox or a local folder."""

@@ -1,0 +1,174 @@
+"""The browser workspace's one frozen settings object.
+
+Precedence, highest first: explicit arguments > environment > defaults. An empty
+variable counts as unset. Nothing else in :mod:`sandlot.web` reads the environment.
+
+Environment variables:
+
+- ``SANDLOT_WORKSPACE_MODE``: ``sandbox`` (default) serves a sandbox's workspace
+  through its dataplane; ``local`` serves a folder of this machine, unisolated. The
+  default is ``sandbox`` because that is what ``sandlot serve`` runs, and because
+  exposing the host's own files must be asked for (``sandlot web`` asks for it).
+- ``SANDLOT_DATA_DIR``: where the session-id signing key is kept when
+  ``SESSION_TOKEN_SECRET`` is not set (default ``.sandlot``, as the broker's).
+- ``SANDLOT_PUBLIC_URL``: how browsers reach this server, when it is not the address
+  they connect to (behind a TLS proxy); its origin is then the only own origin, and
+  an ``https`` URL makes the session cookie ``Secure``.
+- ``SESSION_TOKEN_SECRET``: the key signing terminal session ids (at least 32 bytes).
+  Set it to share session ids between several server processes; unset, a random key
+  is created once in the data directory (``web-session.key``, mode 0600).
+- ``SANDLOT_WEB_SESSION_TOKEN_TTL``: lifetime of a terminal session id in seconds,
+  900-3600 (default 1800).
+- ``SANDLOT_WEB_COOKIE_SECURE``: ``auto`` (default: ``Secure`` when the request came
+  over TLS or the public URL is ``https``), ``true`` or ``false``.
+- ``SANDLOT_WEB_SESSION_IDLE_SECONDS``: a browser session unused this long ends
+  (default 28800, 8 hours).
+- ``SANDLOT_WEB_SESSION_MAX_SECONDS``: a browser session ends this long after sign-in
+  whatever its use (default 259200, 3 days).
+- ``SANDLOT_WEB_LOGIN_LINK_TTL``: how long a one-time sign-in link stays valid, in
+  seconds (default 300).
+- ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
+  separated) whose pages may make state-changing requests and open WebSockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+#: Bounds of a terminal session id's lifetime (seconds).
+MIN_SESSION_TOKEN_TTL = 15 * 60
+MAX_SESSION_TOKEN_TTL = 60 * 60
+#: Shortest accepted ``SESSION_TOKEN_SECRET`` (HMAC-SHA256 wants a key of its hash's size).
+MIN_SECRET_BYTES = 32
+
+
+class ConfigError(ValueError):
+    """The settings are invalid; the message says which one and why (never its value)."""
+
+
+class WorkspaceMode(enum.StrEnum):
+    LOCAL = "local"
+    SANDBOX = "sandbox"
+
+
+def normalize_origin(value: str) -> str | None:
+    """``scheme://host[:port]`` in canonical form (lower case, no default port), or
+    ``None`` when ``value`` is not an http(s)/ws(s) origin (``null``, garbage)."""
+    try:
+        parts = urlsplit(value.strip())
+        port = parts.port
+    except ValueError:
+        return None
+    scheme = {"ws": "http", "wss": "https"}.get(parts.scheme.lower(), parts.scheme.lower())
+    host = parts.hostname
+    if scheme not in ("http", "https") or not host:
+        return None
+    if ":" in host:
+        host = f"[{host}]"
+    if port is None or port == {"http": 80, "https": 443}[scheme]:
+        return f"{scheme}://{host}"
+    return f"{scheme}://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class WebSettings:
+    mode: WorkspaceMode = WorkspaceMode.SANDBOX
+    data_dir: Path = Path(".sandlot")
+    public_url: str | None = None
+    session_token_secret: str | None = dataclasses.field(default=None, repr=False)
+    session_token_ttl_seconds: int = 1800
+    #: ``None``: decided per request (TLS, or an ``https`` public URL).
+    cookie_secure: bool | None = None
+    session_idle_seconds: int = 8 * 3600
+    session_max_seconds: int = 3 * 24 * 3600
+    login_link_ttl_seconds: int = 300
+    allowed_origins: frozenset[str] = frozenset()
+    #: Browser sessions kept at once; beyond, the least recently used ends.
+    max_sessions: int = 10_000
+
+    def __post_init__(self) -> None:
+        ttl = self.session_token_ttl_seconds
+        if not MIN_SESSION_TOKEN_TTL <= ttl <= MAX_SESSION_TOKEN_TTL:
+            raise ConfigError(
+                f"session token lifetime must be {MIN_SESSION_TOKEN_TTL}-"
+                f"{MAX_SESSION_TOKEN_TTL} seconds (15-60 minutes), not {ttl}"
+            )
+        secret = self.session_token_secret
+        if secret is not None and len(secret.encode()) < MIN_SECRET_BYTES:
+            raise ConfigError(f"SESSION_TOKEN_SECRET must be at least {MIN_SECRET_BYTES} bytes")
+        for name in ("session_idle_seconds", "session_max_seconds", "login_link_ttl_seconds"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.session_idle_seconds > self.session_max_seconds:
+            raise ConfigError("session_idle_seconds cannot exceed session_max_seconds")
+        if self.max_sessions <= 0:
+            raise ConfigError("max_sessions must be positive")
+        if self.public_url is not None and normalize_origin(self.public_url) is None:
+            raise ConfigError(f"public URL {self.public_url!r} is not an http(s) URL")
+        origins = set()
+        for origin in self.allowed_origins:
+            normal = normalize_origin(origin)
+            if normal is None:
+                raise ConfigError(f"allowed origin {origin!r} is not scheme://host[:port]")
+            origins.add(normal)
+        object.__setattr__(self, "allowed_origins", frozenset(origins))
+
+    @property
+    def public_origin(self) -> str | None:
+        return normalize_origin(self.public_url) if self.public_url else None
+
+    @property
+    def secret_path(self) -> Path:
+        """Where the session-id key lives when ``SESSION_TOKEN_SECRET`` is unset."""
+        return self.data_dir / "web-session.key"
+
+
+_INT_VARS = {
+    "session_token_ttl_seconds": "SANDLOT_WEB_SESSION_TOKEN_TTL",
+    "session_idle_seconds": "SANDLOT_WEB_SESSION_IDLE_SECONDS",
+    "session_max_seconds": "SANDLOT_WEB_SESSION_MAX_SECONDS",
+    "login_link_ttl_seconds": "SANDLOT_WEB_LOGIN_LINK_TTL",
+}
+
+
+def load_web_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> WebSettings:
+    """Build the settings: ``overrides`` (non-None values) > env > defaults."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    if mode := env.get("SANDLOT_WORKSPACE_MODE"):
+        try:
+            values["mode"] = WorkspaceMode(mode.strip().lower())
+        except ValueError:
+            raise ConfigError(
+                f"SANDLOT_WORKSPACE_MODE must be local or sandbox, not {mode!r}"
+            ) from None
+    if data_dir := env.get("SANDLOT_DATA_DIR"):
+        values["data_dir"] = Path(data_dir)
+    if public_url := env.get("SANDLOT_PUBLIC_URL"):
+        values["public_url"] = public_url
+    if secret := env.get("SESSION_TOKEN_SECRET"):
+        values["session_token_secret"] = secret
+    for field, name in _INT_VARS.items():
+        if raw := env.get(name):
+            try:
+                values[field] = int(raw)
+            except ValueError:
+                raise ConfigError(f"{name}: {raw!r} is not a whole number of seconds") from None
+    if secure := env.get("SANDLOT_WEB_COOKIE_SECURE"):
+        choice = secure.strip().lower()
+        if choice not in ("auto", "true", "false", "1", "0"):
+            raise ConfigError(
+                f"SANDLOT_WEB_COOKIE_SECURE must be auto, true or false, not {secure!r}"
+            )
+        values["cookie_secure"] = None if choice == "auto" else choice in ("true", "1")
+    if origins := env.get("SANDLOT_WEB_ALLOWED_ORIGINS"):
+        values["allowed_origins"] = frozenset(o for o in origins.split(",") if o.strip())
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return WebSettings(**values)
