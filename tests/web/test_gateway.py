@@ -539,7 +539,7 @@ async def test_websocket_relay_round_trip_to_the_real_dataplane(
             frames: list[dict[str, Any]] = []
             async with connect(
                 f"ws://127.0.0.1:{port}/ws/exec",
-                origin="http://evil.example",  # type: ignore[arg-type]
+                origin="http://evil.example",
                 additional_headers={"Cookie": "workspace_session=1", "Authorization": "Bearer no"},
             ) as browser:
                 await browser.send(json.dumps({"type": "start", "command": "echo relay-$((40+2))"}))

@@ -40,6 +40,11 @@ Every HTTP call and WebSocket the web server makes for a browser goes through a
   browser's request id; everything else becomes ``PROVIDER_UNAVAILABLE`` (retryable,
   ``metadata.reason``) with no upstream body, URL or token in it. Tokens are never logged.
 
+The rules live in modules of their own (:mod:`~sandlot.web.allowlist`,
+:mod:`~sandlot.web.pinning`, :mod:`~sandlot.web.breaker`, :mod:`~sandlot.web.errors`,
+:mod:`~sandlot.web.metrics`, :mod:`~sandlot.web.relay`); this one ties them to the
+connections and re-exports what the web server uses. ``docs/WEB.md`` says it at length.
+
 Why httpcore under httpx's URL parsing: the pinning needs a connection made to an
 address other than the URL's host while the request keeps the name, and httpcore's
 pool takes a network backend for exactly that, where httpx's client does not.
@@ -349,7 +354,8 @@ class Gateway:
     ``resolver`` resolves an upstream's host (the system's, in a thread, unless a test
     gives its own); ``registry`` receives the metrics (a private one if none);
     ``tls`` is the context for ``https``/``wss`` upstreams; ``clock`` drives the
-    breakers and the DNS re-checks.
+    breakers and the DNS re-checks. :meth:`aclose` (or ``async with``) closes its
+    connections.
     """
 
     def __init__(
