@@ -49,6 +49,13 @@ FORBIDDEN = [
     ("protocol", "starlette"),
     ("protocol", "fastapi"),
 ]
+#: The web server's gateway to upstreams stands on the protocol alone (and httpx,
+#: websockets, prometheus_client): no other package of sandlot, no web framework.
+GATEWAY = ["web.allowlist", "web.breaker", "web.errors", "web.gateway", "web.metrics"]
+GATEWAY += ["web.pinning", "web.relay"]
+NOT_UNDER_GATEWAY = ["broker", "cli", "dataplane", "integrations", "providers", "runtime", "sdk"]
+NOT_UNDER_GATEWAY += ["starlette", "fastapi", "uvicorn"]
+FORBIDDEN += [(module, package) for module in GATEWAY for package in NOT_UNDER_GATEWAY]
 __doc__ = (__doc__ or "") + "".join(f"\n- no ``{a}`` → ``{b}``" for a, b in FORBIDDEN)
 
 

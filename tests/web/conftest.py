@@ -19,7 +19,10 @@ from starlette.websockets import WebSocket
 from sandlot.broker.keys import KeyService
 from sandlot.broker.store import Store
 from sandlot.protocol.errors import SandlotError
+from sandlot.sdk import Grant, Sandlot
 from sandlot.web.auth import BrowserAuthMiddleware, WebAuth, current_user, sandlot_error_handler
+from tests.servers import SandlotServer, running
+from tests.web import upstreams
 
 
 class Clock:
@@ -117,3 +120,27 @@ def assert_not_leaked(
     for value in session_values:
         assert value
         assert not [line for line in served if value in line]
+
+
+# --- the gateway's: a real dataplane, and an upstream that misbehaves -------------------
+
+
+@pytest.fixture
+async def misbehaving() -> AsyncIterator[upstreams.Misbehaving]:
+    state = upstreams.Misbehaving()
+    async with upstreams.serving(state.app()) as port:
+        state.port = port
+        try:
+            yield state
+        finally:
+            state.release.set()
+
+
+@pytest.fixture(scope="module")
+def dataplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SandlotServer, Grant]]:
+    """A real ``sandlot serve`` and a grant to one of its sandboxes (URLs and token)."""
+    with running(tmp_path_factory.mktemp("gateway") / "d") as server:
+        client = Sandlot(server.url, server.key("alice"), auto_refresh=False)
+        with client:
+            sandbox = client.ensure("thr_gateway")
+            yield server, sandbox.grant
