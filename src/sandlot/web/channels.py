@@ -1,0 +1,202 @@
+"""Both sides of a terminal or chat socket, each sending through a bounded queue.
+
+A :class:`BrowserChannel` wraps an accepted Starlette ``WebSocket``. Frames for the
+browser are queued (:class:`~sandlot.web.limits.FrameQueue`, bounded in frames and
+bytes) and sent by :meth:`BrowserChannel.run_sender`, so a browser that stops reading
+never holds up the dataplane side; if the queue overflows, :meth:`send` raises
+:class:`~sandlot.web.limits.QueueOverflow` and the route ends the socket with
+:meth:`BrowserChannel.abort`: what is queued is dropped (the browser reattaches and the
+dataplane replays it), an ``error`` frame is sent, then the close.
+
+A :class:`DataplaneChannel` is the other side: the dataplane WebSocket the gateway
+opened for it, with its own bounded queue of frames and a token kept fresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any
+
+from starlette.websockets import WebSocket, WebSocketState
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed
+
+from sandlot.web.limits import FrameQueue, SocketLimits
+from sandlot.web.workspace import Workspace
+
+log = logging.getLogger(__name__)
+
+#: Close codes used on the browser's sockets.
+CLOSE_NORMAL = 1000
+CLOSE_POLICY = 1008
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_AGAIN = 1013
+#: boring-ui's: the provider named is not one this server runs.
+CLOSE_UNKNOWN_PROVIDER = 4003
+CLOSE_SESSION_NOT_FOUND = 4404
+CLOSE_RATE_LIMITED = 4429
+
+
+class Disconnected(Exception):
+    """The browser went away."""
+
+
+class BrowserChannel:
+    """An accepted browser WebSocket; frames to it leave through a bounded queue."""
+
+    def __init__(self, ws: WebSocket, limits: SocketLimits) -> None:
+        self.ws = ws
+        self.limits = limits
+        self.queue = FrameQueue(limits.output_queue_frames, limits.output_queue_bytes)
+        self._closed = False
+
+    def send(self, frame: dict[str, Any]) -> None:
+        """Queue ``frame`` for the browser (``QueueOverflow`` if the queue is full)."""
+        self.queue.put(json.dumps(frame, ensure_ascii=False, separators=(",", ":")))
+
+    def send_text(self, text: str) -> None:
+        """Queue a frame already serialised (a line of the agent's stream-JSON)."""
+        self.queue.put(text)
+
+    async def run_sender(self) -> None:
+        """Send queued frames until cancelled or the browser goes away (then returns)."""
+        while True:
+            text = await self.queue.get()
+            try:
+                await self.ws.send_text(text)
+            except Exception:
+                return
+
+    async def receive(self) -> str:
+        """The next frame's text (a binary frame decoded as UTF-8); ``Disconnected`` once
+        the browser has gone."""
+        message = await self.ws.receive()
+        if message["type"] == "websocket.disconnect":
+            raise Disconnected()
+        text = message.get("text")
+        if text is not None:
+            return str(text)
+        return bytes(message.get("bytes") or b"").decode("utf-8", errors="replace")
+
+    async def finish(self, frames: list[dict[str, Any]], code: int = CLOSE_NORMAL) -> None:
+        """Send what is queued, then ``frames``, then close with ``code`` (within the
+        close timeout: a browser that does not read is not waited for longer)."""
+        with contextlib.suppress(TimeoutError, Exception):
+            async with asyncio.timeout(self.limits.close_timeout):
+                while len(self.queue):
+                    await self.ws.send_text(await self.queue.get())
+                for frame in frames:
+                    await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
+        await self.close(code)
+
+    async def abort(self, frame: dict[str, Any], code: int) -> None:
+        """Drop what is queued, send ``frame`` and close with ``code``."""
+        self.queue.clear()
+        with contextlib.suppress(TimeoutError, Exception):
+            async with asyncio.timeout(self.limits.close_timeout):
+                await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
+        await self.close(code)
+
+    async def close(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.ws.application_state is WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.limits.close_timeout):
+                    await self.ws.close(code, reason[:120])
+
+
+def client_address(ws: WebSocket) -> str | None:
+    """The browser's address as the server saw it (behind a proxy, what the ASGI server
+    was told to trust)."""
+    return ws.client.host if ws.client else None
+
+
+async def cancel_all(tasks: list[asyncio.Task[Any]]) -> None:
+    for task in tasks:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(BaseException):
+            await task
+
+
+class DataplaneChannel:
+    """A dataplane WebSocket opened by the gateway, with a bounded queue of frames to it.
+
+    Frames to the dataplane wait in a :class:`~sandlot.web.limits.FrameQueue` (a
+    ``resize`` is dropped before anything else when it is full). The token the socket
+    was opened with is renewed in place (an ``auth`` frame) every ``refresh_seconds``
+    while it lives, so a long session outlives one token.
+    """
+
+    def __init__(
+        self,
+        conn: ClientConnection,
+        workspace: Workspace,
+        token: str,
+        limits: SocketLimits,
+        *,
+        refresh_seconds: float = 60.0,
+    ) -> None:
+        self.conn = conn
+        self.workspace = workspace
+        self._token = token
+        self.refresh_seconds = refresh_seconds
+        self.queue = FrameQueue(limits.input_queue_frames, limits.input_queue_bytes)
+
+    def send(self, frame: dict[str, Any], *, kind: str = "") -> None:
+        """Queue ``frame`` for the dataplane (``QueueOverflow`` if the queue is full)."""
+        self.queue.put(json.dumps(frame, separators=(",", ":")), kind=kind)
+
+    async def send_now(self, frame: dict[str, Any]) -> None:
+        await self.conn.send(json.dumps(frame, separators=(",", ":")))
+
+    async def run_sender(self) -> None:
+        """Send queued frames until cancelled or the socket fails (then returns)."""
+        while True:
+            text = await self.queue.get()
+            try:
+                await self.conn.send(text)
+            except Exception:
+                return
+
+    async def recv(self) -> dict[str, Any] | None:
+        """The next frame (``auth_ok`` answers to renewals are not shown); ``None`` once
+        the socket has closed (:attr:`close_code` says how)."""
+        while True:
+            try:
+                raw = await self.conn.recv()
+            except ConnectionClosed:
+                return None
+            try:
+                frame = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(frame, dict) and frame.get("type") != "auth_ok":
+                return frame
+
+    @property
+    def close_code(self) -> int | None:
+        return self.conn.close_code
+
+    async def keep_token_fresh(self) -> None:
+        """Renew the socket's token every ``refresh_seconds`` (runs until cancelled)."""
+        while True:
+            await asyncio.sleep(self.refresh_seconds)
+            try:
+                fresh = (await self.workspace.dataplane()).token
+            except Exception as exc:  # the next round tries again; the socket lives on
+                log.info("could not renew a dataplane socket's token: %s", type(exc).__name__)
+                continue
+            if fresh != self._token:
+                self._token = fresh
+                with contextlib.suppress(Exception):
+                    await self.send_now({"type": "auth", "token": fresh})
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.conn.close()
