@@ -113,6 +113,25 @@ from sandlot.web.relay import BrowserSocket, RelayEnd, relay
 
 log = logging.getLogger("sandlot.web")
 
+
+class _NoCredentials(logging.Filter):
+    """Masks credential headers in the ``websockets`` library's debug dump of a handshake
+    (``> Authorization: Bearer …``), so the dataplane token never reaches a log line."""
+
+    HEADERS = frozenset({"authorization", "cookie", "x-api-key", "proxy-authorization"})
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 2 and str(args[0]).lower() in self.HEADERS:
+            record.args = (args[0], "[redacted]")
+        return True
+
+
+#: The upstream WebSockets' logger: a child of the library's own, so its level and
+#: handlers apply, with the credential headers masked.
+_websocket_log = logging.getLogger("websockets.client.sandlot_gateway")
+_websocket_log.addFilter(_NoCredentials())
+
 MiB = 1 << 20
 
 #: Methods whose request may be sent twice with the effect of once (RFC 9110 9.2.2).
@@ -768,6 +787,7 @@ class Gateway:
                     open_timeout=self.settings.connect_timeout,
                     max_size=self.settings.max_ws_message_bytes,
                     compression=None,
+                    logger=_websocket_log,
                 )
             except BaseException as exc:
                 sock.close()
