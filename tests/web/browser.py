@@ -90,6 +90,7 @@ class Browser:
             origin=origin or self.origin,  # type: ignore[arg-type]
             additional_headers={"Cookie": f"sandlot_session={self.cookie}"},
             max_queue=4,
+            max_size=16 * 1024 * 1024,
         ) as ws:
             yield Socket(ws, self.received)
 

@@ -26,7 +26,7 @@ from sandlot.web.chat_templates import (
 )
 from sandlot.web.limits import SocketGate, SocketLimits
 from sandlot.web.session_tokens import SessionTokens
-from sandlot.web.settings import ConfigError
+from sandlot.web.settings import ConfigError, load_web_settings
 from sandlot.web.terminals import terminal_routes
 from tests.servers import SandlotServer, running
 from tests.web.browser import (
@@ -189,6 +189,10 @@ async def test_a_user_message_goes_through_the_template_program_as_stream_json(
         await sock.until(is_text("echo: plain text"))
         await sock.send({"type": "user", "message": {"content": [{"type": "text", "text": "b"}]}})
         await sock.until(is_text("echo: b"))
+        # A message larger than one stdin frame of the dataplane reaches the agent whole.
+        long = "long-" + "y" * 1_500_000
+        await sock.send({"type": "user", "message": long})
+        await sock.until(is_text("echo: " + long))
         await sock.send({"type": "ping"})
         await sock.until(lambda f: f["type"] == "pong")
         stderr = [f for f in sock.frames if f.get("subtype") == "stderr"]
@@ -429,6 +433,8 @@ list = true
     ]
     assert templates.templates["tools"].build({"tools": ["A, B", "C"]}) == ["agent", "A,B,C"]
     assert load_chat_templates(None).default == "claude"
+    settings = load_web_settings({"SANDLOT_WEB_CHAT_TEMPLATES": str(path)})
+    assert load_chat_templates(settings.chat_templates_file) == templates
     for bad in (
         '[templates.x]\nargv = ["sh", "-c", "run {model}"]',  # a value spliced into text
         '[templates.x]\nargv = ["{model}"]\n[templates.x.parameters.model]\npattern = "a"',

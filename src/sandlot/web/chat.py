@@ -77,6 +77,8 @@ log = logging.getLogger(__name__)
 SLASH_COMMAND = re.compile(r"/[A-Za-z][A-Za-z0-9_:-]{0,63}( [^\x00-\x1f\x7f]{0,2000})?")
 #: The longest line of the agent's output kept whole (a longer one is passed on in pieces).
 MAX_LINE_CHARS = 4 * 1024 * 1024
+#: Characters per ``stdin`` frame (the dataplane takes at most 1 MiB of text in one).
+STDIN_PIECE_CHARS = 128 * 1024
 PERMISSION_MODES = {"default": "ask", "acceptEdits": "act", "plan": "plan"}
 
 
@@ -302,7 +304,7 @@ class Chat:
                 "POST",
                 f"{dp.http_base_url}/execs/{exec_id}/signal",
                 token=dp.token,
-                headers={"Content-Type": "application/json", **dict(ws.headers)},
+                headers={**dict(ws.headers), "Content-Type": "application/json"},
                 content=json.dumps({"signal": "SIGTERM"}).encode(),
             )
         except SandlotError as exc:  # gone already, or not ours to stop: a new one starts anyway
@@ -370,7 +372,7 @@ class Chat:
 
         async def from_browser() -> tuple[str, int | None]:
             throttled = False
-            max_frame = self.gate.limits.max_input_frame_bytes
+            max_frame = self.gate.limits.max_chat_frame_bytes
             while True:
                 text = await channel.receive()
                 size = len(text.encode("utf-8"))
@@ -525,8 +527,10 @@ class Chat:
 
     @staticmethod
     def _write(upstream: DataplaneChannel, message: dict[str, Any]) -> None:
+        """One stream-JSON line to the agent's stdin, in pieces the dataplane takes."""
         line = json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n"
-        upstream.send({"type": "stdin", "data": line})
+        for start in range(0, len(line), STDIN_PIECE_CHARS):
+            upstream.send({"type": "stdin", "data": line[start : start + STDIN_PIECE_CHARS]})
 
 
 def user_line(message: object) -> dict[str, Any]:

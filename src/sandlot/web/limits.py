@@ -53,16 +53,18 @@ class SocketLimits:
     #: Terminal and chat sockets one user holds open at once.
     max_sockets_per_user: int = 64
     #: Input bytes one session accepts at once, then per second (shared by its sockets).
-    input_burst_bytes: int = 256 * 1024
-    input_bytes_per_second: int = 64 * 1024
-    #: The largest frame a browser may send (bigger ones are refused with an error frame).
-    max_input_frame_bytes: int = 64 * 1024
+    input_burst_bytes: int = 8 * MiB
+    input_bytes_per_second: int = 1 * MiB
+    #: The largest frame a terminal may send (a paste; bigger ones are refused, and said).
+    max_input_frame_bytes: int = 1 * MiB
+    #: The largest message a chat may send (images travel inside messages).
+    max_chat_frame_bytes: int = 8 * MiB
     #: Frames waiting to be sent to the browser.
     output_queue_frames: int = 1024
     output_queue_bytes: int = 8 * MiB
     #: Frames waiting to be sent to the dataplane.
     input_queue_frames: int = 256
-    input_queue_bytes: int = 1 * MiB
+    input_queue_bytes: int = 16 * MiB
     #: Buckets remembered (users, addresses, sessions); the least recently used go first.
     max_buckets: int = 10_000
     #: Seconds a controlled close may wait for the browser to take its last frames.

@@ -29,6 +29,8 @@ Environment variables:
   seconds (default 300).
 - ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
   separated) whose pages may make state-changing requests and open WebSockets.
+- ``SANDLOT_WEB_CHAT_TEMPLATES``: a TOML file of the agent programs ``/ws/claude-stream``
+  may start (:mod:`sandlot.web.chat_templates`); unset, the built-in ``claude`` one.
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class WebSettings:
     allowed_origins: frozenset[str] = frozenset()
     #: Browser sessions kept at once; beyond, the least recently used ends.
     max_sessions: int = 10_000
+    #: The chat's command templates (``None``: the built-in set).
+    chat_templates_file: Path | None = None
 
     def __post_init__(self) -> None:
         ttl = self.session_token_ttl_seconds
@@ -168,6 +172,8 @@ def load_web_settings(environ: Mapping[str, str] | None = None, **overrides: Any
                 f"SANDLOT_WEB_COOKIE_SECURE must be auto, true or false, not {secure!r}"
             )
         values["cookie_secure"] = None if choice == "auto" else choice in ("true", "1")
+    if templates := env.get("SANDLOT_WEB_CHAT_TEMPLATES"):
+        values["chat_templates_file"] = Path(templates)
     if origins := env.get("SANDLOT_WEB_ALLOWED_ORIGINS"):
         values["allowed_origins"] = frozenset(o for o in origins.split(",") if o.strip())
     values.update({k: v for k, v in overrides.items() if v is not None})

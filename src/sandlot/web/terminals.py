@@ -544,9 +544,11 @@ class Terminals:
 
     async def _create(self, request: Request) -> Response:
         user = current_user(request).user_id
-        body = await request.body()
-        if len(body) > MAX_BODY_BYTES:
-            raise PayloadTooLarge(f"at most {MAX_BODY_BYTES} bytes")
+        body = bytearray()
+        async for piece in request.stream():
+            body += piece
+            if len(body) > MAX_BODY_BYTES:
+                raise PayloadTooLarge(f"at most {MAX_BODY_BYTES} bytes")
         options: Any = {}
         if body.strip():
             try:
