@@ -49,7 +49,9 @@ import json, os, signal, sys
 def say(**frame):
     print(json.dumps(frame), flush=True)
 
-signal.signal(signal.SIGINT, lambda *_: say(type="system", subtype="agent_interrupted"))
+# Written straight to the fd: the handler may run while a print() is under way.
+INTERRUPTED = b'{"type": "system", "subtype": "agent_interrupted"}\n'
+signal.signal(signal.SIGINT, lambda *_: os.write(1, INTERRUPTED))
 say(type="system", subtype="init", argv=sys.argv[1:], env=os.environ.get("ECHO_ENV"))
 print("a line that is not JSON", flush=True)
 print("a word on stderr", file=sys.stderr, flush=True)

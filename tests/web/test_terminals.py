@@ -198,6 +198,37 @@ async def test_a_dropped_socket_reattaches_from_its_offset_with_nothing_lost(
             assert "all-1001" in history["data"]
 
 
+async def test_a_reattach_beyond_the_replay_buffer_gets_an_explicit_gap(
+    server: SandlotServer, grant: Grant
+) -> None:
+    async with app(server, grant) as (browser, _):
+        async with browser.socket() as first:
+            session = await opened(first)
+            await first.type("echo ready-$((5*5))\r")
+            await first.until_output("ready-25")
+            seen = first.end()
+            await first.type("head -c 3000000 /dev/zero | tr '\\0' z; echo; echo end-$((2+3))\r")
+            first.ws.transport.abort()
+        # Wait until the shell has written far more than its replay buffer (1 MiB) holds.
+        async with asyncio.timeout(60):
+            while True:
+                listed = (await browser.request("GET", "/api/sessions")).json()["sessions"]
+                (ours,) = [s for s in listed if s.get("name") == session["name"]]
+                if ours["history_count"] > seen + 2_500_000:
+                    break
+                await asyncio.sleep(0.1)
+        async with browser.socket(
+            session_id=session["session_id"], resume=1, offset=seen
+        ) as second:
+            await opened(second)
+            await second.until_output("end-5")
+            gaps = [f for f in second.frames if f["type"] == "gap"]
+            assert len(gaps) == 1 and gaps[0]["from"] == seen and gaps[0]["to"] > seen + 1_000_000
+            # After the gap, every byte once and in order, to the end.
+            assert second.chunks[0][0] == gaps[0]["to"]
+            assert b"end-5" in stream_of(second.chunks)
+
+
 async def test_a_shell_that_ended_is_not_found_and_its_exit_is_told(
     server: SandlotServer, grant: Grant
 ) -> None:

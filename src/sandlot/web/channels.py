@@ -198,5 +198,12 @@ class DataplaneChannel:
                     await self.send_now({"type": "auth", "token": fresh})
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
+        """Close the socket (its closing handshake); if that fails or is cancelled (the
+        server shutting down), drop the connection rather than leave it open."""
+        try:
             await self.conn.close()
+        except Exception:
+            self.conn.transport.abort()
+        except BaseException:
+            self.conn.transport.abort()
+            raise

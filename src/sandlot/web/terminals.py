@@ -22,6 +22,7 @@ Query parameters (boring-ui's, then sandlot's):
 - ``shell=NAME``: open (or create) the shared shell of that name instead of a new one:
   ``shell=main`` is the terminal ``sandlot shell THREAD`` opens.
 - ``role=observer``: watch without typing (default ``driver``).
+- ``session_name``: boring-ui's label for the tab; not used.
 - ``offset=N``: on a reattach, the byte offset of the output the page already has:
   it gets exactly what follows (replayed by the dataplane), not the whole history.
 - ``cols``, ``rows``: the terminal's size when it opens.
