@@ -156,6 +156,11 @@ async def test_two_browser_tabs_on_one_session_see_the_same_bytes(
             assert again["name"] == session["name"]
             await one.type("echo from-tab-one-$((1+1))\r")
             await two.until_output("from-tab-one-2")
+            # Raw text is typed as is; a lone surrogate (a JSON escape) as "?".
+            await two.send("echo raw-$((5+5))\r")
+            await one.until_output("raw-10")
+            await two.send('{"type": "input", "data": "echo sur-\\ud800-$((1+2))\\r"}')
+            await one.until_output("sur-?-3")
             await two.type("echo from-tab-two-$((2+2))\r")
             await one.until_output("from-tab-two-4")
             await two.until_output("from-tab-two-4")

@@ -528,7 +528,8 @@ class Chat:
     @staticmethod
     def _write(upstream: DataplaneChannel, message: dict[str, Any]) -> None:
         """One stream-JSON line to the agent's stdin, in pieces the dataplane takes."""
-        line = json.dumps(message, ensure_ascii=False, separators=(",", ":")) + "\n"
+        # ASCII: every character escaped, a lone surrogate included, as JSON allows.
+        line = json.dumps(message, separators=(",", ":")) + "\n"
         for start in range(0, len(line), STDIN_PIECE_CHARS):
             upstream.send({"type": "stdin", "data": line[start : start + STDIN_PIECE_CHARS]})
 

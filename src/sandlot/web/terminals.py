@@ -476,7 +476,9 @@ class Terminals:
                 channel.send(error_frame(InvalidRequest("input data must be text")))
                 return
         if data:
-            upstream.send({"type": "stdin", "data": data})
+            # A lone surrogate (a JSON escape) is not text the terminal can take.
+            text = str(data).encode("utf-8", "replace").decode("utf-8")
+            upstream.send({"type": "stdin", "data": text})
 
     # --- /api/sessions ------------------------------------------------------------------
 
