@@ -7,7 +7,9 @@ and stops when it has ``limit`` events, when the stream has nothing more for
 :data:`PAGE_SECONDS`. Each event keeps the dataplane's fields (``sequence``,
 ``event_type``, ``timestamp``, ``actor`` — ``{"type": "human"|"agent", "id"}``, or
 ``null`` for a change seen by the workspace watcher — and ``details``) and, for a file
-event inside the workspace, the browser's ``path`` (and ``from`` for a move).
+event inside the workspace, the browser's ``path`` (and ``from`` for a move). The git
+commands this server runs for its own routes are left out (``next_after`` still moves
+past them).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ SETTLE_SECONDS = 0.15
 #: The longest a page is read.
 PAGE_SECONDS = 5.0
 MAX_PAGE = 1000
+#: The ``command_id`` prefix of the commands this server runs itself (left out of pages).
+OWN_COMMANDS = "web-git-"
 #: Most bytes of events read for one page.
 MAX_PAGE_BYTES = 8 << 20
 
@@ -49,6 +53,12 @@ def browser_event(event: dict[str, Any]) -> dict[str, Any]:
         if isinstance(moved_from, str) and (src := paths.to_browser(moved_from)) is not None:
             out["from"] = src
     return out
+
+
+def own_command(event: dict[str, Any]) -> bool:
+    """Whether an event is of a command this server ran itself (git, for its routes)."""
+    exec_ = (event.get("details") or {}).get("exec")
+    return isinstance(exec_, dict) and str(exec_.get("command_id") or "").startswith(OWN_COMMANDS)
 
 
 async def _frames(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[str, str]]:
@@ -113,8 +123,8 @@ class WorkspaceActivity:
         if not 1 <= limit <= MAX_PAGE:
             raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
         events, full = await self.events(after, limit)
-        page = [browser_event(e) for e in events]
-        last = page[-1]["sequence"] if page else after
+        page = [browser_event(e) for e in events if not own_command(e)]
+        last = int(events[-1].get("sequence") or after) if events else after
         return {"events": page, "after": after, "next_after": last, "has_more": full}
 
     async def last_agent_change(self, path: str) -> dict[str, Any] | None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
 from sandlot.web import paths
+from sandlot.web.activity import OWN_COMMANDS
 from sandlot.web.calls import DataplaneCalls
 
 #: Seconds one git command may run.
@@ -62,7 +63,7 @@ class WorkspaceGit:
             "cwd": paths.ROOT,
             "env": GIT_ENV,
             "timeout_seconds": GIT_TIMEOUT,
-            "command_id": f"web-git-{secrets.token_hex(12)}",
+            "command_id": f"{OWN_COMMANDS}{secrets.token_hex(12)}",
         }
         result = await self.calls.json("POST", "/exec", body=body, idempotent=True)
         if result.get("timed_out"):
