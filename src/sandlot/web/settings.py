@@ -164,10 +164,16 @@ _INT_VARS = {
 }
 
 
-def load_web_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> WebSettings:
-    """Build the settings: ``overrides`` (non-None values) > env > defaults."""
+def load_web_settings(
+    environ: Mapping[str, str] | None = None,
+    *,
+    default_mode: WorkspaceMode = WorkspaceMode.SANDBOX,
+    **overrides: Any,
+) -> WebSettings:
+    """Build the settings: ``overrides`` (non-None values) > env > defaults (the mode's
+    is ``default_mode``: ``sandlot web`` asks for ``local``)."""
     env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"mode": default_mode}
     if mode := env.get("SANDLOT_WORKSPACE_MODE"):
         try:
             values["mode"] = WorkspaceMode(mode.strip().lower())
