@@ -3,7 +3,10 @@
 ``git`` runs where the workspace is (inside the sandbox, or as the local user in local
 mode) through the dataplane's ``POST /exec``, always as an argument list, never a shell
 string: a path reaches git as one argument after ``--`` with ``--literal-pathspecs`` (no
-pathspec magic), or inside a ``HEAD:./path`` object name. The working directory is the
+pathspec magic), or inside a ``HEAD:./path`` object name. git reads the worktree by its
+own rules (it never follows a symlink there, nor a path beyond one); a file's current
+content for sandlot's own diff is read through the dataplane's confined file operations,
+never by git. The working directory is the
 workspace root; git's optional locks are off (a status never blocks the agent's own git)
 and it never prompts. Outside a repository the answers say ``is_repo: false``; a
 workspace without git says ``available: false`` too.
@@ -133,28 +136,20 @@ class WorkspaceGit:
             return {"content": None, "path": path, "error": "Not in HEAD"}
         return {"content": found.stdout, "path": path}
 
-    async def against_head(self, path: str) -> dict[str, Any]:
-        """The file's current content against its content at ``HEAD``: ``{"is_repo",
-        "in_head", "diff"}``; a file not in ``HEAD`` is diffed against nothing (all new)."""
+    async def head_content(self, path: str) -> tuple[bool, str | None]:
+        """(whether the workspace is in a repository, the file's text at ``HEAD`` or
+        ``None`` when it is not there), read from git's objects, never the worktree."""
         rel = paths.normalized(path)
         if rel == ".":
             raise InvalidRequest("name a file")
         try:
             prefix = await self.prefix()
         except _NoGit:
-            prefix = None
+            return False, None
         if prefix is None:
-            return {"is_repo": False, "in_head": False, "diff": None}
-        in_head = (await self.run("cat-file", "-e", f"HEAD:./{rel}")).exit_code == 0
-        diff_args = ["diff", "--no-ext-diff", "--no-textconv"]
-        if in_head:
-            found = await self.run("--literal-pathspecs", *diff_args, "HEAD", "--", rel)
-        else:
-            found = await self.run(*diff_args, "--no-index", "--", "/dev/null", rel)
-        # ``--no-index`` exits 1 when the files differ, which they do.
-        if found.exit_code not in (0, 1):
-            return {"is_repo": True, "in_head": in_head, "diff": None}
-        return {"is_repo": True, "in_head": in_head, "diff": found.stdout}
+            return False, None
+        found = await self.run("cat-file", "blob", f"HEAD:./{rel}")
+        return True, found.stdout if found.exit_code == 0 else None
 
 
 class _NoGit(Exception):

@@ -13,6 +13,8 @@ never a stack trace, an upstream URL or a token; an etag conflict is 412.
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import json
 import logging
@@ -25,6 +27,7 @@ from starlette.routing import BaseRoute, Route
 
 from sandlot import __version__
 from sandlot.protocol.errors import (
+    FileNotFound,
     InternalError,
     InvalidRequest,
     PayloadTooLarge,
@@ -71,6 +74,21 @@ def error_json(exc: BaseException, request_id: str) -> Response:
     answer = error_answer(exc, request_id)
     status = 412 if answer.body["error"]["code"] == "PRECONDITION_FAILED" else answer.status
     return json_answer(answer.body, request_id, status, answer.headers)
+
+
+def unified_diff(path: str, before: str | None, after: str | None) -> str:
+    """``before`` → ``after`` as a unified diff (``None``: no such file on that side)."""
+    old = (before or "").splitlines(keepends=True)
+    new = (after or "").splitlines(keepends=True)
+    lines = difflib.unified_diff(
+        old,
+        new,
+        fromfile=f"a/{path}" if before is not None else "/dev/null",
+        tofile=f"b/{path}" if after is not None else "/dev/null",
+    )
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
 
 
 def query(request: Request, name: str, default: str | None = None) -> str:
@@ -326,6 +344,23 @@ class WorkspaceRoutes:
         """``GET /api/v1/file/diff``: the file against ``HEAD``, and the agent's last
         change to it that the event log holds (docs/WEB.md, "Workspace routes")."""
         path = query(request, "path")
-        against = await WorkspaceGit(calls).against_head(path)
+        is_repo, base = await WorkspaceGit(calls).head_content(path)
+        files = self._files(calls)
+        current: str | None = None
+        binary = False
+        with contextlib.suppress(FileNotFound):
+            found = await files.read(path)
+            binary = found["encoding"] == "base64"
+            current = None if binary else found["content"]
+        if base is None and current is None and not binary:
+            raise FileNotFound("no such file, neither now nor at HEAD")
         change = await WorkspaceActivity(calls).last_agent_change(path)
-        return {"path": path, "base": "HEAD", **against, "last_agent_change": change}
+        return {
+            "path": path,
+            "base": "HEAD",
+            "is_repo": is_repo,
+            "in_head": base is not None,
+            "binary": binary,
+            "diff": None if binary else unified_diff(path, base, current),
+            "last_agent_change": change,
+        }

@@ -32,6 +32,10 @@ Environment variables:
   whatever its use (default 259200, 3 days).
 - ``SANDLOT_WEB_LOGIN_LINK_TTL``: how long a one-time sign-in link stays valid, in
   seconds (default 300).
+- ``SANDLOT_WEB_TREE_MAX_DEPTH``, ``SANDLOT_WEB_TREE_MAX_NODES``,
+  ``SANDLOT_WEB_TREE_SECONDS``: bounds of ``GET /api/tree`` (deepest ``depth`` accepted,
+  default 8; most entries answered, default 5000; seconds the walk may take before a
+  partial listing is answered, default 5).
 - ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
   separated) whose pages may make state-changing requests and open WebSockets.
 """
@@ -161,6 +165,8 @@ _INT_VARS = {
     "session_idle_seconds": "SANDLOT_WEB_SESSION_IDLE_SECONDS",
     "session_max_seconds": "SANDLOT_WEB_SESSION_MAX_SECONDS",
     "login_link_ttl_seconds": "SANDLOT_WEB_LOGIN_LINK_TTL",
+    "tree_max_depth": "SANDLOT_WEB_TREE_MAX_DEPTH",
+    "tree_max_nodes": "SANDLOT_WEB_TREE_MAX_NODES",
 }
 
 
@@ -192,7 +198,12 @@ def load_web_settings(
             try:
                 values[field] = int(raw)
             except ValueError:
-                raise ConfigError(f"{name}: {raw!r} is not a whole number of seconds") from None
+                raise ConfigError(f"{name}: {raw!r} is not a whole number") from None
+    if seconds := env.get("SANDLOT_WEB_TREE_SECONDS"):
+        try:
+            values["tree_seconds"] = float(seconds)
+        except ValueError:
+            raise ConfigError(f"SANDLOT_WEB_TREE_SECONDS: {seconds!r} is not a number") from None
     if secure := env.get("SANDLOT_WEB_COOKIE_SECURE"):
         choice = secure.strip().lower()
         if choice not in ("auto", "true", "false", "1", "0"):
