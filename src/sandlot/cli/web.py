@@ -75,12 +75,7 @@ def web_command(
     from sandlot.broker.logs import configure_logging
     from sandlot.cli.server import bind_socket, make_server, run_until_signalled
     from sandlot.web.app import WebContext, create_web_app
-    from sandlot.web.settings import (
-        ConfigError,
-        WorkspaceMode,
-        load_web_settings,
-        served_root,
-    )
+    from sandlot.web.settings import WorkspaceMode, load_web_settings, served_root
 
     try:
         chosen = WorkspaceMode(mode) if mode else None
@@ -89,12 +84,9 @@ def web_command(
     with friendly_errors():
         configure_logging()
         keys = _key_service(data_dir, store)
-        try:
-            settings = load_web_settings(
-                default_mode=WorkspaceMode.LOCAL, mode=chosen, root=root, data_dir=data_dir
-            )
-        except ConfigError as exc:
-            raise fail(f"configuration: {exc}", 2) from None
+        settings = load_web_settings(
+            default_mode=WorkspaceMode.LOCAL, mode=chosen, root=root, data_dir=data_dir
+        )
         broker_url: str | None = None
         credential: str | None = None
         if settings.mode is WorkspaceMode.LOCAL:
@@ -120,9 +112,9 @@ def web_command(
         bound = sock.getsockname()[1]
         try:
             app = create_web_app(settings, broker_url=broker_url, authenticator=keys)
-        except ConfigError as exc:
+        except BaseException:
             sock.close()
-            raise fail(f"configuration: {exc}", 2) from None
+            raise
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         shown = f"[{shown}]" if ":" in shown else shown
         base = settings.public_url or f"http://{shown}:{bound}"
