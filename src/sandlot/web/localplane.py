@@ -202,6 +202,8 @@ class LocalDataplane:
         return Upstream("local", self.base_url, ("/v1/",))
 
     async def start(self, timeout: float = 10.0) -> None:
+        if self._sock.fileno() == -1:
+            raise RuntimeError("a stopped local dataplane does not start again (its port is gone)")
         self._move(LocalState.STARTING)
         template = Template(name="local", image="host", shells=default_shells())
         runtime = DirectRuntime(SANDBOX_ID, 1, template, self.root)
