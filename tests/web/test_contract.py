@@ -349,6 +349,11 @@ def test_tree_lists_directories_first_then_names_case_insensitively(browser: Bro
     assert browser.ok("GET", "/api/tree", {"path": "tree/../tree/./c"})["entries"] == [
         {"name": "f", "path": "tree/c/f", "is_dir": False, "size": 1}
     ]
+    # A directory reached through a symlink is listed under the name it was asked by.
+    browser.run("ln -s tree/c linked")
+    assert browser.ok("GET", "/api/tree", {"path": "linked"})["entries"] == [
+        {"name": "f", "path": "linked/f", "is_dir": False, "size": 1}
+    ]
 
 
 def test_tree_beyond_its_bounds_is_a_marked_partial_listing(browser: Browser) -> None:
