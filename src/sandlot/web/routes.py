@@ -30,11 +30,11 @@ from sandlot.protocol.errors import (
     FileNotFound,
     InternalError,
     InvalidRequest,
-    PayloadTooLarge,
     ProviderUnavailable,
     SandlotError,
 )
 from sandlot.web.activity import WorkspaceActivity
+from sandlot.web.auth import read_capped
 from sandlot.web.calls import DataplaneCalls
 from sandlot.web.errors import error_answer
 from sandlot.web.files import WorkspaceFiles
@@ -121,14 +121,7 @@ def query_bool(request: Request, name: str) -> bool:
 
 async def json_body(request: Request, limit: int) -> dict[str, Any]:
     """The request's JSON object (at most ``limit`` bytes)."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise PayloadTooLarge(f"the body is larger than {limit} bytes")
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise PayloadTooLarge(f"the body is larger than {limit} bytes")
+    body = await read_capped(request, limit)
     try:
         data = json.loads(body)
     except ValueError:
