@@ -44,6 +44,12 @@ BENCHES = [
         "cost growth: listing, reads, grep, exec output at 1x to 1,000x the work",
     ),
     ("deepagents_bench", [], ["--n", "50"], "deepagents backend vs BaseSandbox's script defaults"),
+    (
+        "integrations_bench",
+        [],
+        ["--n", "300", "--mcp", "100", "--ops", "30"],
+        "integrations: ensure through a LangGraph server, MCP exec, a LangGraph run's deepagents",
+    ),
     ("sync_bench", [], ["--rounds", "2"], "sync of 10,000 files vs local tar"),
 ]
 

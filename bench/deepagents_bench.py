@@ -66,6 +66,36 @@ class ScriptSandbox(BaseSandbox):
         return self.native.download_files(paths)
 
 
+def file_ops(b: Any, tag: str, base: str, body: str) -> dict[str, Callable[[], Any]]:
+    """The timed calls on backend ``b``: each checks its answer (a failed call is never a
+    sample); ``edit`` flips a word back and forth in a file of its own (``edit-TAG.txt``)."""
+    state = {"flip": False}
+
+    def edit() -> Any:
+        state["flip"] = not state["flip"]
+        old, new = ("alpha", "omega") if state["flip"] else ("omega", "alpha")
+        result = b.edit(f"{base}/edit-{tag}.txt", old, new)
+        assert result.error is None, result.error
+        return result
+
+    def read() -> Any:
+        result = b.read(f"{base}/target.txt")
+        assert result.error is None, result.error
+        return result
+
+    def write() -> Any:
+        result = b.write(f"{base}/out-{tag}.txt", body)
+        assert result.error is None, result.error
+        return result
+
+    def grep() -> Any:
+        result = b.grep("line 42:", f"{base}/src")
+        assert result.error is None and len(result.matches) == FILES, result
+        return result
+
+    return {"read": read, "write": write, "edit": edit, "grep": grep}
+
+
 def limit_of(op: str, peer_ms: float, floor_ms: float, search_ms: float) -> str:
     """What stands between a call and 10x the peer's speed, in this run's figures."""
     goal = peer_ms / 10
@@ -135,34 +165,10 @@ def main() -> None:
         for tag in ("sandlot", "BaseSandbox"):
             backend.write(f"{base}/edit-{tag}.txt", "alpha\n" + body)
 
-        def ops(b: Any, tag: str) -> dict[str, Callable[[], Any]]:
-            state = {"flip": False}
-
-            def edit() -> Any:
-                state["flip"] = not state["flip"]
-                old, new = ("alpha", "omega") if state["flip"] else ("omega", "alpha")
-                result = b.edit(f"{base}/edit-{tag}.txt", old, new)
-                assert result.error is None, result.error
-                return result
-
-            def read() -> Any:
-                result = b.read(f"{base}/target.txt")
-                assert result.error is None, result.error
-                return result
-
-            def write() -> Any:
-                result = b.write(f"{base}/out-{tag}.txt", body)
-                assert result.error is None, result.error
-                return result
-
-            def grep() -> Any:
-                result = b.grep("line 42:", f"{base}/src")
-                assert result.error is None and len(result.matches) == FILES, result
-                return result
-
-            return {"read": read, "write": write, "edit": edit, "grep": grep}
-
-        sides = {"sandlot": ops(backend, "sandlot"), "BaseSandbox": ops(script, "BaseSandbox")}
+        sides = {
+            "sandlot": file_ops(backend, "sandlot", base, body),
+            "BaseSandbox": file_ops(script, "BaseSandbox", base, body),
+        }
         times: dict[tuple[str, str], list[float]] = {}
         order = random.Random(20261123)
         for op in ("read", "write", "edit", "grep"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 #: Samples a contender takes in a row before the next one's turn.
@@ -73,6 +73,29 @@ def interleave(
         rng.shuffle(round_)
         for samples, op in round_:
             samples.extend(timed(op) for _ in range(k))
+
+
+async def ainterleave(
+    contenders: Sequence[tuple[list[float], Callable[[], Awaitable[Any]], int]],
+    n: int,
+    rng: random.Random,
+    *,
+    warm: int = 5,
+    block: int = BLOCK,
+) -> None:
+    """:func:`interleave` for coroutine operations, awaited one at a time on the running loop."""
+    for _, op, _ in contenders:
+        for _ in range(warm):
+            await op()
+    for i in range(0, n, block):
+        k = min(block, n - i)
+        round_ = [(s, op) for s, op, every in contenders if (i // block) % every == 0]
+        rng.shuffle(round_)
+        for samples, op in round_:
+            for _ in range(k):
+                t0 = time.perf_counter()
+                await op()
+                samples.append(time.perf_counter() - t0)
 
 
 class Row:

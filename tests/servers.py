@@ -1,4 +1,6 @@
-"""Real ``sandlot serve`` processes on loopback, for end-to-end tests."""
+"""Real servers on loopback, for end-to-end tests and the benchmarks: ``sandlot serve``
+(:class:`SandlotServer`) and ``langgraph dev`` serving ``examples/langgraph``
+(:class:`LangGraphDev`)."""
 
 from __future__ import annotations
 
@@ -7,17 +9,27 @@ import json
 import os
 import re
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+#: The example ``langgraph dev`` serves (graph, auth handler, sandlot's app).
+LANGGRAPH_EXAMPLE = ROOT / "examples" / "langgraph"
+#: The LangGraph server's own virtualenv (``scripts/_env.sh`` makes it: langgraph-api
+#: pins versions the rest of the suite cannot share).
+LANGGRAPH_VENV = Path(os.environ.get("SANDLOT_LANGGRAPH_VENV", ROOT / ".venv-langgraph"))
+#: The example's users and their bearer tokens (``EXAMPLE_USERS``).
+LANGGRAPH_USERS = {"alice": "alice-token", "bob": "bob-token"}
 
 
 def isolation_mode() -> str:
@@ -184,20 +196,7 @@ class SandlotServer:
 
     def cleanup(self) -> None:
         """After stop: remove every sandbox the server left (they survive restarts by design)."""
-        import asyncio
-
-        from sandlot.runtime.local import LocalRuntimeManager, RuntimeSettings
-
-        manager = LocalRuntimeManager(
-            RuntimeSettings(
-                run_dir=self.data_dir / "run",
-                workspaces_dir=self.data_dir / "workspaces",
-                volumes_dir=self.data_dir / "volumes",
-                mode=self.mode,  # type: ignore[arg-type]
-            )
-        )
-        if (self.data_dir / "run").exists():
-            asyncio.run(manager.cleanup_leftovers(keep=set()))
+        remove_sandboxes(self.data_dir, self.mode)
 
     def kill9(self) -> None:
         """Kill the whole process group of the server (and its workers) as a crash would."""
@@ -218,6 +217,24 @@ class SandlotServer:
         return self.start(timeout=60.0)
 
 
+def remove_sandboxes(data_dir: Path, mode: str) -> None:
+    """Remove every sandbox a stopped server left in ``data_dir`` (its processes too)."""
+    import asyncio
+
+    from sandlot.runtime.local import LocalRuntimeManager, RuntimeSettings
+
+    manager = LocalRuntimeManager(
+        RuntimeSettings(
+            run_dir=data_dir / "run",
+            workspaces_dir=data_dir / "workspaces",
+            volumes_dir=data_dir / "volumes",
+            mode=mode,  # type: ignore[arg-type]
+        )
+    )
+    if (data_dir / "run").exists():
+        asyncio.run(manager.cleanup_leftovers(keep=set()))
+
+
 @contextlib.contextmanager
 def running(data_dir: Path, **kw: Any) -> Iterator[SandlotServer]:
     server = SandlotServer(data_dir, **kw).start()
@@ -226,3 +243,103 @@ def running(data_dir: Path, **kw: Any) -> Iterator[SandlotServer]:
     finally:
         server.stop()
         server.cleanup()
+
+
+class LangGraphDev:
+    """``langgraph dev`` on loopback, serving a copy of the example made in ``workdir``.
+
+    ``users`` maps a user to its bearer token, ``permissions`` a user to the LangGraph
+    permissions the example's auth gives it (``sandlot:agent``…); ``script`` (the
+    scripted model's replies, ``EXAMPLE_SCRIPT``) lets the example's agent run without
+    a model; ``env`` adds to the server's environment (e.g. ``SANDLOT_CONFIG``).
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        data_dir: Path,
+        *,
+        users: Mapping[str, str] = LANGGRAPH_USERS,
+        permissions: Mapping[str, list[str]] | None = None,
+        script: list[dict[str, Any]] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.workdir = workdir
+        shutil.copytree(LANGGRAPH_EXAMPLE, workdir, dirs_exist_ok=True)
+        self.users = dict(users)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        granted = permissions or {}
+        self.env = {
+            **os.environ,
+            "EXAMPLE_USERS": ",".join(
+                f"{token}:{user}" + (f"/{'+'.join(granted[user])}" if granted.get(user) else "")
+                for user, token in self.users.items()
+            ),
+            "SANDLOT_DATA_DIR": str(data_dir),
+            "SANDLOT_PROVIDER_MODE": isolation_mode(),
+            "LANGSMITH_TRACING": "false",
+            "LANGGRAPH_CLI_NO_ANALYTICS": "1",
+            **(env or {}),
+        }
+        if script is not None:
+            path = workdir / "script.json"
+            path.write_text(json.dumps(script))
+            self.env["EXAMPLE_SCRIPT"] = str(path)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / "langgraph.log"
+
+    @property
+    def data_dir(self) -> Path:
+        return Path(self.env["SANDLOT_DATA_DIR"])
+
+    def start(self, timeout: float = 120.0) -> LangGraphDev:
+        binary = LANGGRAPH_VENV / "bin" / "langgraph"
+        if not binary.exists():
+            raise RuntimeError(f"{binary} is missing: ./scripts/test makes it")
+        argv = [str(binary), "dev", "--no-browser", "--no-reload", "--allow-blocking"]
+        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"langgraph dev exited:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/ok", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"langgraph dev did not start:\n{self.log.read_text()[-4000:]}")
+
+    def headers(self, user: str) -> dict[str, str]:
+        """A LangGraph user's credentials (the example's auth handler takes a bearer)."""
+        return {"Authorization": f"Bearer {self.users[user]}"}
+
+    def key(self, user: str, actor: str = "human") -> str:
+        """A sandlot API key, made on the server's data directory as an operator would."""
+        argv = [sys.executable, "-m", "sandlot.cli.main", "keys", "create", "--user", user]
+        argv += ["--actor", actor, "--data-dir", str(self.data_dir), "--json"]
+        if "SANDLOT_CONFIG" in self.env:
+            argv += ["--config", self.env["SANDLOT_CONFIG"]]
+        out = subprocess.run(argv, capture_output=True, check=True, timeout=60)
+        return str(json.loads(out.stdout)["key"])
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
+    def cleanup(self) -> None:
+        """After stop: remove every sandbox the server's sandlot left."""
+        remove_sandboxes(self.data_dir, self.env["SANDLOT_PROVIDER_MODE"])

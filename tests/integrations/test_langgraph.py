@@ -3,7 +3,8 @@ sandbox is the thread's, the thread's user joins it from the CLI, another user i
 refused, and deleting the thread ends the sandbox (also when sandlot restarted since).
 
 The LangGraph server runs in its own virtualenv (``.venv-langgraph``, made by
-``scripts/test``: ``langgraph-api`` pins versions the rest of the suite cannot share).
+``scripts/test``: ``langgraph-api`` pins versions the rest of the suite cannot share);
+``tests/servers.py`` starts it.
 """
 
 from __future__ import annotations
@@ -11,14 +12,11 @@ from __future__ import annotations
 import base64
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,16 +26,13 @@ from langgraph_sdk import get_sync_client
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 
-from tests.servers import free_port, isolation_mode
+from tests.servers import LANGGRAPH_USERS, LangGraphDev
 
 pytestmark = pytest.mark.timeout(300)
 
-ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "langgraph"
-VENV = Path(os.environ.get("SANDLOT_LANGGRAPH_VENV", ROOT / ".venv-langgraph"))
-USERS = {"alice": "alice-token", "bob": "bob-token", "robot": "robot-token"}
+USERS = {**LANGGRAPH_USERS, "robot": "robot-token"}
 #: LangGraph permissions of the users that have some (the example's auth returns them).
-PERMISSIONS = {"robot": "sandlot:agent"}
+PERMISSIONS = {"robot": ["sandlot:agent"]}
 SOURCE = "print('hello from the agent')\n"
 
 
@@ -52,72 +47,17 @@ SCRIPT = [
 ]
 
 
-class LangGraphDev:
-    """``langgraph dev`` on loopback, serving a copy of the example."""
-
-    def __init__(self, workdir: Path, data_dir: Path) -> None:
-        self.workdir = workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        script = workdir / "script.json"
-        script.write_text(json.dumps(SCRIPT))
-        self.env = {
-            **os.environ,
-            "EXAMPLE_USERS": ",".join(
-                f"{token}:{user}" + (f"/{PERMISSIONS[user]}" if user in PERMISSIONS else "")
-                for user, token in USERS.items()
-            ),
-            "EXAMPLE_SCRIPT": str(script),
-            "SANDLOT_DATA_DIR": str(data_dir),
-            "SANDLOT_PROVIDER_MODE": isolation_mode(),
-            "LANGSMITH_TRACING": "false",
-            "LANGGRAPH_CLI_NO_ANALYTICS": "1",
-        }
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = workdir / "langgraph.log"
-
-    def start(self) -> None:
-        binary = VENV / "bin" / "langgraph"
-        assert binary.exists(), f"{binary} is missing: ./scripts/test makes it"
-        argv = [str(binary), "dev", "--no-browser", "--no-reload", "--allow-blocking"]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-4000:]
-            try:
-                if httpx.get(f"{self.url}/ok", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        raise AssertionError(f"langgraph dev did not start:\n{self.log.read_text()[-4000:]}")
-
-    def stop(self) -> None:
-        if self.proc is None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self.proc = None
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LangGraphDev]:
     workdir = tmp_path_factory.mktemp("langgraph")
-    shutil.copytree(EXAMPLE, workdir, dirs_exist_ok=True)
-    dev = LangGraphDev(workdir, workdir / "sandlot-data")
-    dev.start()
+    dev = LangGraphDev(
+        workdir, workdir / "sandlot-data", users=USERS, permissions=PERMISSIONS, script=SCRIPT
+    ).start()
     try:
         yield dev
     finally:
         dev.stop()
+        dev.cleanup()
 
 
 def headers(user: str) -> dict[str, str]:
@@ -252,14 +192,6 @@ def test_thread_deleted_while_sandlot_was_down_is_reconciled(server: LangGraphDe
     wait_state(server, sandbox_id, {"terminating", "terminated"}, within=30)
 
 
-def sandlot_key(server: LangGraphDev, user: str, actor: str = "human") -> str:
-    """A sandlot API key, made on the server's data directory as an operator would."""
-    argv = [sys.executable, "-m", "sandlot.cli.main", "keys", "create", "--user", user]
-    argv += ["--actor", actor, "--data-dir", server.env["SANDLOT_DATA_DIR"], "--json"]
-    out = subprocess.run(argv, capture_output=True, check=True, timeout=60)
-    return str(json.loads(out.stdout)["key"])
-
-
 async def test_mcp_beside_langgraphs_own(server: LangGraphDev, lg: Any) -> None:
     # LangGraph's own MCP endpoint stays at /mcp; sandlot's is /sandlot/mcp.
     async with httpx.AsyncClient(base_url=server.url, timeout=30) as plain:
@@ -269,7 +201,7 @@ async def test_mcp_beside_langgraphs_own(server: LangGraphDev, lg: Any) -> None:
         assert anonymous.status_code == 401
 
     thread_id = lg.threads.create()["thread_id"]
-    key = sandlot_key(server, "alice")
+    key = server.key("alice")
     http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60)
     url = f"{server.url}/sandlot/mcp"
     async with http, Client(streamable_http_client(url, http_client=http)) as client:

@@ -22,12 +22,13 @@ def fail(message: str, code: int = 1) -> typer.Exit:
 def friendly_errors() -> Iterator[None]:
     """Turn expected failures into a clear message and exit code 1 (2 for bad usage)."""
     from sandlot.broker.settings import ConfigError
+    from sandlot.web.settings import ConfigError as WebConfigError
 
     try:
         yield
     except SandlotError as exc:
         raise fail(f"{exc.message} ({exc.wire_code})") from None
-    except ConfigError as exc:
+    except (ConfigError, WebConfigError) as exc:
         raise fail(f"configuration: {exc}", 2) from None
     except OSError as exc:
         raise fail(f"{exc.strerror or exc}: {exc.filename or ''}".rstrip(": ")) from None

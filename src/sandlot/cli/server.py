@@ -1,4 +1,11 @@
-"""The embedded default: broker + dataplane + local provider in one process, one port."""
+"""The embedded default: broker + dataplane + local provider in one process, one port.
+
+The browser workspace (:mod:`sandlot.web`) is served on the same port: ``/``, ``/login``,
+``/api/…`` and ``/ws/…`` reach the web app (:class:`WebDispatch`), everything else the
+broker (``/v1``, ``/v2``, ``/sandbox``, ``/healthz``, ``/readyz``, ``/metrics``, ``/mcp``,
+its OpenAPI pages) or the dataplane (``/dp``). None of the broker's paths starts with
+``/api``, ``/ws`` or is ``/`` or ``/login``.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI
-from starlette.types import ASGIApp
+from starlette.applications import Starlette
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.assembly import build_provider
@@ -21,6 +29,8 @@ from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.web.app import create_web_app
+from sandlot.web.settings import load_web_settings
 
 if TYPE_CHECKING:
     from sandlot.integrations.mcp import HttpMcp
@@ -59,19 +69,52 @@ def build_app(
 
     dataplane = getattr(provider, "app", None)
     served: ASGIApp = MountDispatch(app, {"/dp": dataplane}) if dataplane else app
+    web = create_web_app(
+        load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url),
+        broker_url=settings.base_url,
+        authenticator=broker.keys,
+        dataplane_url=f"{(dataplane_url or settings.base_url).rstrip('/')}/dp",
+        registry=app.state.metrics.registry,
+    )
+    served = WebDispatch(served, web)
     mcp = _mcp_app(served, settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await broker.start(migrate=True)
         try:
-            async with mcp.lifespan() if mcp else contextlib.nullcontext():
+            async with (
+                web.router.lifespan_context(web),
+                mcp.lifespan() if mcp else contextlib.nullcontext(),
+            ):
                 yield
         finally:
             await broker.stop()
 
     app.router.lifespan_context = lifespan
     return (mcp or served), broker
+
+
+class WebDispatch:
+    """``/``, ``/login``, ``/api/…`` and ``/ws/…`` to the web app; the rest to ``app``."""
+
+    def __init__(self, app: ASGIApp, web: Starlette) -> None:
+        self.app = app
+        self.web = web
+
+    @staticmethod
+    def is_web(path: str) -> bool:
+        return path in ("/", "/login", "/api", "/ws") or path.startswith(("/api/", "/ws/"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            root = scope.get("root_path", "")
+            path: str = scope["path"]
+            route = path[len(root) :] if root and path.startswith(root) else path
+            if self.is_web(route):
+                await self.web(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _mcp_app(app: ASGIApp, settings: BrokerSettings) -> HttpMcp | None:

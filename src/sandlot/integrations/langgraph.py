@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import uuid
@@ -249,23 +250,38 @@ class SandlotInLangGraph:
         """Whether the LangGraph server shows the thread to the caller (its own credentials,
         its auth handlers: ``GET /threads/{id}`` in process)."""
         headers = [(k, v) for k, v in caller.headers if k not in _FORWARDED_OUT]
-        transport = httpx.ASGITransport(app=caller.app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://langgraph") as client:
-            resp = await client.get(
-                f"/threads/{quote(thread_id, safe='')}",
-                headers=[(k.decode("latin-1"), v.decode("latin-1")) for k, v in headers],
-            )
-        if resp.status_code >= 500:
+        status, _ = await _asgi_get(caller.app, f"/threads/{quote(thread_id, safe='')}", headers)
+        if status >= 500:
             raise ProviderUnavailable("the LangGraph server could not look the thread up; retry")
-        return resp.status_code == 200
+        return status == 200
 
     async def _owned_by(self, principal: Principal, thread_id: str) -> bool:
         """For a sandlot key: the thread exists, and is the user's if it names an owner."""
-        thread = await _thread(thread_id)
+        thread = await self._thread(thread_id)
         if thread is None:
             return False
         owner = (thread.get("metadata") or {}).get("owner")
         return principal.is_admin or owner is None or owner == principal.effective_user
+
+    async def _thread(self, thread_id: str) -> dict[str, Any] | None:
+        """The thread as the server itself sees it (no user's auth), or ``None``.
+
+        In process, as the LangGraph SDK's own loopback client asks (``root_path``
+        ``/noauth``, which only an in-process caller can set); before the server has met
+        its first request, through that client.
+        """
+        server = self.langgraph
+        if server is None:
+            return await _thread(thread_id)
+        status, body = await _asgi_get(
+            server, f"/threads/{quote(thread_id, safe='')}", [], root_path="/noauth"
+        )
+        if status in (404, 422):
+            return None
+        if status != 200:
+            raise ProviderUnavailable("the LangGraph server could not look the thread up; retry")
+        found: dict[str, Any] = json.loads(body)
+        return found
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -437,10 +453,59 @@ def _mcp(url: str) -> Any:
 # --- the LangGraph server's own view (in process, as its loopback client sees it) ------
 
 
-def _client() -> Any:
-    from langgraph_sdk import get_client
+async def _asgi_get(
+    app: ASGIApp, path: str, headers: list[tuple[bytes, bytes]], *, root_path: str = ""
+) -> tuple[int, bytes]:
+    """``GET path`` on ``app`` in process, as a request from outside would be (its
+    middleware and auth included): the status and the body."""
+    scope: Scope = {
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": root_path,
+        "query_string": b"",
+        "headers": [(b"host", b"langgraph"), *headers],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    status = 0
+    body: list[bytes] = []
+    asked = False
 
-    return get_client()
+    async def receive() -> Message:
+        nonlocal asked
+        if asked:
+            await asyncio.Event().wait()  # the client never goes away mid-request
+        asked = True
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: Message) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+        elif message["type"] == "http.response.body":
+            body.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(body)
+
+
+_loopback: Any = None
+
+
+def _client() -> Any:
+    """The LangGraph SDK's in-process client (its own privileges), made once."""
+    global _loopback
+    if _loopback is None:
+        from langgraph_sdk import get_client
+
+        _loopback = get_client()
+    return _loopback
 
 
 async def _thread(thread_id: str) -> dict[str, Any] | None:

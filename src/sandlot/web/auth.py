@@ -603,16 +603,21 @@ def _root(request: Request) -> str:
     return str(request.scope.get("root_path", "")).rstrip("/")
 
 
-async def _read_body(request: Request) -> bytes:
+async def read_capped(request: Request, limit: int) -> bytes:
+    """The request's body, refused (413) past ``limit`` bytes, declared or streamed."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_AUTH_BODY_BYTES:
-        raise PayloadTooLarge(f"at most {MAX_AUTH_BODY_BYTES} bytes")
+    if declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"the body is larger than {limit} bytes")
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > MAX_AUTH_BODY_BYTES:
-            raise PayloadTooLarge(f"at most {MAX_AUTH_BODY_BYTES} bytes")
+        if len(body) > limit:
+            raise PayloadTooLarge(f"the body is larger than {limit} bytes")
     return bytes(body)
+
+
+async def _read_body(request: Request) -> bytes:
+    return await read_capped(request, MAX_AUTH_BODY_BYTES)
 
 
 def _json_object(body: bytes) -> dict[str, Any]:

@@ -9,6 +9,11 @@ Environment variables:
   through its dataplane; ``local`` serves a folder of this machine, unisolated. The
   default is ``sandbox`` because that is what ``sandlot serve`` runs, and because
   exposing the host's own files must be asked for (``sandlot web`` asks for it).
+- ``SANDLOT_WEB_ROOT``: in ``local`` mode, the folder served (default: the current
+  directory of the process).
+- ``SANDLOT_WEB_LOCAL_USERS``: in ``local`` mode, the users (comma separated) the folder is
+  served to; anyone else signed in gets 403. ``sandlot web`` sets it to the user it prints
+  the sign-in link for. Required in ``local`` mode.
 - ``SANDLOT_DATA_DIR``: where the session-id signing key is kept when
   ``SESSION_TOKEN_SECRET`` is not set (default ``.sandlot``, as the broker's).
 - ``SANDLOT_PUBLIC_URL``: how browsers reach this server, when it is not the address
@@ -27,6 +32,10 @@ Environment variables:
   whatever its use (default 259200, 3 days).
 - ``SANDLOT_WEB_LOGIN_LINK_TTL``: how long a one-time sign-in link stays valid, in
   seconds (default 300).
+- ``SANDLOT_WEB_TREE_MAX_DEPTH``, ``SANDLOT_WEB_TREE_MAX_NODES``,
+  ``SANDLOT_WEB_TREE_SECONDS``: bounds of ``GET /api/tree`` (deepest ``depth`` accepted,
+  default 8; most entries answered, default 5000; seconds the walk may take before a
+  partial listing is answered, default 5).
 - ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
   separated) whose pages may make state-changing requests and open WebSockets.
 - ``SANDLOT_WEB_CHAT_TEMPLATES``: a TOML file of the agent programs ``/ws/claude-stream``
@@ -94,6 +103,19 @@ class WebSettings:
     allowed_origins: frozenset[str] = frozenset()
     #: Browser sessions kept at once; beyond, the least recently used ends.
     max_sessions: int = 10_000
+    #: ``local`` mode: the folder served (``None``: the current directory).
+    root: Path | None = None
+    #: ``local`` mode: who the folder is served to.
+    local_users: frozenset[str] = frozenset()
+    #: ``GET /api/tree``: deepest ``depth`` asked, most entries answered, and how long the
+    #: walk may take before a partial listing (``"truncated": true``) is answered instead.
+    tree_max_depth: int = 8
+    tree_max_nodes: int = 5000
+    tree_seconds: float = 5.0
+    #: ``GET /api/search`` and ``/api/v1/grep``: most results answered.
+    max_search_results: int = 1000
+    #: Largest JSON body a workspace route reads (a file written through ``PUT``).
+    max_body_bytes: int = 16 * 1024 * 1024
     #: The chat's command templates (``None``: the built-in set).
     chat_templates_file: Path | None = None
 
@@ -114,6 +136,14 @@ class WebSettings:
             raise ConfigError("session_idle_seconds cannot exceed session_max_seconds")
         if self.max_sessions <= 0:
             raise ConfigError("max_sessions must be positive")
+        for name in ("tree_max_depth", "tree_max_nodes", "max_search_results", "max_body_bytes"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.tree_seconds <= 0:
+            raise ConfigError("tree_seconds must be positive")
+        object.__setattr__(self, "local_users", frozenset(u.strip() for u in self.local_users))
+        if "" in self.local_users:
+            raise ConfigError("a local user cannot be empty")
         if self.public_url is not None and normalize_origin(self.public_url) is None:
             raise ConfigError(f"public URL {self.public_url!r} is not an http(s) URL")
         origins = set()
@@ -139,13 +169,21 @@ _INT_VARS = {
     "session_idle_seconds": "SANDLOT_WEB_SESSION_IDLE_SECONDS",
     "session_max_seconds": "SANDLOT_WEB_SESSION_MAX_SECONDS",
     "login_link_ttl_seconds": "SANDLOT_WEB_LOGIN_LINK_TTL",
+    "tree_max_depth": "SANDLOT_WEB_TREE_MAX_DEPTH",
+    "tree_max_nodes": "SANDLOT_WEB_TREE_MAX_NODES",
 }
 
 
-def load_web_settings(environ: Mapping[str, str] | None = None, **overrides: Any) -> WebSettings:
-    """Build the settings: ``overrides`` (non-None values) > env > defaults."""
+def load_web_settings(
+    environ: Mapping[str, str] | None = None,
+    *,
+    default_mode: WorkspaceMode = WorkspaceMode.SANDBOX,
+    **overrides: Any,
+) -> WebSettings:
+    """Build the settings: ``overrides`` (non-None values) > env > defaults (the mode's
+    is ``default_mode``: ``sandlot web`` asks for ``local``)."""
     env = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = {"mode": default_mode}
     if mode := env.get("SANDLOT_WORKSPACE_MODE"):
         try:
             values["mode"] = WorkspaceMode(mode.strip().lower())
@@ -164,7 +202,12 @@ def load_web_settings(environ: Mapping[str, str] | None = None, **overrides: Any
             try:
                 values[field] = int(raw)
             except ValueError:
-                raise ConfigError(f"{name}: {raw!r} is not a whole number of seconds") from None
+                raise ConfigError(f"{name}: {raw!r} is not a whole number") from None
+    if seconds := env.get("SANDLOT_WEB_TREE_SECONDS"):
+        try:
+            values["tree_seconds"] = float(seconds)
+        except ValueError:
+            raise ConfigError(f"SANDLOT_WEB_TREE_SECONDS: {seconds!r} is not a number") from None
     if secure := env.get("SANDLOT_WEB_COOKIE_SECURE"):
         choice = secure.strip().lower()
         if choice not in ("auto", "true", "false", "1", "0"):
@@ -172,9 +215,18 @@ def load_web_settings(environ: Mapping[str, str] | None = None, **overrides: Any
                 f"SANDLOT_WEB_COOKIE_SECURE must be auto, true or false, not {secure!r}"
             )
         values["cookie_secure"] = None if choice == "auto" else choice in ("true", "1")
+    if root := env.get("SANDLOT_WEB_ROOT"):
+        values["root"] = Path(root)
+    if users := env.get("SANDLOT_WEB_LOCAL_USERS"):
+        values["local_users"] = frozenset(u for u in users.split(",") if u.strip())
     if templates := env.get("SANDLOT_WEB_CHAT_TEMPLATES"):
         values["chat_templates_file"] = Path(templates)
     if origins := env.get("SANDLOT_WEB_ALLOWED_ORIGINS"):
         values["allowed_origins"] = frozenset(o for o in origins.split(",") if o.strip())
     values.update({k: v for k, v in overrides.items() if v is not None})
     return WebSettings(**values)
+
+
+def served_root(settings: WebSettings) -> Path:
+    """The folder ``local`` mode serves, absolute."""
+    return (settings.root or Path.cwd()).resolve()

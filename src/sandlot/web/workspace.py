@@ -42,3 +42,8 @@ class Workspace(Protocol):
         """Its dataplane, with a token fresh enough for one call or one WebSocket's
         handshake (renewed by the server as needed; never by the browser)."""
         ...
+
+    async def renewed(self) -> Dataplane:
+        """Its dataplane with a new token, after the dataplane refused the last one (it
+        expired or was revoked early)."""
+        ...

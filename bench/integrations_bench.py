@@ -1,0 +1,454 @@
+"""Sandlot through its integrations, side by side with sandlot on its own.
+
+Run: ``.venv/bin/python bench/integrations_bench.py [--n 2000] [--mcp 500] [--ops 200]``
+
+Starts two servers on loopback, both as users run them (isolated sandboxes when
+root, the shipped templates, the per-user limits of ``bench/served.py`` raised
+in both): ``sandlot serve``, and ``langgraph dev`` serving ``examples/langgraph``
+(sandlot's app mounted in the LangGraph server, its auth handler, its threads;
+``tests/servers.py``, from the virtualenv ``SANDLOT_LANGGRAPH_VENV``). Measures,
+each interleaved in blocks of calls (a new order every round):
+
+1. **ensure** on a thread whose sandbox is live (``POST /v1/sandbox/sessions``
+   with a fresh ``Idempotency-Key``, a stock httpx client): as a LangGraph user
+   (LangGraph's auth, then sandlot's check that the user may see the thread: an
+   in-process ``GET /threads/{id}``), with a sandlot API key through the LangGraph
+   server (which skips LangGraph's auth), and on ``sandlot serve``.
+2. **exec ``true``** through MCP (the official client, one session kept open) and
+   through the SDK's ``AsyncSandbox.exec`` on the same sandbox; the same through
+   the LangGraph server (``/sandlot/mcp``, ``/dp``).
+3. **deepagents** ``read``/``write``/``edit`` through the backend a LangGraph-run
+   agent uses (``SandlotBackend.from_run()``, called in a LangGraph graph's node run
+   with ``configurable.thread_id``: each call resolves the run's sandbox from the
+   run's config), against the LangGraph server as alice; vs deepagents'
+   ``BaseSandbox`` script defaults over the same backend's ``execute`` and the same
+   sandbox (``bench/deepagents_bench.py``'s); the backend on ``sandlot serve`` beside.
+
+Prints Markdown tables (median and p95 in ms) and reports three targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import statistics
+import sys
+import tempfile
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypedDict
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from deepagents_bench import ScriptSandbox, file_ops
+from measure import ainterleave, interleave, pct
+from served import Served
+from targets import report
+from tests.servers import LangGraphDev
+
+NEGOTIATE = "/v1/sandbox/sessions"
+#: A body of about 3 KiB, as ``deepagents_bench`` reads and writes.
+BODY = "".join(f"line {i}: the quick brown fox\n" for i in range(100))
+OPS = ("read", "write", "edit")
+
+
+def ms(samples: list[float]) -> float:
+    """Median of samples in seconds, in ms."""
+    return statistics.median(samples) * 1000
+
+
+def p95(samples: list[float]) -> float:
+    return pct(samples, 0.95) * 1000
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def keyed(headers: dict[str, str]) -> dict[str, str]:
+    """The headers with a fresh ``Idempotency-Key``, as a client sends with each ensure."""
+    return {**headers, "Idempotency-Key": str(uuid.uuid4())}
+
+
+class Setting:
+    """The two servers and what the measurements share: alice's LangGraph thread and its
+    live sandbox, her sandlot key on the LangGraph server, keys on ``sandlot serve``."""
+
+    def __init__(self, served: Served, lg: LangGraphDev) -> None:
+        self.served = served
+        self.lg = lg
+        self.alice = lg.users["alice"]
+        self.lg_key = lg.key("alice")
+        self.agent_key = served.server.key("bench", "agent")
+        created = httpx.post(f"{lg.url}/threads", json={}, headers=bearer(self.alice), timeout=30)
+        created.raise_for_status()
+        self.thread: str = created.json()["thread_id"]
+        self.sandbox = live(lg.url, self.alice, self.thread)
+
+
+def live(url: str, key: str, thread: str) -> str:
+    """The thread's sandbox, ensured and active (so that a warm ensure finds it)."""
+    from sandlot.sdk import Sandlot
+
+    with Sandlot(url, key, auto_refresh=False) as sdk:
+        return sdk.ensure(thread).id
+
+
+# --- 1. ensure ---------------------------------------------------------------------------
+
+
+class EnsureFigures(TypedDict):
+    lg_user: list[float]
+    lg_key: list[float]
+    serve: list[float]
+    lg_thread: list[float]
+    lg_floor: list[float]
+    serve_floor: list[float]
+
+
+def measure_ensure(s: Setting, n: int, rng: random.Random) -> EnsureFigures:
+    serve_thread = "bench-ensure"
+    live(s.served.url, s.served.key, serve_thread)
+    lg = httpx.Client(base_url=s.lg.url, timeout=30)
+    serve = httpx.Client(base_url=s.served.url, timeout=30)
+    sandboxes: dict[str, set[str]] = {"lg": set(), "serve": set()}
+    thread_path, alice = f"/threads/{s.thread}", bearer(s.alice)
+
+    def ensure(client: httpx.Client, token: str, thread: str, side: str) -> Callable[[], None]:
+        body = {"thread_id": thread, "mode": "ensure"}
+        headers = bearer(token)
+
+        def call() -> None:
+            r = client.post(NEGOTIATE, json=body, headers=keyed(headers))
+            assert r.status_code == 200, r.text
+            sandboxes[side].add(r.json()["sandbox"]["id"])
+
+        return call
+
+    figures: EnsureFigures = {
+        "lg_user": [],
+        "lg_key": [],
+        "serve": [],
+        "lg_thread": [],
+        "lg_floor": [],
+        "serve_floor": [],
+    }
+    interleave(
+        [
+            (figures["lg_user"], ensure(lg, s.alice, s.thread, "lg"), 1),
+            (figures["lg_key"], ensure(lg, s.lg_key, s.thread, "lg"), 1),
+            (figures["serve"], ensure(serve, s.served.key, serve_thread, "serve"), 1),
+            (
+                figures["lg_thread"],
+                lambda: lg.get(thread_path, headers=alice).raise_for_status(),
+                1,
+            ),
+            (figures["lg_floor"], lambda: lg.get("/ok").raise_for_status(), 1),
+            (figures["serve_floor"], lambda: serve.get("/healthz").raise_for_status(), 1),
+        ],
+        n,
+        rng,
+    )
+    lg.close()
+    serve.close()
+    # Every ensure found the one live sandbox of its thread (a warm ensure, not a new one).
+    assert all(len(ids) == 1 for ids in sandboxes.values()), sandboxes
+    return figures
+
+
+def print_ensure(f: EnsureFigures, n: int) -> float:
+    base = ms(f["serve"])
+    print(
+        f"\n### ensure on a thread with a live sandbox: through the LangGraph server vs "
+        f"`sandlot serve` ({n} each, httpx, a fresh Idempotency-Key each)\n"
+    )
+    print("| path | p50 ms | p95 ms | vs `sandlot serve` |")
+    print("|---|---|---|---|")
+    rows = [
+        ("LangGraph server, as a LangGraph user (its auth + thread visibility)", f["lg_user"]),
+        ("LangGraph server, sandlot API key (skips LangGraph's auth)", f["lg_key"]),
+        ("`sandlot serve`, sandlot API key", f["serve"]),
+        (
+            "LangGraph's own `GET /threads/{id}` as the user (what the visibility check asks)",
+            f["lg_thread"],
+        ),
+        ("HTTP floor: LangGraph's `GET /ok`", f["lg_floor"]),
+        ("HTTP floor: `sandlot serve`'s `GET /healthz`", f["serve_floor"]),
+    ]
+    for name, samples in rows:
+        print(f"| {name} | {ms(samples):.2f} | {p95(samples):.2f} | {ms(samples) / base:.2f}x |")
+    ratio = ms(f["lg_user"]) / base
+    user, key, serve = ms(f["lg_user"]), ms(f["lg_key"]), base
+    made_of = (
+        f"as a LangGraph user {user:.2f} ms is a sandlot key through the same server "
+        f"({key:.2f} ms) plus {user - key:.2f} ms: LangGraph's middleware and auth handler, "
+        "then the visibility check's in-process `GET /threads/{id}` with the user's "
+        "credentials (through LangGraph's auth again) in place of the key's ownership lookup; "
+        f"the key through LangGraph costs {key - serve:.2f} ms more than on `sandlot serve` "
+        "(its ownership check looks the thread up through LangGraph's in-process SDK client; "
+        "`sandlot serve` has no threads to check). LangGraph answers `GET /threads/{id}` "
+        f"over HTTP in {ms(f['lg_thread']):.2f} ms; HTTP floors {ms(f['lg_floor']):.2f} ms "
+        f"(LangGraph) and {ms(f['serve_floor']):.2f} ms (`sandlot serve`)"
+    )
+    print(f"\nWhere the time goes: {made_of}.")
+    report(
+        "integrations",
+        "ensure through the LangGraph-mounted app (a LangGraph user) vs `sandlot serve`: "
+        "≤ 1.5\u00d7",
+        f"{ratio:.2f}\u00d7 ({ms(f['lg_user']):.2f} vs {base:.2f} ms p50; with a sandlot key "
+        f"through LangGraph {ms(f['lg_key']):.2f} ms)",
+        ratio <= 1.5,
+        made_of,
+    )
+    return ratio
+
+
+# --- 2. MCP exec -------------------------------------------------------------------------
+
+
+class ExecFigures(TypedDict):
+    sdk: list[float]
+    mcp: list[float]
+    lg_mcp: list[float]
+    lg_sdk: list[float]
+
+
+async def measure_exec(s: Setting, n: int, rng: random.Random) -> ExecFigures:
+    import httpx2
+    from mcp import Client
+    from mcp.client.streamable_http import streamable_http_client
+
+    from sandlot.sdk import AsyncSandlot
+
+    thread = "bench-mcp"
+    figures: ExecFigures = {"sdk": [], "mcp": [], "lg_mcp": [], "lg_sdk": []}
+    serve_http = httpx2.AsyncClient(headers=bearer(s.served.key), timeout=60)
+    lg_http = httpx2.AsyncClient(headers=bearer(s.lg_key), timeout=60)
+    serve_mcp = Client(streamable_http_client(f"{s.served.url}/mcp", http_client=serve_http))
+    lg_mcp = Client(streamable_http_client(f"{s.lg.url}/sandlot/mcp", http_client=lg_http))
+    async with (
+        serve_http,
+        lg_http,
+        serve_mcp,
+        lg_mcp,
+        AsyncSandlot(s.served.url, s.served.key) as serve_sdk,
+        AsyncSandlot(s.lg.url, s.lg_key) as lg_sdk,
+    ):
+        serve_sandbox = await serve_sdk.ensure(thread)
+        lg_sandbox = await lg_sdk.ensure(s.thread)
+
+        async def acquire(client: Client, thread_id: str, sandbox_id: str) -> str:
+            got = await client.call_tool("environment_acquire", {"thread_id": thread_id})
+            assert not got.is_error and got.structured_content is not None, got
+            # The MCP session and the SDK's are on the one sandbox of the thread.
+            assert got.structured_content["sandbox_id"] == sandbox_id, got
+            return str(got.structured_content["session_id"])
+
+        def mcp_exec(client: Client, session_id: str) -> Callable[[], Awaitable[None]]:
+            args = {"session_id": session_id, "command": "true"}
+
+            async def call() -> None:
+                ran = await client.call_tool("exec", args)
+                assert not ran.is_error and ran.structured_content is not None, ran
+                assert ran.structured_content["exit_code"] == 0, ran
+
+            return call
+
+        def sdk_exec(sandbox: Any) -> Callable[[], Awaitable[None]]:
+            async def call() -> None:
+                result = await sandbox.exec("true")
+                assert result.exit_code == 0, result
+
+            return call
+
+        serve_session = await acquire(serve_mcp, thread, serve_sandbox.id)
+        lg_session = await acquire(lg_mcp, s.thread, lg_sandbox.id)
+        await ainterleave(
+            [
+                (figures["sdk"], sdk_exec(serve_sandbox), 1),
+                (figures["mcp"], mcp_exec(serve_mcp, serve_session), 1),
+                (figures["lg_mcp"], mcp_exec(lg_mcp, lg_session), 1),
+                (figures["lg_sdk"], sdk_exec(lg_sandbox), 1),
+            ],
+            n,
+            rng,
+        )
+    return figures
+
+
+def print_exec(f: ExecFigures, n: int) -> float:
+    base = ms(f["sdk"])
+    print(
+        f"\n### exec `true`: MCP round trip vs the SDK's dataplane exec, same sandbox "
+        f"({n} each; one MCP session kept open, the official `mcp` client)\n"
+    )
+    print("| path | p50 ms | p95 ms | vs SDK exec on `sandlot serve` |")
+    print("|---|---|---|---|")
+    rows = [
+        ("SDK `AsyncSandbox.exec`, `sandlot serve`", f["sdk"]),
+        ("MCP `call_tool('exec')`, `sandlot serve` `/mcp`", f["mcp"]),
+        ("MCP `call_tool('exec')`, LangGraph server `/sandlot/mcp`", f["lg_mcp"]),
+        ("SDK `AsyncSandbox.exec`, LangGraph server `/dp`", f["lg_sdk"]),
+    ]
+    for name, samples in rows:
+        print(f"| {name} | {ms(samples):.2f} | {p95(samples):.2f} | {ms(samples) / base:.2f}x |")
+    ratio = ms(f["mcp"]) / base
+    made_of = (
+        f"the MCP round trip adds {ms(f['mcp']) - base:.2f} ms to the dataplane exec it makes "
+        f"({base:.2f} ms): JSON-RPC over streamable HTTP, the MCP server's session and tool "
+        "dispatch, then the same SDK exec from the server's process"
+    )
+    print(f"\nWhere the time goes: {made_of}.")
+    report(
+        "integrations",
+        "MCP `exec true` round trip vs the SDK's dataplane exec: ≤ 3\u00d7",
+        f"{ratio:.2f}\u00d7 ({ms(f['mcp']):.2f} vs {base:.2f} ms p50; through the LangGraph "
+        f"server's `/sandlot/mcp` {ms(f['lg_mcp']):.2f} ms)",
+        ratio <= 3,
+        made_of,
+    )
+    return ratio
+
+
+# --- 3. deepagents in a LangGraph run -----------------------------------------------------
+
+
+class RunState(TypedDict):
+    sandbox: str
+
+
+def measure_deepagents(
+    s: Setting, n: int, rng: random.Random
+) -> tuple[dict[tuple[str, str], list[float]], str]:
+    from langgraph.graph import END, START, StateGraph
+
+    from sandlot.integrations.deepagents import SandlotBackend
+
+    base = "/workspace/bench"
+    # The backend as the example's graph builds it, with the LangGraph server's URL and
+    # alice's LangGraph token: its control-plane calls pass LangGraph's auth.
+    run_backend = SandlotBackend.from_run(url=s.lg.url, api_key=s.alice)
+    sides = {
+        "run": run_backend,
+        "BaseSandbox": ScriptSandbox(run_backend),
+        "serve": SandlotBackend.for_thread(
+            "bench-deepagents", url=s.served.url, api_key=s.agent_key
+        ),
+    }
+    times: dict[tuple[str, str], list[float]] = {}
+
+    def measure(state: RunState) -> RunState:
+        for tag, backend in sides.items():
+            backend.write(f"{base}/target.txt", BODY)
+            backend.write(f"{base}/edit-{tag}.txt", "alpha\n" + BODY)
+        ops = {tag: file_ops(backend, tag, base, BODY) for tag, backend in sides.items()}
+        for op in OPS:
+            contenders = []
+            for tag in sides:
+                samples = times.setdefault((op, tag), [])
+                contenders.append((samples, ops[tag][op], 1))
+            interleave(contenders, n, rng)
+        return {"sandbox": run_backend.id}
+
+    graph = StateGraph(RunState)
+    graph.add_node("measure", measure)
+    graph.add_edge(START, "measure")
+    graph.add_edge("measure", END)
+    try:
+        out = graph.compile().invoke(
+            {"sandbox": ""}, config={"configurable": {"thread_id": s.thread}}
+        )
+    finally:
+        for backend in (run_backend, sides["serve"]):
+            backend.close()
+    return times, str(out["sandbox"])
+
+
+def print_deepagents(
+    times: dict[tuple[str, str], list[float]], sandbox: str, thread_sandbox: str, n: int
+) -> float:
+    print(
+        f"\n### deepagents backend of a LangGraph-run agent vs BaseSandbox's script defaults "
+        f"({n} calls each; `SandlotBackend.from_run()` in a graph node run with the thread's "
+        "config, against the LangGraph server as alice)\n"
+    )
+    print(
+        "| operation | from_run (LangGraph) p50 ms | p95 | BaseSandbox (same sandbox) p50 ms "
+        "| p95 | speed-up | `for_thread` on `sandlot serve` p50 ms |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    ratios = {}
+    for op in OPS:
+        run, peer, serve = times[(op, "run")], times[(op, "BaseSandbox")], times[(op, "serve")]
+        ratios[op] = ms(peer) / ms(run)
+        print(
+            f"| {op} | {ms(run):.2f} | {p95(run):.2f} | {ms(peer):.2f} | {p95(peer):.2f} | "
+            f"{ratios[op]:.1f}x | {ms(serve):.2f} |"
+        )
+    worst = min(ratios, key=ratios.__getitem__)
+    print(
+        f"\nThe run's backend resolved sandbox {sandbox} from the run's config (the thread's: "
+        f"{'the same' if sandbox == thread_sandbox else 'NOT the same as'} {thread_sandbox}); "
+        "its dataplane calls go to the LangGraph server's `/dp`, which the app routes straight "
+        "to the dataplane."
+    )
+    floor = ms(times[("read", "run")])
+    report(
+        "integrations",
+        "deepagents read/write/edit through a LangGraph-run agent's backend vs BaseSandbox's "
+        "script defaults: ≥ 10\u00d7 faster per call",
+        f"{ratios[worst]:.1f}\u00d7 at worst (`{worst}`: {ms(times[(worst, 'run')]):.2f} vs "
+        f"{ms(times[(worst, 'BaseSandbox')]):.2f} ms); "
+        + ", ".join(f"{op} {r:.1f}\u00d7" for op, r in ratios.items()),
+        ratios[worst] >= 10,
+        f"10\u00d7 BaseSandbox's {ms(times[(worst, 'BaseSandbox')]):.2f} ms is "
+        f"{ms(times[(worst, 'BaseSandbox')]) / 10:.2f} ms a call; one `read` through the "
+        f"LangGraph server takes {floor:.2f} ms",
+    )
+    return ratios[worst]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n", type=int, default=2000, help="ensure samples per path")
+    ap.add_argument("--mcp", type=int, default=500, help="exec samples per path")
+    ap.add_argument("--ops", type=int, default=200, help="deepagents calls per side and op")
+    args = ap.parse_args()
+    rng = random.Random(20260501)
+    with tempfile.TemporaryDirectory(prefix="sandlot-integrations-") as tmp:
+        root = Path(tmp)
+        served = Served(root / "serve").start()
+        assert served.server.config_path is not None
+        # The LangGraph server's sandlot gets the same configuration (the raised limits).
+        lg = LangGraphDev(
+            root / "langgraph",
+            root / "langgraph" / "sandlot-data",
+            env={"SANDLOT_CONFIG": str(served.server.config_path)},
+        )
+        try:
+            lg.start()
+            setting = Setting(served, lg)
+            ensure = measure_ensure(setting, args.n, rng)
+            exec_ = asyncio.run(measure_exec(setting, args.mcp, rng))
+            deepagents, run_sandbox = measure_deepagents(setting, args.ops, rng)
+        finally:
+            mode = served.mode
+            lg.stop()
+            lg.cleanup()
+            served.stop()
+
+    print(
+        f"Sandlot's integrations ({mode} sandboxes, the shipped templates; `langgraph dev` "
+        "serving examples/langgraph, in the same run as `sandlot serve`)"
+    )
+    print_ensure(ensure, args.n)
+    print_exec(exec_, args.mcp)
+    print_deepagents(deepagents, run_sandbox, setting.sandbox, args.ops)
+
+
+if __name__ == "__main__":
+    main()

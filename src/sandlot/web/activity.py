@@ -1,0 +1,146 @@
+"""The workspace's event log (PROTOCOL.md 3.7) as JSON pages, with who did what.
+
+The dataplane serves its log as a Server-Sent Events stream that goes on live once it
+has sent what it holds. A page reads that stream from the cursor (``after``, exclusive)
+and stops when it has ``limit`` events, when the stream has nothing more for
+:data:`SETTLE_SECONDS` (what was held is sent at once, in one piece), or after
+:data:`PAGE_SECONDS`. Each event keeps the dataplane's fields (``sequence``,
+``event_type``, ``timestamp``, ``actor`` — ``{"type": "human"|"agent", "id"}``, or
+``null`` for a change seen by the workspace watcher — and ``details``) and, for a file
+event inside the workspace, the browser's ``path`` (and ``from`` for a move). The git
+commands this server runs for its own routes are left out (``next_after`` still moves
+past them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from sandlot.protocol.errors import InvalidRequest, SequenceExpired
+from sandlot.web import paths
+from sandlot.web.calls import DataplaneCalls
+
+#: How long a quiet stream is waited on before the page is complete.
+SETTLE_SECONDS = 0.15
+#: The longest a page is read.
+PAGE_SECONDS = 5.0
+MAX_PAGE = 1000
+#: The ``command_id`` prefix of the commands this server runs itself (left out of pages).
+OWN_COMMANDS = "web-git-"
+#: Most bytes of events read for one page.
+MAX_PAGE_BYTES = 8 << 20
+
+
+def browser_event(event: dict[str, Any]) -> dict[str, Any]:
+    """An event as the browser gets it (see the module's docstring)."""
+    out = {
+        "sequence": event.get("sequence"),
+        "event_type": event.get("event_type"),
+        "timestamp": event.get("timestamp"),
+        "actor": event.get("actor"),
+        "details": event.get("details") or {},
+    }
+    fs = out["details"].get("fs") if isinstance(out["details"], dict) else None
+    if isinstance(fs, dict):
+        rel = paths.to_browser(str(fs.get("path", "")))
+        if rel is not None:
+            out["path"] = rel
+        moved_from = fs.get("from")
+        if isinstance(moved_from, str) and (src := paths.to_browser(moved_from)) is not None:
+            out["from"] = src
+    return out
+
+
+def own_command(event: dict[str, Any]) -> bool:
+    """Whether an event is of a command this server ran itself (git, for its routes)."""
+    exec_ = (event.get("details") or {}).get("exec")
+    return isinstance(exec_, dict) and str(exec_.get("command_id") or "").startswith(OWN_COMMANDS)
+
+
+async def _frames(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[str, str]]:
+    """``(event, data)`` of each SSE frame (comments as ``("comment", "")``)."""
+    buffer = b""
+    async for chunk in chunks:
+        buffer += chunk
+        while b"\n\n" in buffer:
+            frame, buffer = buffer.split(b"\n\n", 1)
+            name, data = "message", []
+            for line in frame.decode("utf-8", "replace").split("\n"):
+                if line.startswith(":"):
+                    name = "comment"
+                elif line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].lstrip(" "))
+            yield name, "\n".join(data)
+
+
+class WorkspaceActivity:
+    """The event log of one workspace, for one browser request."""
+
+    def __init__(self, calls: DataplaneCalls) -> None:
+        self.calls = calls
+
+    async def events(self, after: int, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """Up to ``limit`` raw events after ``after``, and whether ``limit`` stopped it."""
+        events: list[dict[str, Any]] = []
+        deadline = time.monotonic() + PAGE_SECONDS
+        async with self.calls.stream(
+            "/events", params={"after": after}, accept="text/event-stream",
+            max_bytes=MAX_PAGE_BYTES,
+        ) as answer:  # fmt: skip
+            frames = _frames(answer.aiter_bytes())
+            try:
+                while len(events) < limit:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    try:
+                        async with asyncio.timeout(min(SETTLE_SECONDS, left)):
+                            name, data = await anext(frames)
+                    except (TimeoutError, StopAsyncIteration):
+                        break
+                    if name == "error":
+                        raise SequenceExpired("events before this cursor are no longer kept")
+                    if name == "comment" or not data:
+                        continue
+                    try:
+                        events.append(json.loads(data))
+                    except ValueError:
+                        continue
+            finally:
+                await frames.aclose()
+        return events, len(events) >= limit
+
+    async def page(self, after: int, limit: int = 100) -> dict[str, Any]:
+        """``GET /api/v1/activity``: ``{"events", "after", "next_after", "has_more"}``."""
+        if after < 0:
+            raise InvalidRequest("after must be 0 or more")
+        if not 1 <= limit <= MAX_PAGE:
+            raise InvalidRequest(f"limit must be between 1 and {MAX_PAGE}")
+        events, full = await self.events(after, limit)
+        page = [browser_event(e) for e in events if not own_command(e)]
+        last = int(events[-1].get("sequence") or after) if events else after
+        return {"events": page, "after": after, "next_after": last, "has_more": full}
+
+    async def last_agent_change(self, path: str) -> dict[str, Any] | None:
+        """The latest file event of an ``agent`` actor on ``path`` that the log still holds."""
+        sandbox_path = paths.to_sandbox(path)
+        found: dict[str, Any] | None = None
+        after = 0
+        for _ in range(20):  # at most 20 pages: the log keeps 10,000 events by default
+            events, full = await self.events(after, MAX_PAGE)
+            for event in events:
+                fs = (event.get("details") or {}).get("fs")
+                actor = event.get("actor") or {}
+                mine = isinstance(fs, dict) and fs.get("path") == sandbox_path
+                if mine and actor.get("type") == "agent":
+                    found = browser_event(event)
+            if not full or not events:
+                break
+            after = int(events[-1].get("sequence") or after)
+        return found

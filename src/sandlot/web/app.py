@@ -1,0 +1,189 @@
+"""The web app: sign-in, the workspace routes, health and metrics, wired together.
+
+:func:`create_web_app` builds the Starlette app ``sandlot serve`` mounts beside the broker
+(``sandbox`` mode) and ``sandlot web`` serves alone (``local`` mode, or ``sandbox`` mode
+against a broker). It only wires:
+
+- the sign-in routes of :class:`~sandlot.web.auth.WebAuth`, and
+  :class:`~sandlot.web.auth.BrowserAuthMiddleware` in front of everything;
+- the workspace routes (:mod:`sandlot.web.routes`) over one
+  :class:`~sandlot.web.gateway.Gateway` whose allowlist is the mode's upstreams (the
+  broker's dataplane, or the local folder's loopback dataplane);
+- ``extra_routes``: the terminal and agent-stream routes (``/ws/pty``, ``/api/sessions``,
+  ``/ws/claude-stream``), built elsewhere; they find what they need with
+  :func:`web_context` (the settings, the auth, the gateway, the workspaces) and open a
+  request's workspace with :func:`~sandlot.web.workspaces.open_workspace`;
+- ``GET /`` (a placeholder page until a frontend is served), ``/api/healthz``,
+  ``/api/readyz`` (each upstream's breaker and the local dataplane's state) and
+  ``/api/metrics`` (the gateway's figures).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import HTTPConnection, Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route, WebSocketRoute
+
+from sandlot import __version__
+from sandlot.protocol.errors import InvalidRequest, ResourceNotFound, SandlotError
+from sandlot.web.auth import (
+    BrowserAuthMiddleware,
+    KeyAuthenticator,
+    WebAuth,
+    sandlot_error_handler,
+)
+from sandlot.web.gateway import Gateway, GatewaySettings, request_id_of
+from sandlot.web.localplane import LocalDataplane
+from sandlot.web.routes import WorkspaceRoutes, error_json, json_answer
+from sandlot.web.settings import ConfigError, WebSettings, WorkspaceMode, served_root
+from sandlot.web.workspaces import LocalWorkspaces, SandboxWorkspaces, Workspaces
+
+#: The page at ``/`` until a frontend is served: static, no script, nothing of the user's.
+PLACEHOLDER = b"""<!doctype html>
+<html><head><meta charset="utf-8"><title>sandlot</title></head>
+<body><h1>sandlot</h1>
+<p>This server serves a workspace to the browser under <code>/api</code> and
+<code>/ws</code> (docs/WEB.md). Signed-in users see their files at
+<code>/api/tree?path=.</code>.</p></body></html>
+"""
+_PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+
+
+@dataclass(frozen=True)
+class WebContext:
+    """What the web app's routes share (``request.app.state.web``)."""
+
+    settings: WebSettings
+    auth: WebAuth
+    gateway: Gateway
+    workspaces: Workspaces
+
+
+def web_context(conn: HTTPConnection) -> WebContext:
+    """The :class:`WebContext` of the web app serving ``conn``."""
+    context: WebContext = conn.app.state.web
+    return context
+
+
+def build_workspaces(
+    settings: WebSettings, *, broker_url: str | None, dataplane_url: str | None = None
+) -> Workspaces:
+    """The workspaces of the settings' mode."""
+    if settings.mode is WorkspaceMode.LOCAL:
+        if not settings.local_users:
+            raise ConfigError(
+                "local mode needs the users the folder is served to (SANDLOT_WEB_LOCAL_USERS)"
+            )
+        root = served_root(settings)
+        if not root.is_dir():
+            raise ConfigError(f"the folder to serve, {root}, is not a directory")
+        return LocalWorkspaces(root, settings.local_users, LocalDataplane(root))
+    if not broker_url:
+        raise ConfigError("sandbox mode needs the broker's URL")
+    return SandboxWorkspaces(broker_url, dataplane_url=dataplane_url)
+
+
+def _served(routes: Sequence[BaseRoute], path: str) -> bool:
+    return any(isinstance(r, Route | WebSocketRoute) and r.path == path for r in routes)
+
+
+def create_web_app(
+    settings: WebSettings,
+    *,
+    broker_url: str | None,
+    authenticator: KeyAuthenticator | None,
+    extra_routes: Sequence[BaseRoute] = (),
+    dataplane_url: str | None = None,
+    registry: CollectorRegistry | None = None,
+    gateway_settings: GatewaySettings | None = None,
+    workspaces: Workspaces | None = None,
+) -> Starlette:
+    """The web app (see the module's docstring).
+
+    ``broker_url``: the broker the ``sandbox`` mode negotiates with (``None`` in ``local``
+    mode); ``dataplane_url``: where its grants point, when not ``{broker_url}/dp``;
+    ``authenticator`` checks API keys at sign-in (``None``: only one-time links sign in);
+    ``registry`` receives the gateway's metrics (the broker's, when mounted beside it).
+    """
+    if workspaces is None:
+        workspaces = build_workspaces(settings, broker_url=broker_url, dataplane_url=dataplane_url)
+    auth = WebAuth(settings, authenticator)
+    gateway = Gateway(workspaces.upstreams(), gateway_settings, registry=registry)
+    context = WebContext(settings, auth, gateway, workspaces)
+    features = {
+        "pty": _served(extra_routes, "/ws/pty"),
+        "chat_claude_code": _served(extra_routes, "/ws/claude-stream"),
+    }
+    workspace_routes = WorkspaceRoutes(settings, gateway, workspaces, features)
+
+    async def page(request: Request) -> Response:
+        return Response(PLACEHOLDER, media_type="text/html", headers=_PAGE_HEADERS)
+
+    async def healthz(request: Request) -> Response:
+        return json_answer({"status": "ok", "version": __version__}, request_id_of(request.headers))
+
+    async def readyz(request: Request) -> Response:
+        state = workspaces.readiness()
+        breakers = gateway.states()
+        ready = bool(state.get("ready")) and all(s != "open" for s in breakers.values())
+        body: dict[str, Any] = {"ready": ready, **state, "gateway": breakers}
+        return json_answer(body, request_id_of(request.headers), 200 if ready else 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await workspaces.start()
+        try:
+            yield
+        finally:
+            # The gateway's connections first: the local dataplane then stops at once.
+            await gateway.aclose()
+            await workspaces.stop()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        rid = request_id_of(request.headers)
+        if isinstance(exc, HTTPException) and exc.status_code == 405:
+            response = error_json(InvalidRequest("method not allowed here"), rid)
+            response.status_code = 405
+            return response
+        return error_json(ResourceNotFound("no such route"), rid)
+
+    app = Starlette(
+        routes=[
+            *auth.routes(),
+            Route("/", page, methods=["GET"]),
+            *workspace_routes.routes(),
+            Route("/api/healthz", healthz, methods=["GET"]),
+            Route("/api/readyz", readyz, methods=["GET"]),
+            Route("/api/metrics", metrics, methods=["GET"]),
+            *extra_routes,
+        ],
+        middleware=[Middleware(BrowserAuthMiddleware, auth=auth)],
+        exception_handlers={
+            SandlotError: sandlot_error_handler,
+            404: not_found,
+            405: not_found,
+        },
+        lifespan=lifespan,
+    )
+    app.state.web = context
+    return app
+
+
+__all__ = ["WebContext", "build_workspaces", "create_web_app", "web_context"]

@@ -1,0 +1,190 @@
+"""The browser workspace as the commands serve it: ``sandlot serve`` (beside the broker and
+the dataplane, on one port), ``sandlot web`` (alone, a local folder) and ``sandlot open``
+(a one-time link from a running server)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandlot.cli.server import WebDispatch
+from tests.servers import SandlotServer, running
+
+SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
+LINK = re.compile(r"(http://\S+/login\?token=\S+)")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SandlotServer]:
+    with running(tmp_path_factory.mktemp("web-serve") / "d") as srv:
+        yield srv
+
+
+def sign_in_with(link: str) -> httpx.Client:
+    """A browser that followed ``link``: its session cookie set."""
+    base = link.split("/login", 1)[0]
+    client = httpx.Client(base_url=base, timeout=60)
+    r = client.get(link, follow_redirects=False)
+    assert r.status_code == 303, r.text
+    assert client.cookies, "the link set no session cookie"
+    return client
+
+
+def test_serve_serves_the_web_app_beside_the_broker_and_the_dataplane(
+    server: SandlotServer,
+) -> None:
+    key = server.key("ada")
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        # The broker's and the dataplane's own routes are untouched.
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/readyz").json()["store"]["ok"] is True
+        auth = {"Authorization": f"Bearer {key}"}
+        assert c.get("/v1/templates", headers=auth).status_code == 200
+        assert c.get("/dp/__meta/version").json()["api_version"] == "1"
+        # Nothing the broker serves is under the web app's paths.
+        paths = c.get("/openapi.json").json()["paths"]
+        assert paths and not [p for p in paths if WebDispatch.is_web(p)]
+        # The web app's.
+        assert c.get("/api/healthz").json()["status"] == "ok"
+        ready = c.get("/api/readyz").json()
+        assert ready["ready"] is True and ready["mode"] == "sandbox"
+        assert ready["gateway"] == {"dataplane": "closed"}
+        page = c.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "default-src 'none'" in page.headers["content-security-policy"]
+        r = c.get("/login", params={"token": "nope.nope"}, follow_redirects=False)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "UNAUTHENTICATED"
+        assert c.get("/api/tree", params={"thread": "thr_1"}).status_code == 401
+        # The gateway's figures join the broker's at /metrics.
+        assert "sandlot_gateway_breaker_state" in c.get("/metrics").text
+
+
+def test_open_prints_a_link_that_signs_in_once(server: SandlotServer, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "SANDLOT_URL": server.url,
+        "SANDLOT_API_KEY": server.key("ada"),
+        "HOME": str(tmp_path),
+        "XDG_CONFIG_HOME": str(tmp_path / ".config"),
+    }
+    done = subprocess.run(
+        [*SANDLOT, "open", "thr_open", "--print"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    link = done.stdout.strip()
+    assert LINK.fullmatch(link), link
+    with contextlib.closing(sign_in_with(link)) as browser:
+        r = browser.get("/api/tree", params={"path": ".", "thread": "thr_open"})
+        assert r.status_code == 200, r.text
+        assert r.json() == {"entries": [], "path": "."}
+    again = httpx.get(link, follow_redirects=False)
+    assert again.status_code == 401  # spent by its first use
+    bad = subprocess.run(
+        [*SANDLOT, "open", "thr_open", "--print", "--api-key", "sl_wrong"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def _start_web(
+    args: list[str], env: dict[str, str], cwd: Path
+) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen(
+        [*SANDLOT, "web", *args],
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    out = b""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and proc.poll() is None:
+        ready, _, _ = select.select([fd], [], [], 0.1)
+        if ready:
+            out += os.read(fd, 65536)
+            if m := LINK.search(out.decode(errors="replace")):
+                return proc, m.group(1)
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    raise AssertionError(f"sandlot web printed no link:\n{out.decode(errors='replace')}")
+
+
+def test_web_local_mode_prints_a_link_that_signs_in(tmp_path: Path) -> None:
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "README.md").write_text("# hello\n")
+    env = {**os.environ, "HOME": str(tmp_path), "SANDLOT_WORKSPACE_MODE": ""}
+    proc, link = _start_web(
+        ["--mode", "local", "--root", str(folder), "--port", "0", "--user", "ada"],
+        env,
+        tmp_path,
+    )
+    try:
+        with contextlib.closing(sign_in_with(link)) as browser:
+            me = browser.get("/api/auth/me").json()
+            assert me["user"] == "ada"
+            tree = browser.get("/api/tree", params={"path": "."}).json()
+            assert tree["entries"] == [
+                {"name": "README.md", "path": "README.md", "is_dir": False, "size": 8}
+            ]
+            ready = browser.get("/api/readyz").json()
+            assert ready["local_dataplane"] == "running" and ready["ready"] is True
+            assert browser.get("/api/capabilities").json()["mode"] == "local"
+        assert httpx.get(link, follow_redirects=False).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert code == 0
+
+
+def test_web_mode_comes_from_the_flag_or_the_environment(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "HOME": str(tmp_path),
+        "XDG_CONFIG_HOME": str(tmp_path / ".config"),
+        "SANDLOT_WORKSPACE_MODE": "sandbox",
+        "SANDLOT_API_KEY": "",
+    }
+    done = subprocess.run(
+        [*SANDLOT, "web", "--port", "0"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "no API key" in done.stderr, done.stderr
+    done = subprocess.run(
+        [*SANDLOT, "web", "--mode", "elsewhere"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "local or sandbox" in done.stderr
+    assert "Traceback" not in done.stderr
