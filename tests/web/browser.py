@@ -46,16 +46,28 @@ class GrantWorkspace:
     id: str
     grant: Grant
     others: tuple[Grant, ...] = ()
-    #: Calls to :meth:`dataplane` so far.
+    #: A token the dataplane refuses, handed out until :meth:`renewed` is called.
+    stale: str | None = None
+    #: Calls to :meth:`dataplane` and :meth:`renewed` so far.
     calls: int = 0
+    renewals: int = 0
 
     async def dataplane(self) -> Dataplane:
         grants = (self.grant, *self.others)
         g = grants[self.calls % len(grants)]
         self.calls += 1
         return Dataplane(
-            g.sandbox_id, g.http_base_url, g.ws_base_url, g.token, frozenset(g.capabilities)
+            g.sandbox_id,
+            g.http_base_url,
+            g.ws_base_url,
+            self.stale or g.token,
+            frozenset(g.capabilities),
         )
+
+    async def renewed(self) -> Dataplane:
+        self.renewals += 1
+        self.stale = None
+        return await self.dataplane()
 
 
 def dataplane_gateway(server: SandlotServer) -> Gateway:
@@ -170,10 +182,13 @@ class Socket:
         return self.ws.close_code, self.frames[start:]
 
 
-async def sign_in(base: str, auth: WebAuth, user: str) -> tuple[str, str]:
-    """(cookie, CSRF token) of ``user`` signed in with a one-time link, as ``sandlot web`` does."""
+async def sign_in(
+    base: str, auth: WebAuth, user: str, credential: str | None = None
+) -> tuple[str, str]:
+    """(cookie, CSRF token) of ``user`` signed in with a one-time link, as ``sandlot web`` does
+    (``credential``: the API key the server then opens workspaces with)."""
     async with httpx.AsyncClient() as client:
-        r = await client.get(auth.login_url(base, user))
+        r = await client.get(auth.login_url(base, user, credential=credential))
         assert r.status_code == 303, r.text
         cookie = r.cookies["sandlot_session"]
         me = await client.get(

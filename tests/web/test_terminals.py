@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -22,8 +23,11 @@ import pytest
 from websockets.exceptions import InvalidStatus
 
 from sandlot.sdk import Grant, Sandlot
+from sandlot.web.app import create_web_app
+from sandlot.web.chat import chat_routes
 from sandlot.web.limits import FrameQueue, QueueOverflow, SocketGate, SocketLimits
 from sandlot.web.session_tokens import SessionTokens
+from sandlot.web.settings import WebSettings
 from sandlot.web.terminals import terminal_routes
 from tests.servers import SandlotServer, running
 from tests.web.browser import (
@@ -31,10 +35,11 @@ from tests.web.browser import (
     GrantWorkspace,
     Socket,
     dataplane_gateway,
+    sign_in,
     web_app,
     workspace_of,
 )
-from tests.web.conftest import Clock, assert_not_leaked
+from tests.web.conftest import Clock, assert_not_leaked, serving
 
 THREAD = "thr_webterm"
 SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
@@ -76,8 +81,9 @@ async def app(
     user: str = "alice",
     refresh_seconds: float = 60.0,
     others: tuple[Grant, ...] = (),
+    workspace: GrantWorkspace | None = None,
 ) -> AsyncIterator[tuple[Browser, SessionTokens]]:
-    workspace = GrantWorkspace(THREAD, grant, others)
+    workspace = workspace or GrantWorkspace(THREAD, grant, others)
     async with dataplane_gateway(server) as gateway:
         routes = web_app(
             lambda auth, tokens: terminal_routes(
@@ -247,6 +253,56 @@ async def test_a_shell_that_ended_is_not_found_and_its_exit_is_told(
         async with browser.socket(session_id=session["session_id"], resume=1) as again:
             code, frames = await again.closed()
         assert code == 4404 and frames == [{"type": "session_not_found"}]
+
+
+async def test_a_token_the_dataplane_refuses_is_renewed_once(
+    server: SandlotServer, grant: Grant
+) -> None:
+    header, payload, _ = grant.token.split(".")
+    workspace = GrantWorkspace(THREAD, grant, stale=f"{header}.{payload}.bm90LXRoZS1zaWduYXR1cmU")
+    async with app(server, grant, workspace=workspace) as (browser, _), browser.socket() as sock:
+        await opened(sock)
+        await sock.type("echo renewed-$((8*8))\r")
+        await sock.until_output("renewed-64")
+    assert workspace.renewals == 1
+
+
+async def test_the_routes_plugged_into_the_web_app_use_its_gateway_auth_and_workspaces(
+    server: SandlotServer, alice_key: str, tmp_path: Path
+) -> None:
+    """As ``sandlot serve`` wires them: ``create_web_app(extra_routes=...)`` in sandbox mode,
+    the workspace named by ``?thread=`` and negotiated with the broker for the user."""
+    settings = WebSettings(data_dir=tmp_path)
+    web = create_web_app(
+        settings,
+        broker_url=server.url,
+        authenticator=None,
+        extra_routes=[*terminal_routes(), *chat_routes()],
+    )
+    auth = web.state.web.auth
+    async with web.router.lifespan_context(web), serving(web) as base:
+        cookie, csrf = await sign_in(base, auth, "alice", credential=alice_key)
+        browser = Browser(base, auth, cookie, csrf)
+        features = (await browser.request("GET", "/api/capabilities")).json()["features"]
+        assert features["pty"] is True and features["chat_claude_code"] is True
+        async with browser.socket(thread=THREAD, shell="main") as sock:
+            assert (await opened(sock))["name"] == "main"
+            await sock.type("echo wired-$((9*9))\r")
+            await sock.until_output("wired-81")
+        listed = await browser.request("GET", "/api/sessions", params={"thread": THREAD})
+        assert "main" in [s.get("name") for s in listed.json()["sessions"]]
+        # The built-in template: Claude Code, where the image has it.
+        async with browser.socket("/ws/claude-stream", thread=THREAD) as sock:
+            first = await sock.frame()
+        if shutil.which("claude") is None:
+            assert first["subtype"] == "error" and "not installed" in first["message"]
+        else:
+            assert first["subtype"] == "connected"
+        # Another thread's id does not open this one's shell.
+        async with browser.socket(thread="thr_other") as sock:
+            other = await opened(sock)
+        async with browser.socket(thread=THREAD, session_id=other["session_id"], resume=1) as sock:
+            assert (await sock.closed())[1] == [{"type": "session_not_found"}]
 
 
 # --- session ids, providers, origins --------------------------------------------------

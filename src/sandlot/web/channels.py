@@ -18,12 +18,14 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from sandlot.web.gateway import Gateway
 from sandlot.web.limits import FrameQueue, SocketLimits
 from sandlot.web.workspace import Workspace
 
@@ -38,6 +40,8 @@ CLOSE_TRY_AGAIN = 1013
 CLOSE_UNKNOWN_PROVIDER = 4003
 CLOSE_SESSION_NOT_FOUND = 4404
 CLOSE_RATE_LIMITED = 4429
+#: The dataplane's: the token was refused.
+CLOSE_UNAUTHENTICATED = 4401
 
 
 class Disconnected(Exception):
@@ -147,6 +151,50 @@ class DataplaneChannel:
         self._token = token
         self.refresh_seconds = refresh_seconds
         self.queue = FrameQueue(limits.input_queue_frames, limits.input_queue_bytes)
+
+    @classmethod
+    async def open(
+        cls,
+        gateway: Gateway,
+        workspace: Workspace,
+        path: str,
+        *,
+        headers: Mapping[str, str],
+        limits: SocketLimits,
+        refresh_seconds: float = 60.0,
+        first: dict[str, Any] | None = None,
+    ) -> tuple[DataplaneChannel, dict[str, Any] | None]:
+        """Open ``path`` (under the workspace's ``ws_base_url``) through the gateway, send
+        ``first`` if given, and read the dataplane's first frame (``None``: it closed).
+
+        If the dataplane refuses the token (it expired, or was revoked early), the socket
+        is opened once more with a renewed one (``first`` was not acted on: the dataplane
+        checks the token before it reads a frame)."""
+        dp = await workspace.dataplane()
+        for attempt in (1, 2):
+            conn = await gateway.websocket(
+                f"{dp.ws_base_url}{path}", token=dp.token, headers=headers
+            )
+            channel = cls(conn, workspace, dp.token, limits, refresh_seconds=refresh_seconds)
+            try:
+                if first is not None:
+                    await channel.send_now(first)
+                reply = await channel.recv()
+            except BaseException:
+                await channel.close()
+                raise
+            if attempt == 1 and channel.refused_token(reply):
+                await channel.close()
+                dp = await workspace.renewed()
+                continue
+            return channel, reply
+        raise AssertionError("unreachable")
+
+    def refused_token(self, reply: dict[str, Any] | None) -> bool:
+        """Whether the dataplane closed the socket over its token."""
+        if reply is not None and reply.get("type") == "error":
+            return reply.get("code") in ("UNAUTHENTICATED", "TOKEN_EXPIRED")
+        return reply is None and self.close_code == CLOSE_UNAUTHENTICATED
 
     def send(self, frame: dict[str, Any], *, kind: str = "") -> None:
         """Queue ``frame`` for the dataplane (``QueueOverflow`` if the queue is full)."""

@@ -68,7 +68,7 @@ from sandlot.web.chat_templates import (
 from sandlot.web.gateway import Gateway
 from sandlot.web.limits import QueueOverflow, SocketGate, SocketLimits
 from sandlot.web.session_tokens import InvalidSessionId, SessionKind, SessionTokens
-from sandlot.web.terminals import WorkspaceOf, looks_like_session_id, truthy
+from sandlot.web.terminals import Deps, UsesDeps, WorkspaceOf, looks_like_session_id, truthy
 from sandlot.web.workspace import Dataplane, Workspace
 
 log = logging.getLogger(__name__)
@@ -123,29 +123,24 @@ class ChatSession:
     resumed: bool
 
 
-class Chat:
+class Chat(UsesDeps):
     """The chat route over one gateway (see the module's docstring)."""
 
     def __init__(
         self,
         *,
-        gateway: Gateway,
-        tokens: SessionTokens,
-        auth: WebAuth,
-        workspace_of: WorkspaceOf,
+        deps: Deps,
         gate: SocketGate,
         templates: ChatTemplates,
         refresh_seconds: float,
     ) -> None:
-        self.gateway = gateway
-        self.tokens = tokens
-        self.auth = auth
-        self.workspace_of = workspace_of
+        self.deps = deps
         self.gate = gate
         self.templates = templates
         self.refresh_seconds = refresh_seconds
 
     async def stream(self, ws: WebSocket) -> None:
+        self.deps.bind(ws)
         browser = await self.auth.admit_websocket(ws)
         if browser is None:
             return
@@ -242,21 +237,20 @@ class Chat:
         user: str,
         previous: str | None,
     ) -> tuple[DataplaneChannel, ChatSession]:
-        dp = await workspace.dataplane()
-        conn = await self.gateway.websocket(
-            f"{dp.ws_base_url}/exec/ws", token=dp.token, headers=ws.headers
-        )
-        upstream = DataplaneChannel(
-            conn, workspace, dp.token, self.gate.limits, refresh_seconds=self.refresh_seconds
+        if previous is not None:
+            first = {"type": "attach", "exec_id": previous, "stdout_offset": 0, "stderr_offset": 0}
+        else:
+            first = self._start_frame(template, argv, user)
+        upstream, ready = await DataplaneChannel.open(
+            self.gateway,
+            workspace,
+            "/exec/ws",
+            headers=ws.headers,
+            limits=self.gate.limits,
+            refresh_seconds=self.refresh_seconds,
+            first=first,
         )
         try:
-            if previous is not None:
-                await upstream.send_now(
-                    {"type": "attach", "exec_id": previous, "stdout_offset": 0, "stderr_offset": 0}
-                )
-            else:
-                await upstream.send_now(self._start_frame(template, argv, user))
-            ready = await upstream.recv()
             if ready is None or ready.get("type") != "ready":
                 code = str((ready or {}).get("code") or "")
                 if previous is not None and (
@@ -553,10 +547,10 @@ def user_line(message: object) -> dict[str, Any]:
 
 def chat_routes(
     *,
-    gateway: Gateway,
-    tokens: SessionTokens,
-    auth: WebAuth,
-    workspace_of: WorkspaceOf,
+    gateway: Gateway | None = None,
+    tokens: SessionTokens | None = None,
+    auth: WebAuth | None = None,
+    workspace_of: WorkspaceOf | None = None,
     templates: ChatTemplates = DEFAULT_TEMPLATES,
     limits: SocketLimits | SocketGate | None = None,
     refresh_seconds: float = 60.0,
@@ -565,17 +559,10 @@ def chat_routes(
 
     ``templates`` are the agent programs it may start
     (:func:`~sandlot.web.chat_templates.load_chat_templates`); the other arguments are
-    :func:`~sandlot.web.terminals.terminal_routes`'s (pass the same :class:`SocketGate`
-    to both to count connects across them).
+    :func:`~sandlot.web.terminals.terminal_routes`'s (left out, the app's own; pass the
+    same :class:`SocketGate` to both to count connects across them).
     """
     gate = limits if isinstance(limits, SocketGate) else SocketGate(limits)
-    chat = Chat(
-        gateway=gateway,
-        tokens=tokens,
-        auth=auth,
-        workspace_of=workspace_of,
-        gate=gate,
-        templates=templates,
-        refresh_seconds=refresh_seconds,
-    )
+    deps = Deps(gateway=gateway, auth=auth, tokens=tokens, workspace_of=workspace_of)
+    chat = Chat(deps=deps, gate=gate, templates=templates, refresh_seconds=refresh_seconds)
     return [WebSocketRoute("/ws/claude-stream", chat.stream)]

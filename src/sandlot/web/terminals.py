@@ -64,6 +64,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge, RateLimited, SandlotError
+from sandlot.web.app import web_context
 from sandlot.web.auth import WebAuth, current_user, error_response
 from sandlot.web.channels import (
     CLOSE_INTERNAL,
@@ -83,6 +84,7 @@ from sandlot.web.gateway import Gateway
 from sandlot.web.limits import QueueOverflow, SocketGate, SocketLimits
 from sandlot.web.session_tokens import InvalidSessionId, SessionKind, SessionTokens
 from sandlot.web.workspace import Workspace
+from sandlot.web.workspaces import open_workspace
 
 log = logging.getLogger(__name__)
 
@@ -160,24 +162,93 @@ class ShellOutput:
         return None
 
 
-class Terminals:
+@dataclass(frozen=True)
+class Bound:
+    gateway: Gateway
+    auth: WebAuth
+    tokens: SessionTokens
+    workspace_of: WorkspaceOf
+
+
+class Deps:
+    """What the terminal and chat routes use: given to their factory, or else the app's
+    own (:func:`~sandlot.web.app.web_context`: its gateway, its auth, a request's
+    workspace by ``?thread=``/``?sandbox=``, session ids signed with the key its settings
+    name), found at the first request. One set of routes serves one app."""
+
+    def __init__(
+        self,
+        *,
+        gateway: Gateway | None,
+        auth: WebAuth | None,
+        tokens: SessionTokens | None,
+        workspace_of: WorkspaceOf | None,
+    ) -> None:
+        self._given = (gateway, auth, tokens, workspace_of)
+        self._bound: Bound | None = None
+        if gateway and auth and tokens and workspace_of:
+            self._bound = Bound(gateway, auth, tokens, workspace_of)
+
+    def bind(self, conn: HTTPConnection) -> Bound:
+        if self._bound is not None:
+            return self._bound
+        context = web_context(conn)
+        gateway, auth, tokens, workspace_of = self._given
+        if workspace_of is None:
+            workspaces = context.workspaces
+
+            async def workspace_of(c: HTTPConnection) -> Workspace:
+                return await open_workspace(c, workspaces)
+
+        self._bound = Bound(
+            gateway or context.gateway,
+            auth or context.auth,
+            tokens or SessionTokens.from_settings(context.settings),
+            workspace_of,
+        )
+        return self._bound
+
+    @property
+    def bound(self) -> Bound:
+        if self._bound is None:
+            raise RuntimeError("the routes' dependencies are found at the first request")
+        return self._bound
+
+
+class UsesDeps:
+    """Routes whose gateway, auth, session ids and workspaces come from :class:`Deps`."""
+
+    deps: Deps
+
+    @property
+    def gateway(self) -> Gateway:
+        return self.deps.bound.gateway
+
+    @property
+    def auth(self) -> WebAuth:
+        return self.deps.bound.auth
+
+    @property
+    def tokens(self) -> SessionTokens:
+        return self.deps.bound.tokens
+
+    @property
+    def workspace_of(self) -> WorkspaceOf:
+        return self.deps.bound.workspace_of
+
+
+class Terminals(UsesDeps):
     """The terminal routes over one gateway (see the module's docstring)."""
 
     def __init__(
         self,
         *,
-        gateway: Gateway,
-        tokens: SessionTokens,
-        auth: WebAuth,
-        workspace_of: WorkspaceOf,
+        deps: Deps,
         gate: SocketGate,
         providers: Mapping[str, str],
         refresh_seconds: float,
     ) -> None:
-        self.gateway = gateway
-        self.tokens = tokens
-        self.auth = auth
-        self.workspace_of = workspace_of
+        self.deps = deps
         self.gate = gate
         self.providers = dict(providers)
         self.refresh_seconds = refresh_seconds
@@ -185,6 +256,7 @@ class Terminals:
     # --- /ws/pty ------------------------------------------------------------------------
 
     async def pty(self, ws: WebSocket) -> None:
+        self.deps.bind(ws)
         browser = await self.auth.admit_websocket(ws)
         if browser is None:
             return
@@ -213,7 +285,6 @@ class Terminals:
                 raise InvalidRequest("role must be driver or observer")
             workspace = await self.workspace_of(ws)
             target = self._target(q, user, workspace.id, provider)
-            dp = await workspace.dataplane()
             params = {
                 "session": target.name,
                 "role": role,
@@ -223,8 +294,13 @@ class Terminals:
             for size in ("cols", "rows"):
                 if (value := q.get(size)) and value.isdigit():
                     params[size] = value
-            conn = await self.gateway.websocket(
-                f"{dp.ws_base_url}/shell/ws?{urlencode(params)}", token=dp.token, headers=ws.headers
+            upstream, greeting = await DataplaneChannel.open(
+                self.gateway,
+                workspace,
+                f"/shell/ws?{urlencode(params)}",
+                headers=ws.headers,
+                limits=self.gate.limits,
+                refresh_seconds=self.refresh_seconds,
             )
         except InvalidSessionId:
             await channel.abort({"type": "session_not_found"}, CLOSE_SESSION_NOT_FOUND)
@@ -232,11 +308,10 @@ class Terminals:
         except SandlotError as exc:
             await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN if exc.retryable else 1008)
             return
-        upstream = DataplaneChannel(
-            conn, workspace, dp.token, self.gate.limits, refresh_seconds=self.refresh_seconds
-        )
         try:
-            await self._attached(ws, channel, upstream, target, user, workspace, provider, role)
+            await self._attached(
+                ws, channel, upstream, greeting, target, user, workspace, provider, role
+            )
         finally:
             await upstream.close()
 
@@ -277,13 +352,13 @@ class Terminals:
         ws: WebSocket,
         channel: BrowserChannel,
         upstream: DataplaneChannel,
+        greeting: dict[str, Any] | None,
         target: ShellTarget,
         user: str,
         workspace: Workspace,
         provider: str,
         role: str,
     ) -> None:
-        greeting = await upstream.recv()
         if greeting is None or greeting.get("type") != "session":
             await self._not_opened(channel, upstream, target, greeting)
             return
@@ -483,6 +558,7 @@ class Terminals:
     # --- /api/sessions ------------------------------------------------------------------
 
     async def sessions(self, request: Request) -> Response:
+        self.deps.bind(request)
         try:
             if request.method == "POST":
                 return await self._create(request)
@@ -568,16 +644,15 @@ class Terminals:
         if not isinstance(name, str) or not SHELL_NAME.fullmatch(name):
             raise InvalidRequest("shell names are letters, digits, '.', '_' and '-' (64 at most)")
         workspace = await self.workspace_of(request)
-        dp = await workspace.dataplane()
         params = urlencode({"session": name, "role": "driver", "profile": profile})
-        conn = await self.gateway.websocket(
-            f"{dp.ws_base_url}/shell/ws?{params}", token=dp.token, headers=request.headers
+        upstream, greeting = await DataplaneChannel.open(
+            self.gateway,
+            workspace,
+            f"/shell/ws?{params}",
+            headers=request.headers,
+            limits=self.gate.limits,
         )
-        upstream = DataplaneChannel(conn, workspace, dp.token, self.gate.limits)
-        try:
-            greeting = await upstream.recv()
-        finally:
-            await upstream.close()
+        await upstream.close()
         if greeting is None or greeting.get("type") != "session":
             message = str((greeting or {}).get("message") or "the shell could not be started")
             raise SandlotError(message)
@@ -596,17 +671,18 @@ class Terminals:
 
 def terminal_routes(
     *,
-    gateway: Gateway,
-    tokens: SessionTokens,
-    auth: WebAuth,
-    workspace_of: WorkspaceOf,
+    gateway: Gateway | None = None,
+    tokens: SessionTokens | None = None,
+    auth: WebAuth | None = None,
+    workspace_of: WorkspaceOf | None = None,
     limits: SocketLimits | SocketGate | None = None,
     providers: Mapping[str, str] = DEFAULT_PROVIDERS,
     refresh_seconds: float = 60.0,
 ) -> list[BaseRoute]:
     """``/ws/pty`` and ``/api/sessions``, for ``create_web_app(extra_routes=...)``.
 
-    ``workspace_of`` gives the workspace a request or WebSocket works on; ``limits``
+    ``gateway``, ``auth``, ``tokens`` and ``workspace_of`` (which gives the workspace a
+    request or WebSocket works on) default to the app's own (:class:`Deps`); ``limits``
     (a :class:`SocketGate` to share one with :func:`~sandlot.web.chat.chat_routes`, so
     connects are counted across both) bounds connects, input and queues; ``providers``
     maps boring-ui's provider names to the template's shell profiles;
@@ -614,14 +690,9 @@ def terminal_routes(
     The app must be wrapped in :class:`~sandlot.web.auth.BrowserAuthMiddleware`.
     """
     gate = limits if isinstance(limits, SocketGate) else SocketGate(limits)
+    deps = Deps(gateway=gateway, auth=auth, tokens=tokens, workspace_of=workspace_of)
     terminals = Terminals(
-        gateway=gateway,
-        tokens=tokens,
-        auth=auth,
-        workspace_of=workspace_of,
-        gate=gate,
-        providers=providers,
-        refresh_seconds=refresh_seconds,
+        deps=deps, gate=gate, providers=providers, refresh_seconds=refresh_seconds
     )
     return [
         WebSocketRoute("/ws/pty", terminals.pty),
