@@ -68,7 +68,8 @@ from sandlot.web.chat_templates import (
 from sandlot.web.gateway import Gateway
 from sandlot.web.limits import QueueOverflow, SocketGate, SocketLimits
 from sandlot.web.session_tokens import InvalidSessionId, SessionKind, SessionTokens
-from sandlot.web.terminals import Deps, UsesDeps, WorkspaceOf, looks_like_session_id, truthy
+from sandlot.web.terminals import looks_like_session_id, truthy
+from sandlot.web.wiring import Deps, UsesDeps, WorkspaceOf
 from sandlot.web.workspace import Dataplane, Workspace
 
 log = logging.getLogger(__name__)

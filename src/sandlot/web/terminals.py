@@ -53,18 +53,17 @@ import json
 import logging
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
-from starlette.requests import HTTPConnection, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge, RateLimited, SandlotError
-from sandlot.web.app import web_context
 from sandlot.web.auth import WebAuth, current_user, error_response
 from sandlot.web.channels import (
     CLOSE_INTERNAL,
@@ -83,8 +82,8 @@ from sandlot.web.chat_templates import chat_of
 from sandlot.web.gateway import Gateway
 from sandlot.web.limits import QueueOverflow, SocketGate, SocketLimits
 from sandlot.web.session_tokens import InvalidSessionId, SessionKind, SessionTokens
+from sandlot.web.wiring import Deps, UsesDeps, WorkspaceOf
 from sandlot.web.workspace import Workspace
-from sandlot.web.workspaces import open_workspace
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +93,6 @@ DEFAULT_PROVIDERS: Mapping[str, str] = {"shell": "default"}
 #: and reattached by id, not created from here).
 SHELL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 MAX_BODY_BYTES = 16 * 1024
-
-WorkspaceOf = Callable[[HTTPConnection], Awaitable[Workspace]]
 
 
 def error_frame(exc: SandlotError) -> dict[str, Any]:
@@ -160,81 +157,6 @@ class ShellOutput:
             self.delivered = end
             return lost
         return None
-
-
-@dataclass(frozen=True)
-class Bound:
-    gateway: Gateway
-    auth: WebAuth
-    tokens: SessionTokens
-    workspace_of: WorkspaceOf
-
-
-class Deps:
-    """What the terminal and chat routes use: given to their factory, or else the app's
-    own (:func:`~sandlot.web.app.web_context`: its gateway, its auth, a request's
-    workspace by ``?thread=``/``?sandbox=``, session ids signed with the key its settings
-    name), found at the first request. One set of routes serves one app."""
-
-    def __init__(
-        self,
-        *,
-        gateway: Gateway | None,
-        auth: WebAuth | None,
-        tokens: SessionTokens | None,
-        workspace_of: WorkspaceOf | None,
-    ) -> None:
-        self._given = (gateway, auth, tokens, workspace_of)
-        self._bound: Bound | None = None
-        if gateway and auth and tokens and workspace_of:
-            self._bound = Bound(gateway, auth, tokens, workspace_of)
-
-    def bind(self, conn: HTTPConnection) -> Bound:
-        if self._bound is not None:
-            return self._bound
-        context = web_context(conn)
-        gateway, auth, tokens, workspace_of = self._given
-        if workspace_of is None:
-            workspaces = context.workspaces
-
-            async def workspace_of(c: HTTPConnection) -> Workspace:
-                return await open_workspace(c, workspaces)
-
-        self._bound = Bound(
-            gateway or context.gateway,
-            auth or context.auth,
-            tokens or SessionTokens.from_settings(context.settings),
-            workspace_of,
-        )
-        return self._bound
-
-    @property
-    def bound(self) -> Bound:
-        if self._bound is None:
-            raise RuntimeError("the routes' dependencies are found at the first request")
-        return self._bound
-
-
-class UsesDeps:
-    """Routes whose gateway, auth, session ids and workspaces come from :class:`Deps`."""
-
-    deps: Deps
-
-    @property
-    def gateway(self) -> Gateway:
-        return self.deps.bound.gateway
-
-    @property
-    def auth(self) -> WebAuth:
-        return self.deps.bound.auth
-
-    @property
-    def tokens(self) -> SessionTokens:
-        return self.deps.bound.tokens
-
-    @property
-    def workspace_of(self) -> WorkspaceOf:
-        return self.deps.bound.workspace_of
 
 
 class Terminals(UsesDeps):
