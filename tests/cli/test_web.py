@@ -92,6 +92,9 @@ def test_open_prints_a_link_that_signs_in_once(server: SandlotServer, tmp_path: 
         r = browser.get("/api/tree", params={"path": ".", "thread": "thr_open"})
         assert r.status_code == 200, r.text
         assert r.json() == {"entries": [], "path": "."}
+        # The shared terminals and the chat are served too.
+        features = browser.get("/api/capabilities").json()["features"]
+        assert features["pty"] is True and features["chat_claude_code"] is True
     again = httpx.get(link, follow_redirects=False)
     assert again.status_code == 401  # spent by its first use
     bad = subprocess.run(
@@ -151,7 +154,9 @@ def test_web_local_mode_prints_a_link_that_signs_in(tmp_path: Path) -> None:
             ]
             ready = browser.get("/api/readyz").json()
             assert ready["local_dataplane"] == "running" and ready["ready"] is True
-            assert browser.get("/api/capabilities").json()["mode"] == "local"
+            capabilities = browser.get("/api/capabilities").json()
+            assert capabilities["mode"] == "local"
+            assert capabilities["features"]["pty"] is True
         assert httpx.get(link, follow_redirects=False).status_code == 401
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -30,6 +30,7 @@ from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.http.host import DataplaneHost
 from sandlot.web.app import create_web_app
+from sandlot.web.live import live_routes
 from sandlot.web.settings import load_web_settings
 
 if TYPE_CHECKING:
@@ -69,9 +70,11 @@ def build_app(
 
     dataplane = getattr(provider, "app", None)
     served: ASGIApp = MountDispatch(app, {"/dp": dataplane}) if dataplane else app
+    web_settings = load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url)
     web = create_web_app(
-        load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url),
+        web_settings,
         broker_url=settings.base_url,
+        extra_routes=live_routes(web_settings),
         authenticator=broker.keys,
         dataplane_url=f"{(dataplane_url or settings.base_url).rstrip('/')}/dp",
         registry=app.state.metrics.registry,

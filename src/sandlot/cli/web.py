@@ -75,6 +75,7 @@ def web_command(
     from sandlot.broker.logs import configure_logging
     from sandlot.cli.server import bind_socket, make_server, run_until_signalled
     from sandlot.web.app import WebContext, create_web_app
+    from sandlot.web.live import live_routes
     from sandlot.web.settings import WorkspaceMode, load_web_settings, served_root
 
     try:
@@ -111,7 +112,12 @@ def web_command(
         sock = bind_socket(host, port)
         bound = sock.getsockname()[1]
         try:
-            app = create_web_app(settings, broker_url=broker_url, authenticator=keys)
+            app = create_web_app(
+                settings,
+                broker_url=broker_url,
+                authenticator=keys,
+                extra_routes=live_routes(settings),
+            )
         except BaseException:
             sock.close()
             raise
