@@ -130,4 +130,5 @@ def test_a_graph_factory_builds_each_run_on_its_sandbox(
         make_graph(boot)
         assert built[2].id == other.id
     finally:
+        make_graph.close()
         human.close()

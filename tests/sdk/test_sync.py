@@ -55,5 +55,5 @@ def test_sync_background_refresh_runs_on_a_daemon_thread(
             time.sleep(0.2)
         assert sandbox.grant.token != first
         assert sandbox.exec("echo fresh").stdout == "fresh\n"
-    time.sleep(0.2)
-    assert not [t for t in threading.enumerate() if t.name.startswith("sandlot-lease-")]
+    mine = f"sandlot-lease-{sandbox.grant.session_id}"
+    assert not [t for t in threading.enumerate() if t.name == mine]

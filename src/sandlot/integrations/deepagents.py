@@ -606,26 +606,39 @@ def _hosted(url: str | None, api_key: str | None) -> bool:
     return hosted is not None and load_settings(url, api_key) is hosted
 
 
-def graph_factory(
-    build: Callable[[SandlotBackend], Any],
-    *,
-    url: str | None = None,
-    api_key: str | None = None,
-    timeout: float = 60.0,
-    max_threads: int = 256,
-) -> Callable[[Mapping[str, Any]], Any]:
+class GraphFactory:
     """A LangGraph graph factory (``"graphs": {"agent": "./graph.py:make_graph"}``) that
-    builds each run's graph on the sandbox of the run's config, as :meth:`from_run`
-    resolves it (a bootstrap grant first, else the thread's sandbox)::
+    builds each run's graph on the sandbox of the run's config, as
+    :meth:`SandlotBackend.from_run` resolves it (a bootstrap grant first, else the
+    thread's sandbox)::
 
-        make_graph = graph_factory(lambda backend: create_deep_agent(model, backend=backend))
+        make_graph = GraphFactory(lambda backend: create_deep_agent(model, backend=backend))
 
-    The grants of the ``max_threads`` most recent threads are kept fresh and reused.
+    The grants of the ``max_threads`` most recent threads are kept fresh and reused until
+    :meth:`close`.
     """
-    runs = _RunSandboxes(url, api_key, None, timeout, max_threads)
 
-    def make_graph(config: Mapping[str, Any]) -> Any:
-        sandbox = runs.for_config(config)
-        return build(SandlotBackend(sandbox, timeout=timeout))
+    def __init__(
+        self,
+        build: Callable[[SandlotBackend], Any],
+        *,
+        url: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        max_threads: int = 256,
+    ) -> None:
+        self._build = build
+        self._timeout = timeout
+        self._runs = _RunSandboxes(url, api_key, None, timeout, max_threads)
 
-    return make_graph
+    def __call__(self, config: Mapping[str, Any]) -> Any:
+        sandbox = self._runs.for_config(config)
+        return self._build(SandlotBackend(sandbox, timeout=self._timeout))
+
+    def close(self) -> None:
+        """Stop keeping the grants fresh and close their connections."""
+        self._runs.close()
+
+
+#: The name the documentation uses: ``make_graph = graph_factory(build)``.
+graph_factory = GraphFactory
