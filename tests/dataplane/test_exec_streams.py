@@ -432,3 +432,44 @@ def test_ping_close_and_kill_on_disconnect(server: Server, client: httpx.Client)
     assert client.get(server.url(f"/execs/{killed}")).json()["state"] == "killed"
     assert client.get(server.url(f"/execs/{kept}")).json()["state"] == "running"
     client.post(server.url(f"/execs/{kept}/signal"), json={"signal": "KILL"})
+
+
+async def _lone_surrogate(server: Server) -> None:
+    hdr = server.headers()
+    async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=hdr) as ws:
+        await ws.send(json.dumps({"type": "start", "command": "read x; echo got-$x"}))
+        assert (await _recv(ws))["type"] == "ready"
+        # JSON's "\ud800" is text with no UTF-8 form: refused as a frame, the socket kept.
+        await ws.send('{"type": "stdin", "data": "a\\ud800b\\n"}')
+        refused = await _recv(ws)
+        assert refused["type"] == "error" and refused["code"] == "INVALID_REQUEST"
+        await ws.send(json.dumps({"type": "stdin", "data": "fine\n"}))
+        out = ""
+        while True:
+            frame = await _recv(ws)
+            if frame["type"] == "stdout":
+                out += frame["data"]
+            if frame["type"] == "exit":
+                break
+        assert out == "got-fine\n"
+
+
+async def _lone_surrogate_in_a_shell(server: Server) -> None:
+    url = server.ws_url("/shell/ws?session=surrogate")
+    async with websockets.connect(url, additional_headers=server.headers()) as ws:
+        assert (await _recv(ws))["type"] == "session"
+        await ws.send('{"type": "stdin", "data": "echo a\\ud800b\\n"}')
+        while (frame := await _recv(ws))["type"] != "error":
+            pass
+        assert frame["code"] == "INVALID_REQUEST"
+        await ws.send(json.dumps({"type": "stdin", "data": "echo still-$((40+2))\n"}))
+        out = ""
+        while "still-42" not in out:
+            frame = await _recv(ws)
+            if frame["type"] in ("stdout", "history"):
+                out += frame["data"]
+
+
+def test_a_lone_surrogate_in_stdin_is_refused_and_the_socket_lives(server: Server) -> None:
+    asyncio.run(_lone_surrogate(server))
+    asyncio.run(_lone_surrogate_in_a_shell(server))

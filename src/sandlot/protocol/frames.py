@@ -16,12 +16,26 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, TypeAdapter
+from pydantic import AfterValidator, AliasChoices, Field, TypeAdapter
 
 from sandlot.protocol.common import WireModel
 from sandlot.protocol.dataplane import Command
 
 MAX_FRAME_TEXT = 1 << 20
+
+
+def _utf8(text: str) -> str:
+    """Text a process can be sent: JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which have no UTF-8 form."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("not valid UTF-8 text (a lone surrogate)") from None
+    return text
+
+
+#: Input for a process: text with a UTF-8 form.
+InputText = Annotated[str, AfterValidator(_utf8)]
 
 
 class AuthFrame(WireModel):
@@ -43,7 +57,7 @@ class StartFrame(WireModel):
     )
     command_id: str | None = Field(default=None, min_length=1, max_length=200)
     kill_on_disconnect: bool = False
-    stdin: str | None = None
+    stdin: InputText | None = None
 
 
 class AttachFrame(WireModel):
@@ -58,7 +72,7 @@ class AttachFrame(WireModel):
 
 class StdinFrame(WireModel):
     type: Literal["stdin", "input"]
-    data: str = Field(max_length=MAX_FRAME_TEXT)
+    data: InputText = Field(max_length=MAX_FRAME_TEXT)
 
 
 class CloseStdinFrame(WireModel):
