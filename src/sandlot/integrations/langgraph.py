@@ -29,8 +29,8 @@ What a request meets (docs/INTEGRATIONS.md, "LangGraph"):
   while sandlot was down) and of runs that ended (``run`` scopes named ``THREAD/RUN``).
 
 Graphs the server runs need no configuration: :class:`~sandlot.integrations.deepagents.
-SandlotBackend` ``.from_run()`` uses a service key this app makes at start (kept in memory,
-revoked at stop), acting for the run's LangGraph user.
+SandlotBackend` ``.from_run()`` uses a service key each server process makes at start
+(kept in its memory, revoked at its stop), acting for the run's LangGraph user.
 """
 
 from __future__ import annotations
@@ -176,14 +176,19 @@ class SandlotInLangGraph:
                         await reconciler
         finally:
             register_in_process(None)
-            await anyio.to_thread.run_sync(self._revoke_runtime_keys, key_id)
+            await anyio.to_thread.run_sync(self._revoke_runtime_key, key_id)
             for task in list(self.tasks):
                 task.cancel()
             await self.broker.stop()
 
     def _runtime_key(self) -> str:
-        """A fresh service key for the server's graphs, registered in this process only."""
-        self._revoke_runtime_keys(None)
+        """A fresh service key for the server's graphs, registered in this process only.
+
+        Each process of the server makes its own and revokes it at stop (other processes'
+        keys are theirs: several may share one store). One left by a process that died is
+        unusable (its secret was only ever in that process's memory) and is listed by
+        ``sandlot keys list`` under user ``langgraph`` until revoked.
+        """
         secret, info = self.broker.keys.create(
             user_id=RUNTIME_USER,
             principal_type=PrincipalType.SERVICE,
@@ -193,11 +198,8 @@ class SandlotInLangGraph:
         register_in_process(ClientSettings(url=self.settings.base_url, api_key=secret))
         return info.id
 
-    def _revoke_runtime_keys(self, only: str | None) -> None:
-        for info in self.broker.keys.list(RUNTIME_USER):
-            mine = info.revoked_at is None and info.name == RUNTIME_KEY_NAME
-            if mine and (only is None or info.id == only):
-                self.broker.keys.revoke(info.id)
+    def _revoke_runtime_key(self, key_id: str) -> None:
+        self.broker.keys.revoke(key_id)
 
     # --- who calls ---------------------------------------------------------------------
 
