@@ -80,7 +80,7 @@ class Browser:
     frame and body it received (scanned for credentials)."""
 
     base: str
-    auth: WebAuth
+    auth: WebAuth | None
     cookie: str
     csrf: str
     received: list[str] = field(default_factory=list)

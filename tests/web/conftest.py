@@ -4,9 +4,13 @@ import asyncio
 import contextlib
 import logging
 import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -144,3 +148,40 @@ def dataplane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Sandlo
         with client:
             sandbox = client.ensure("thr_gateway")
             yield server, sandbox.grant
+
+
+class ThreadedServer:
+    """An ASGI app under uvicorn on a loopback port, its loop in a thread (lifespan on)."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True
+        )
+
+    def start(self) -> ThreadedServer:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "did not start"
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(20)
+        self.sock.close()
+
+
+def login_with_key(base: str, key: str, bodies: list[str]) -> tuple[httpx.Client, str, str]:
+    """Signs in with an API key through ``/api/auth/login``: (client, CSRF token, cookie)."""
+    client = httpx.Client(base_url=base, timeout=60)
+    r = client.post("/api/auth/login", json={"api_key": key}, headers={"Origin": base})
+    assert r.status_code == 200, r.text
+    bodies.append(r.text)
+    cookie = next(iter(client.cookies.values()))
+    return client, r.json()["csrf_token"], cookie

@@ -12,14 +12,10 @@ conflict (412), CSRF (403), and that no credential reaches any body or log line.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import re
-import socket
 import subprocess
-import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from sandlot.broker.keys import KeyService
 from sandlot.broker.store import Store
@@ -38,6 +33,7 @@ from sandlot.web.settings import WebSettings, WorkspaceMode
 from tests.dataplane.test_security import ESCAPES
 from tests.figures import RecordProperty, report
 from tests.servers import SandlotServer
+from tests.web.conftest import ThreadedServer, login_with_key
 
 THREAD = "thr_contract"
 SECRET = "TOP-SECRET-SENTINEL-WEB"
@@ -59,33 +55,6 @@ TREE_MAX_NODES = 50
 
 
 # --- the two modes --------------------------------------------------------------------
-
-
-class ThreadedServer:
-    """An ASGI app under uvicorn on a loopback port, its loop in a thread (lifespan on)."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        config = uvicorn.Config(app, log_config=None, lifespan="on", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])), daemon=True
-        )
-
-    def start(self) -> ThreadedServer:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "did not start"
-            time.sleep(0.01)
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-        self.sock.close()
 
 
 class Collected(logging.Handler):
@@ -179,15 +148,6 @@ class Browser:
                 return events, after
 
 
-def _login(base: str, key: str, bodies: list[str]) -> tuple[httpx.Client, str, str]:
-    client = httpx.Client(base_url=base, timeout=60)
-    r = client.post("/api/auth/login", json={"api_key": key}, headers={"Origin": base})
-    assert r.status_code == 200, r.text
-    bodies.append(r.text)
-    cookie = next(iter(client.cookies.values()))
-    return client, r.json()["csrf_token"], cookie
-
-
 def _local(tmp: Path, outside: Path) -> Iterator[Browser]:
     root = tmp / "folder"
     root.mkdir()
@@ -215,7 +175,7 @@ def _local(tmp: Path, outside: Path) -> Iterator[Browser]:
     def sign_in(user: str) -> Browser:
         key, _ = keys.create(user_id=user, principal_type=PrincipalType.HUMAN)
         bodies: list[str] = []
-        client, csrf, cookie = _login(server.url, key, bodies)
+        client, csrf, cookie = login_with_key(server.url, key, bodies)
         clients.append(client)
         secrets.append(key)
         cookies.append(cookie)
@@ -264,7 +224,7 @@ def _sandbox(tmp: Path, outside: Path) -> Iterator[Browser]:
     def sign_in(user: str) -> Browser:
         key = server.key(user)
         bodies: list[str] = []
-        client, csrf, cookie = _login(server.url, key, bodies)
+        client, csrf, cookie = login_with_key(server.url, key, bodies)
         clients.append(client)
         secrets.append(key)
         cookies.append(cookie)
