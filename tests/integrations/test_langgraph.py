@@ -231,6 +231,27 @@ def lg_client(server: LangGraphDev, user: str) -> Any:
     return get_sync_client(url=server.url, api_key=None, headers=headers(user))
 
 
+def test_a_pending_runs_sandbox_outlives_reconciling_passes(server: LangGraphDev, lg: Any) -> None:
+    # A run delayed by a minute is pending: its thread is busy, and its sandbox stays
+    # through the reconciling passes (every 10 s) until the run is cancelled.
+    thread_id = lg.threads.create()["thread_id"]
+    run = lg.runs.create(thread_id, "agent", input={"messages": []}, after_seconds=60)
+    scope = {"type": "run", "id": f"{thread_id}/{run['run_id']}"}
+    grant = httpx.post(
+        f"{server.url}/v1/sandbox/sessions",
+        json={"scope": scope, "mode": "ensure"},
+        headers=headers("alice"),
+        timeout=60,
+    )
+    assert grant.status_code == 200, grant.text
+    sandbox_id = grant.json()["sandbox"]["id"]
+    time.sleep(25)
+    assert lg.runs.get(thread_id, run["run_id"])["status"] == "pending"
+    assert sandbox_state(server, "alice", sandbox_id) == "active"
+    lg.runs.cancel(thread_id, run["run_id"])
+    wait_state(server, sandbox_id, {"terminating", "terminated"}, within=30)
+
+
 def test_a_run_scoped_sandbox_ends_with_its_run(server: LangGraphDev, lg: Any) -> None:
     thread_id = lg.threads.create()["thread_id"]
     run = lg.runs.create(thread_id, "agent", input={"messages": []})

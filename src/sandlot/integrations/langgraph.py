@@ -316,24 +316,29 @@ class SandlotInLangGraph:
             await asyncio.sleep(self.reconcile_seconds)
 
     async def reconcile(self) -> None:
-        """End the sandboxes of threads that no longer exist and of runs that ended."""
+        """End the sandboxes of threads that no longer exist and of runs that ended.
+
+        One search per 100 threads answers both: a thread missing ends its sandbox and
+        its runs'; a thread that is not ``busy`` has no pending or running run (LangGraph
+        marks a thread busy when a run is created on it). Only the runs of busy threads
+        are looked up one by one."""
         store = self.broker.store
         threads = await anyio.to_thread.run_sync(live_scopes, store, ScopeType.THREAD)
-        ids = [t for t in threads if _is_uuid(t)]
-        gone: list[str] = []
-        for start in range(0, len(ids), 100):
-            chunk = ids[start : start + 100]
-            found = await _search_threads(chunk)
-            gone += [f"thread:{t}" for t in chunk if t not in found]
-        await self._end(gone, "its LangGraph thread no longer exists")
         runs = await anyio.to_thread.run_sync(live_scopes, store, ScopeType.RUN)
+        run_ids = [(key.partition("/")[0], key.partition("/")[2]) for key in runs]
+        run_ids = [(t, r) for t, r in run_ids if _is_uuid(t) and _is_uuid(r)]
+        ids = sorted({t for t in threads if _is_uuid(t)} | {t for t, _ in run_ids})
+        status: dict[str, str] = {}
+        for start in range(0, len(ids), 100):
+            status.update(await _search_threads(ids[start : start + 100]))
+        gone = [f"thread:{t}" for t in threads if _is_uuid(t) and t not in status]
+        await self._end(gone, "its LangGraph thread no longer exists")
         ended = []
-        for key in runs:
-            thread_id, _, run_id = key.partition("/")
-            if _is_uuid(thread_id) and _is_uuid(run_id):
-                status = await _run_status(thread_id, run_id)
-                if status not in LIVE_RUN_STATES:
-                    ended.append(f"run:{key}")
+        for thread_id, run_id in run_ids:
+            busy = status.get(thread_id) == "busy"
+            if busy and await _run_status(thread_id, run_id) in LIVE_RUN_STATES:
+                continue
+            ended.append(f"run:{thread_id}/{run_id}")
         await self._end(ended, "its LangGraph run ended")
 
 
@@ -524,9 +529,10 @@ async def _thread(thread_id: str) -> dict[str, Any] | None:
     return thread
 
 
-async def _search_threads(ids: list[str]) -> set[str]:
-    found = await _client().threads.search(ids=ids, limit=len(ids), select=["thread_id"])
-    return {str(t["thread_id"]) for t in found}
+async def _search_threads(ids: list[str]) -> dict[str, str]:
+    """The status of each of ``ids`` that exists (``idle``, ``busy``, ``interrupted``…)."""
+    found = await _client().threads.search(ids=ids, limit=len(ids), select=["thread_id", "status"])
+    return {str(t["thread_id"]): str(t.get("status")) for t in found}
 
 
 async def _run_status(thread_id: str, run_id: str) -> str | None:
