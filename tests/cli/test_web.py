@@ -20,6 +20,7 @@ import pytest
 
 from sandlot.cli.server import WebDispatch
 from tests.servers import SandlotServer, running
+from tests.web.leaks import leak_scan, scanned  # noqa: F401  (the web suite's leak scan)
 
 SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
 LINK = re.compile(r"(http://\S+/login\?token=\S+)")

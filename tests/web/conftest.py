@@ -1,3 +1,12 @@
+"""Fixtures of the web suite: real servers on loopback, clocks, sign-in helpers.
+
+Every test here runs under the suite-wide leak scan (``tests/web/leaks.py``, its
+fixtures imported below): whatever a browser receives from the web app, every log line
+of this process and every line a ``sandlot serve`` prints is scanned, at each test's
+end, for API keys, dataplane tokens, signing keys, session cookies and CSRF tokens
+where they must not be; the run's summary says how much was scanned.
+"""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,6 +36,12 @@ from sandlot.sdk import Grant, Sandlot
 from sandlot.web.auth import BrowserAuthMiddleware, WebAuth, current_user, sandlot_error_handler
 from tests.servers import SandlotServer, running
 from tests.web import upstreams
+from tests.web.leaks import TOTALS, leak_scan, scanned  # noqa: F401  (autouse: every test)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if TOTALS.total():
+        terminalreporter.write_line(f"leak scan: {TOTALS} scanned")
 
 
 class Clock:

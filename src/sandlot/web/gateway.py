@@ -109,28 +109,17 @@ from sandlot.web.pinning import (
     connect_socket,
     system_resolver,
 )
+from sandlot.web.redaction import MASK
 from sandlot.web.relay import BrowserSocket, RelayEnd, relay
 
 log = logging.getLogger("sandlot.web")
 
 
-class _NoCredentials(logging.Filter):
-    """Masks credential headers in the ``websockets`` library's debug dump of a handshake
-    (``> Authorization: Bearer …``), so the dataplane token never reaches a log line."""
-
-    HEADERS = frozenset({"authorization", "cookie", "x-api-key", "proxy-authorization"})
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        args = record.args
-        if isinstance(args, tuple) and len(args) == 2 and str(args[0]).lower() in self.HEADERS:
-            record.args = (args[0], "[redacted]")
-        return True
-
-
 #: The upstream WebSockets' logger: a child of the library's own, so its level and
-#: handlers apply, with the credential headers masked.
+#: handlers apply, with the credential headers masked in its debug dump of a handshake
+#: (``> Authorization: Bearer …``), so the dataplane token never reaches a log line.
 _websocket_log = logging.getLogger("websockets.client.sandlot_gateway")
-_websocket_log.addFilter(_NoCredentials())
+_websocket_log.addFilter(MASK)
 
 MiB = 1 << 20
 

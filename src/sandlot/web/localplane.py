@@ -13,7 +13,9 @@ Its tokens are the dataplane's usual EdDSA tokens (PROTOCOL.md section 4), signe
 key made when the web server starts and kept only in memory (:class:`LocalSigner`); the
 dataplane checks them with its usual :class:`~sandlot.dataplane.services.auth.
 TokenVerifier`, against that key alone. They name the signed-in user as a ``human``
-actor, so the folder's event log says who changed what.
+actor, so the folder's event log says who changed what. No log line shows one: uvicorn's
+debug dump of a WebSocket handshake's headers has them masked
+(:mod:`~sandlot.web.redaction`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from sandlot.protocol.sessions import Template
 from sandlot.protocol.tokens import TOKEN_ALGORITHM, TOKEN_AUDIENCE, TOKEN_TYPE
 from sandlot.runtime.direct import DirectRuntime
 from sandlot.web.allowlist import Upstream
+from sandlot.web.redaction import MASK
 from sandlot.web.workspace import Dataplane
 
 log = logging.getLogger("sandlot.web.local")
@@ -218,6 +221,9 @@ class LocalDataplane:
             timeout_graceful_shutdown=2,
         )
         self._sock.listen(1024)
+        # uvicorn's WebSocket server dumps each handshake's headers to ``uvicorn.error``
+        # at DEBUG, the gateway's ``Authorization: Bearer <token>`` among them.
+        logging.getLogger("uvicorn.error").addFilter(MASK)
         self._server = server = _Server(config)
         self._task = asyncio.get_running_loop().create_task(
             server.serve(sockets=[self._sock]), name="sandlot-web-local-dataplane"
