@@ -1,0 +1,213 @@
+"""The limits of the routes that walk the workspace (``/api/tree``, ``/api/search``,
+``/api/v1/grep``), the same in both modes, and the limits read from the settings.
+
+``local``: the web app in this process over a temporary folder, its budgets given in its
+settings; ``sandbox``: a real ``sandlot serve``, its budgets given in the environment
+(``SANDLOT_WEB_…``). A browser signs in with a real API key; the budgets refill so
+slowly (one token in 1000 s) that a refused request stays refused whatever the machine's
+speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sandlot.broker.keys import KeyService
+from sandlot.broker.store import Store
+from sandlot.protocol.common import PrincipalType
+from sandlot.protocol.errors import RateLimited
+from sandlot.sdk import Sandlot
+from sandlot.web.app import create_web_app
+from sandlot.web.limits import RouteGate, RouteLimits, Walk
+from sandlot.web.settings import ConfigError, WebSettings, WorkspaceMode, load_web_settings
+from tests.servers import SandlotServer
+from tests.web.conftest import Clock, ThreadedServer, login_with_key
+
+THREAD = "thr_limits"
+BUDGETS = {
+    "SANDLOT_WEB_TREE_BURST": "3",
+    "SANDLOT_WEB_TREE_PER_SECOND": "0.001",
+    "SANDLOT_WEB_SEARCH_BURST": "2",
+    "SANDLOT_WEB_SEARCH_PER_SECOND": "0.001",
+}
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
+
+
+@dataclass
+class Served:
+    """A web app in one mode: how to sign a user in, and what its server logged."""
+
+    mode: str
+    base: str
+    sign_in: Callable[[str], tuple[httpx.Client, str]]
+    logs: Callable[[], str]
+    #: The workspace each user works on (``?thread=``; ignored in local mode).
+    threads: dict[str, str]
+
+
+def _local(tmp: Path) -> Iterator[Served]:
+    root = tmp / "folder"
+    root.mkdir()
+    (root / "notes.md").write_text("needle\n")
+    store = Store(f"sqlite:///{tmp / 'keys.db'}")
+    store.migrate()
+    keys = KeyService(store)
+    settings = load_web_settings(
+        BUDGETS,
+        mode=WorkspaceMode.LOCAL,
+        root=root,
+        local_users=frozenset({"ada", "bob"}),
+        data_dir=tmp / "data",
+    )
+    lines = Lines()
+    rootlog = logging.getLogger()
+    level = rootlog.level
+    rootlog.addHandler(lines)
+    rootlog.setLevel(logging.INFO)
+    server = ThreadedServer(create_web_app(settings, broker_url=None, authenticator=keys))
+    server.start()
+    clients: list[httpx.Client] = []
+
+    def sign_in(user: str) -> tuple[httpx.Client, str]:
+        key, _ = keys.create(user_id=user, principal_type=PrincipalType.HUMAN)
+        client, csrf, _ = login_with_key(server.url, key, [])
+        clients.append(client)
+        return client, csrf
+
+    try:
+        yield Served("local", server.url, sign_in, lambda: "\n".join(lines.lines), {})
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        rootlog.removeHandler(lines)
+        rootlog.setLevel(level)
+        store.dispose()
+
+
+def _sandbox(tmp: Path) -> Iterator[Served]:
+    server = SandlotServer(tmp / "d", env=BUDGETS).start()
+    clients: list[Any] = []
+    threads = {"ada": THREAD, "bob": f"{THREAD}_bob"}
+
+    def sign_in(user: str) -> tuple[httpx.Client, str]:
+        key = server.key(user)
+        sdk = Sandlot(server.url, key, auto_refresh=False)
+        clients.append(sdk)
+        sdk.ensure(threads[user]).write("/workspace/notes.md", "needle\n")
+        client, csrf, _ = login_with_key(server.url, key, [])
+        clients.append(client)
+        return client, csrf
+
+    try:
+        yield Served("sandbox", server.url, sign_in, lambda: "".join(server.output), threads)
+    finally:
+        for client in clients:
+            client.close()
+        server.stop()
+        server.cleanup()
+
+
+@pytest.fixture(scope="module", params=["local", "sandbox"])
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp(f"limits-{request.param}")
+    make = _local if request.param == "local" else _sandbox
+    yield from make(tmp)
+
+
+def _get(served: Served, client: httpx.Client, user: str, route: str, **params: Any) -> Any:
+    thread = served.threads.get(user)
+    return client.get(route, params={**({"thread": thread} if thread else {}), **params})
+
+
+def _refused(r: httpx.Response) -> dict[str, Any]:
+    assert r.status_code == 429, (r.status_code, r.text)
+    assert r.headers["content-type"] == "application/json"
+    assert int(r.headers["retry-after"]) >= 1
+    error = r.json()["error"]
+    assert error["code"] == "RATE_LIMITED" and error["retryable"] is True
+    assert error["request_id"] == r.headers["x-request-id"]
+    return dict(error)
+
+
+def test_walking_routes_spend_each_users_budget(served: Served) -> None:
+    ada, _ = served.sign_in("ada")
+    for _ in range(3):
+        r = _get(served, ada, "ada", "/api/tree", path=".")
+        assert r.status_code == 200, r.text
+    error = _refused(_get(served, ada, "ada", "/api/tree", path="."))
+    assert "tree" in error["message"]
+    # Refused before anything is asked of the workspace: even a bad path is 429 now.
+    _refused(_get(served, ada, "ada", "/api/tree", path="../.."))
+    # Search and grep share one budget, apart from the tree's.
+    assert _get(served, ada, "ada", "/api/search", q="*.md").status_code == 200
+    assert _get(served, ada, "ada", "/api/v1/grep", q="needle").status_code == 200
+    _refused(_get(served, ada, "ada", "/api/search", q="*.md"))
+    _refused(_get(served, ada, "ada", "/api/v1/grep", q="needle"))
+    # Other routes are not limited.
+    r = _get(served, ada, "ada", "/api/file", path="notes.md")
+    assert r.status_code == 200 and r.json()["content"] == "needle\n"
+    # Another user has a budget of their own.
+    bob, _ = served.sign_in("bob")
+    assert _get(served, bob, "bob", "/api/tree", path=".").status_code == 200
+    assert _get(served, bob, "bob", "/api/search", q="*.md").status_code == 200
+    logs = served.logs()
+    assert "/api/tree refused for ada: over its rate limit" in logs
+    assert "/api/v1/grep refused for ada: over its rate limit" in logs
+    assert "refused for bob" not in logs
+
+
+# --- the budgets themselves -----------------------------------------------------------
+
+
+def test_a_route_budget_refills_and_says_when() -> None:
+    clock = Clock()
+    gate = RouteGate(RouteLimits(tree_burst=2, tree_per_second=0.5), clock=clock)
+    gate.admit(Walk.TREE, "ada")
+    gate.admit(Walk.TREE, "ada")
+    with pytest.raises(RateLimited) as refused:
+        gate.admit(Walk.TREE, "ada")
+    assert refused.value.retry_after == pytest.approx(2.0)
+    clock.advance(1.5)
+    with pytest.raises(RateLimited) as refused:
+        gate.admit(Walk.TREE, "ada")
+    assert refused.value.retry_after == pytest.approx(0.5)
+    clock.advance(0.5)
+    gate.admit(Walk.TREE, "ada")
+    # The search budget is another one.
+    gate.admit(Walk.SEARCH, "ada")
+
+
+def test_route_limits_from_the_environment() -> None:
+    assert load_web_settings({}).route_limits == RouteLimits()
+    settings = load_web_settings(BUDGETS)
+    assert settings.route_limits == RouteLimits(
+        tree_burst=3, tree_per_second=0.001, search_burst=2, search_per_second=0.001
+    )
+    for name, raw, says in [
+        ("SANDLOT_WEB_TREE_BURST", "lots", "is not a number"),
+        ("SANDLOT_WEB_SEARCH_PER_SECOND", "0", "must be positive"),
+        ("SANDLOT_WEB_TREE_PER_SECOND", "-1", "must be positive"),
+        ("SANDLOT_WEB_SEARCH_BURST", "nan", "must be positive"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{name}.*{says}"):
+            load_web_settings({name: raw})
+    # Arguments come before the environment.
+    given = RouteLimits(tree_burst=7)
+    assert load_web_settings(BUDGETS, route_limits=given).route_limits is given
+    assert WebSettings().route_limits == RouteLimits()
