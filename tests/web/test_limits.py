@@ -1,5 +1,6 @@
 """The limits of the routes that walk the workspace (``/api/tree``, ``/api/search``,
-``/api/v1/grep``), the same in both modes, and the limits read from the settings.
+``/api/v1/grep``) and of the terminal sockets, the same in both modes, read from the
+settings.
 
 ``local``: the web app in this process over a temporary folder, its budgets given in its
 settings; ``sandbox``: a real ``sandlot serve``, its budgets given in the environment
@@ -10,6 +11,7 @@ speed.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,9 +27,11 @@ from sandlot.protocol.common import PrincipalType
 from sandlot.protocol.errors import RateLimited
 from sandlot.sdk import Sandlot
 from sandlot.web.app import create_web_app
-from sandlot.web.limits import RouteGate, RouteLimits, Walk
+from sandlot.web.limits import RouteGate, RouteLimits, SocketLimits, Walk
+from sandlot.web.live import live_routes
 from sandlot.web.settings import ConfigError, WebSettings, WorkspaceMode, load_web_settings
 from tests.servers import SandlotServer
+from tests.web.browser import Browser
 from tests.web.conftest import Clock, ThreadedServer, login_with_key
 
 THREAD = "thr_limits"
@@ -36,7 +40,10 @@ BUDGETS = {
     "SANDLOT_WEB_TREE_PER_SECOND": "0.001",
     "SANDLOT_WEB_SEARCH_BURST": "2",
     "SANDLOT_WEB_SEARCH_PER_SECOND": "0.001",
+    "SANDLOT_WEB_WS_USER_CONNECT_BURST": "2",
+    "SANDLOT_WEB_WS_USER_CONNECTS_PER_SECOND": "0.001",
 }
+USERS = ("ada", "bob", "cy")
 
 
 class Lines(logging.Handler):
@@ -54,7 +61,8 @@ class Served:
 
     mode: str
     base: str
-    sign_in: Callable[[str], tuple[httpx.Client, str]]
+    #: (client, CSRF token, session cookie) of a user signed in with an API key.
+    sign_in: Callable[[str], tuple[httpx.Client, str, str]]
     logs: Callable[[], str]
     #: The workspace each user works on (``?thread=``; ignored in local mode).
     threads: dict[str, str]
@@ -71,7 +79,7 @@ def _local(tmp: Path) -> Iterator[Served]:
         BUDGETS,
         mode=WorkspaceMode.LOCAL,
         root=root,
-        local_users=frozenset({"ada", "bob"}),
+        local_users=frozenset(USERS),
         data_dir=tmp / "data",
     )
     lines = Lines()
@@ -79,15 +87,17 @@ def _local(tmp: Path) -> Iterator[Served]:
     level = rootlog.level
     rootlog.addHandler(lines)
     rootlog.setLevel(logging.INFO)
-    server = ThreadedServer(create_web_app(settings, broker_url=None, authenticator=keys))
-    server.start()
+    app = create_web_app(
+        settings, broker_url=None, authenticator=keys, extra_routes=live_routes(settings)
+    )
+    server = ThreadedServer(app).start()
     clients: list[httpx.Client] = []
 
-    def sign_in(user: str) -> tuple[httpx.Client, str]:
+    def sign_in(user: str) -> tuple[httpx.Client, str, str]:
         key, _ = keys.create(user_id=user, principal_type=PrincipalType.HUMAN)
-        client, csrf, _ = login_with_key(server.url, key, [])
+        client, csrf, cookie = login_with_key(server.url, key, [])
         clients.append(client)
-        return client, csrf
+        return client, csrf, cookie
 
     try:
         yield Served("local", server.url, sign_in, lambda: "\n".join(lines.lines), {})
@@ -103,16 +113,16 @@ def _local(tmp: Path) -> Iterator[Served]:
 def _sandbox(tmp: Path) -> Iterator[Served]:
     server = SandlotServer(tmp / "d", env=BUDGETS).start()
     clients: list[Any] = []
-    threads = {"ada": THREAD, "bob": f"{THREAD}_bob"}
+    threads = {user: f"{THREAD}_{user}" for user in USERS}
 
-    def sign_in(user: str) -> tuple[httpx.Client, str]:
+    def sign_in(user: str) -> tuple[httpx.Client, str, str]:
         key = server.key(user)
         sdk = Sandlot(server.url, key, auto_refresh=False)
         clients.append(sdk)
         sdk.ensure(threads[user]).write("/workspace/notes.md", "needle\n")
-        client, csrf, _ = login_with_key(server.url, key, [])
+        client, csrf, cookie = login_with_key(server.url, key, [])
         clients.append(client)
-        return client, csrf
+        return client, csrf, cookie
 
     try:
         yield Served("sandbox", server.url, sign_in, lambda: "".join(server.output), threads)
@@ -146,7 +156,7 @@ def _refused(r: httpx.Response) -> dict[str, Any]:
 
 
 def test_walking_routes_spend_each_users_budget(served: Served) -> None:
-    ada, _ = served.sign_in("ada")
+    ada, _, _ = served.sign_in("ada")
     for _ in range(3):
         r = _get(served, ada, "ada", "/api/tree", path=".")
         assert r.status_code == 200, r.text
@@ -163,13 +173,26 @@ def test_walking_routes_spend_each_users_budget(served: Served) -> None:
     r = _get(served, ada, "ada", "/api/file", path="notes.md")
     assert r.status_code == 200 and r.json()["content"] == "needle\n"
     # Another user has a budget of their own.
-    bob, _ = served.sign_in("bob")
+    bob, _, _ = served.sign_in("bob")
     assert _get(served, bob, "bob", "/api/tree", path=".").status_code == 200
     assert _get(served, bob, "bob", "/api/search", q="*.md").status_code == 200
     logs = served.logs()
     assert "/api/tree refused for ada: over its rate limit" in logs
     assert "/api/v1/grep refused for ada: over its rate limit" in logs
     assert "refused for bob" not in logs
+
+
+async def test_socket_limits_come_from_the_settings(served: Served) -> None:
+    _, csrf, cookie = served.sign_in("cy")
+    browser = Browser(served.base, None, cookie, csrf)
+    thread = served.threads.get("cy")
+    for _ in range(2):
+        async with browser.socket(thread=thread) as sock:
+            assert (await sock.frame())["type"] == "session"
+    async with browser.socket(thread=thread) as sock:
+        code, frames = await sock.closed()
+    assert code == 4429
+    assert frames[0]["error"]["code"] == "RATE_LIMITED"
 
 
 # --- the budgets themselves -----------------------------------------------------------
@@ -211,3 +234,34 @@ def test_route_limits_from_the_environment() -> None:
     given = RouteLimits(tree_burst=7)
     assert load_web_settings(BUDGETS, route_limits=given).route_limits is given
     assert WebSettings().route_limits == RouteLimits()
+
+
+def test_socket_limits_from_the_environment() -> None:
+    assert load_web_settings({}).socket_limits == SocketLimits()
+    env = {
+        "SANDLOT_WEB_WS_USER_CONNECT_BURST": "5",
+        "SANDLOT_WEB_WS_IP_CONNECTS_PER_SECOND": "0.5",
+        "SANDLOT_WEB_WS_MAX_SOCKETS_PER_USER": "3",
+        "SANDLOT_WEB_WS_OUTPUT_QUEUE_BYTES": "65536",
+        "SANDLOT_WEB_WS_CLOSE_TIMEOUT": "1.5",
+    }
+    assert load_web_settings(env).socket_limits == SocketLimits(
+        user_connect_burst=5,
+        ip_connects_per_second=0.5,
+        max_sockets_per_user=3,
+        output_queue_bytes=65536,
+        close_timeout=1.5,
+    )
+    for name, raw, says in [
+        ("SANDLOT_WEB_WS_MAX_SOCKETS_PER_USER", "2.5", "is not a whole number"),
+        ("SANDLOT_WEB_WS_INPUT_QUEUE_FRAMES", "many", "is not a whole number"),
+        ("SANDLOT_WEB_WS_USER_CONNECT_BURST", "x", "is not a number"),
+        ("SANDLOT_WEB_WS_OUTPUT_QUEUE_FRAMES", "0", "must be positive"),
+        ("SANDLOT_WEB_WS_CLOSE_TIMEOUT", "inf", "must be positive"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{name}.*{says}"):
+            load_web_settings({name: raw})
+    # Every field has its variable.
+    for field in dataclasses.fields(SocketLimits):
+        name = f"SANDLOT_WEB_WS_{field.name.upper()}"
+        assert getattr(load_web_settings({name: "7"}).socket_limits, field.name) == 7

@@ -41,6 +41,14 @@ Environment variables:
   ``SANDLOT_WEB_SEARCH_BURST``, ``SANDLOT_WEB_SEARCH_PER_SECOND``: of ``GET /api/search``
   and ``GET /api/v1/grep`` together (default 20, then 2 per second). Beyond, the route
   answers 429 ``RATE_LIMITED`` with ``Retry-After`` (:class:`~sandlot.web.limits.RouteLimits`).
+- ``SANDLOT_WEB_WS_<FIELD>``: each field of :class:`~sandlot.web.limits.SocketLimits`,
+  the limits of the terminal and chat sockets (defaults there, and in docs/WEB.md):
+  ``…_USER_CONNECT_BURST``, ``…_USER_CONNECTS_PER_SECOND``, ``…_IP_CONNECT_BURST``,
+  ``…_IP_CONNECTS_PER_SECOND``, ``…_MAX_SOCKETS_PER_USER``, ``…_INPUT_BURST_BYTES``,
+  ``…_INPUT_BYTES_PER_SECOND``, ``…_MAX_INPUT_FRAME_BYTES``, ``…_MAX_CHAT_FRAME_BYTES``,
+  ``…_OUTPUT_QUEUE_FRAMES``, ``…_OUTPUT_QUEUE_BYTES``, ``…_INPUT_QUEUE_FRAMES``,
+  ``…_INPUT_QUEUE_BYTES``, ``…_MAX_BUCKETS``, ``…_CLOSE_TIMEOUT`` (seconds). Every limit
+  is a positive number (a whole one where its default is).
 - ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
   separated) whose pages may make state-changing requests and open WebSockets.
 - ``SANDLOT_WEB_CHAT_TEMPLATES``: a TOML file of the agent programs ``/ws/claude-stream``
@@ -59,7 +67,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from sandlot.web.limits import RouteLimits
+from sandlot.web.limits import RouteLimits, SocketLimits
 
 #: Bounds of a terminal session id's lifetime (seconds).
 MIN_SESSION_TOKEN_TTL = 15 * 60
@@ -124,6 +132,8 @@ class WebSettings:
     max_search_results: int = 1000
     #: Each user's budgets of ``/api/tree``, ``/api/search`` and ``/api/v1/grep``.
     route_limits: RouteLimits = dataclasses.field(default_factory=RouteLimits)
+    #: The terminal and chat sockets' limits.
+    socket_limits: SocketLimits = dataclasses.field(default_factory=SocketLimits)
     #: Largest JSON body a workspace route reads (a file written through ``PUT``).
     max_body_bytes: int = 16 * 1024 * 1024
     #: The chat's command templates (``None``: the built-in set).
@@ -184,14 +194,15 @@ _INT_VARS = {
 }
 
 
-Limits = TypeVar("Limits", bound=RouteLimits)
+Limits = TypeVar("Limits", RouteLimits, SocketLimits)
 
 
-def _limits_from_env(cls: type[Limits], env: Mapping[str, str]) -> Limits:
-    """``cls`` with each field ``name`` read from ``SANDLOT_WEB_<NAME>`` when set."""
-    values: dict[str, float] = {}
+def _limits_from_env(cls: type[Limits], env: Mapping[str, str], prefix: str) -> Limits:
+    """``cls`` with each field ``name`` read from ``<prefix><NAME>`` when set (the
+    defaults are the class's own)."""
+    values: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
-        name = f"SANDLOT_WEB_{field.name.upper()}"
+        name = f"{prefix}{field.name.upper()}"
         if not (raw := env.get(name)):
             continue
         whole = field.type in ("int", int)
@@ -240,7 +251,8 @@ def load_web_settings(
             values["tree_seconds"] = float(seconds)
         except ValueError:
             raise ConfigError(f"SANDLOT_WEB_TREE_SECONDS: {seconds!r} is not a number") from None
-    values["route_limits"] = _limits_from_env(RouteLimits, env)
+    values["route_limits"] = _limits_from_env(RouteLimits, env, "SANDLOT_WEB_")
+    values["socket_limits"] = _limits_from_env(SocketLimits, env, "SANDLOT_WEB_WS_")
     if secure := env.get("SANDLOT_WEB_COOKIE_SECURE"):
         choice = secure.strip().lower()
         if choice not in ("auto", "true", "false", "1", "0"):
