@@ -8,6 +8,10 @@ never holds up the dataplane side; if the queue overflows, :meth:`send` raises
 :meth:`BrowserChannel.abort`: what is queued is dropped (the browser reattaches and the
 dataplane replays it), an ``error`` frame is sent, then the close.
 
+:func:`serve_browser_socket` is how ``/ws/pty`` and ``/ws/claude-stream`` take a socket:
+the handshake checked, the socket accepted and held against the
+:class:`~sandlot.web.limits.SocketGate`'s limits while the route serves it, then closed.
+
 A :class:`DataplaneChannel` is the other side: the dataplane WebSocket the gateway
 opened for it, with its own bounded queue of frames and a token kept fresh.
 """
@@ -16,17 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from sandlot.protocol.errors import RateLimited, SandlotError
+from sandlot.web.auth import WebAuth
 from sandlot.web.gateway import Gateway
-from sandlot.web.limits import FrameQueue, SocketLimits
+from sandlot.web.limits import FrameQueue, SocketGate, SocketLimits
 from sandlot.web.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -112,6 +119,50 @@ class BrowserChannel:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.limits.close_timeout):
                     await self.ws.close(code, reason[:120])
+
+
+class SocketKind(enum.StrEnum):
+    """The browser's live sockets."""
+
+    PTY = "pty"
+    CHAT = "chat"
+
+
+_NAMES = {SocketKind.PTY: "terminal", SocketKind.CHAT: "chat"}
+
+#: Serves an admitted socket: the WebSocket, its channel, the signed-in user.
+Serve = Callable[[WebSocket, BrowserChannel, str], Awaitable[None]]
+
+
+async def serve_browser_socket(
+    ws: WebSocket,
+    kind: SocketKind,
+    *,
+    auth: WebAuth,
+    gate: SocketGate,
+    error_frame: Callable[[SandlotError], dict[str, Any]],
+    serve: Serve,
+) -> None:
+    """Admit a terminal or chat socket and serve it.
+
+    The handshake is checked (origin, sign-in: refused before it is accepted), then the
+    socket is accepted and held against ``gate`` while ``serve`` runs; a limit refusing
+    it sends ``error_frame`` of the :class:`~sandlot.protocol.errors.RateLimited` and
+    closes with 4429. The socket is closed when ``serve`` returns, whatever happened.
+    """
+    browser = await auth.admit_websocket(ws)
+    if browser is None:
+        return
+    await ws.accept()
+    channel = BrowserChannel(ws, gate.limits)
+    try:
+        with gate.admit(browser.user_id, client_address(ws)):
+            await serve(ws, channel, browser.user_id)
+    except RateLimited as exc:
+        log.info("%s of %s refused: %s", _NAMES[kind], browser.user_id, exc.message)
+        await channel.abort(error_frame(exc), CLOSE_RATE_LIMITED)
+    finally:
+        await channel.close()
 
 
 def client_address(ws: WebSocket) -> str | None:

@@ -48,15 +48,15 @@ from sandlot.web.channels import (
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
     CLOSE_POLICY,
-    CLOSE_RATE_LIMITED,
     CLOSE_SESSION_NOT_FOUND,
     CLOSE_TRY_AGAIN,
     CLOSE_UNKNOWN_PROVIDER,
     BrowserChannel,
     DataplaneChannel,
     Disconnected,
+    SocketKind,
     cancel_all,
-    client_address,
+    serve_browser_socket,
 )
 from sandlot.web.chat_templates import (
     DEFAULT_TEMPLATES,
@@ -142,19 +142,14 @@ class Chat(UsesDeps):
 
     async def stream(self, ws: WebSocket) -> None:
         self.deps.bind(ws)
-        browser = await self.auth.admit_websocket(ws)
-        if browser is None:
-            return
-        await ws.accept()
-        channel = BrowserChannel(ws, self.gate.limits)
-        try:
-            with self.gate.admit(browser.user_id, client_address(ws)):
-                await self._stream(ws, channel, browser.user_id)
-        except RateLimited as exc:
-            log.info("chat of %s refused: %s", browser.user_id, exc.message)
-            await channel.abort(system_error(exc), CLOSE_RATE_LIMITED)
-        finally:
-            await channel.close()
+        await serve_browser_socket(
+            ws,
+            SocketKind.CHAT,
+            auth=self.auth,
+            gate=self.gate,
+            error_frame=system_error,
+            serve=self._stream,
+        )
 
     async def _stream(self, ws: WebSocket, channel: BrowserChannel, user: str) -> None:
         q = ws.query_params

@@ -68,15 +68,16 @@ from sandlot.web.auth import WebAuth, current_user, error_response
 from sandlot.web.channels import (
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
-    CLOSE_RATE_LIMITED,
+    CLOSE_POLICY,
     CLOSE_SESSION_NOT_FOUND,
     CLOSE_TRY_AGAIN,
     CLOSE_UNKNOWN_PROVIDER,
     BrowserChannel,
     DataplaneChannel,
     Disconnected,
+    SocketKind,
     cancel_all,
-    client_address,
+    serve_browser_socket,
 )
 from sandlot.web.chat_templates import chat_of
 from sandlot.web.gateway import Gateway
@@ -179,19 +180,14 @@ class Terminals(UsesDeps):
 
     async def pty(self, ws: WebSocket) -> None:
         self.deps.bind(ws)
-        browser = await self.auth.admit_websocket(ws)
-        if browser is None:
-            return
-        await ws.accept()
-        channel = BrowserChannel(ws, self.gate.limits)
-        try:
-            with self.gate.admit(browser.user_id, client_address(ws)):
-                await self._pty(ws, channel, browser.user_id)
-        except RateLimited as exc:
-            log.info("terminal of %s refused: %s", browser.user_id, exc.message)
-            await channel.abort(error_frame(exc), CLOSE_RATE_LIMITED)
-        finally:
-            await channel.close()
+        await serve_browser_socket(
+            ws,
+            SocketKind.PTY,
+            auth=self.auth,
+            gate=self.gate,
+            error_frame=error_frame,
+            serve=self._pty,
+        )
 
     async def _pty(self, ws: WebSocket, channel: BrowserChannel, user: str) -> None:
         q = ws.query_params
@@ -228,7 +224,9 @@ class Terminals(UsesDeps):
             await channel.abort({"type": "session_not_found"}, CLOSE_SESSION_NOT_FOUND)
             return
         except SandlotError as exc:
-            await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN if exc.retryable else 1008)
+            await channel.abort(
+                error_frame(exc), CLOSE_TRY_AGAIN if exc.retryable else CLOSE_POLICY
+            )
             return
         try:
             await self._attached(
