@@ -1,6 +1,6 @@
 """The limits of the routes that walk the workspace (``/api/tree``, ``/api/search``,
-``/api/v1/grep``) and of the terminal sockets, the same in both modes, read from the
-settings.
+``/api/v1/grep``) and of the terminal sockets, read from the settings, and the web
+server's own metrics at ``/api/metrics``: the same in both modes.
 
 ``local``: the web app in this process over a temporary folder, its budgets given in its
 settings; ``sandbox``: a real ``sandlot serve``, its budgets given in the environment
@@ -11,6 +11,8 @@ speed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Callable, Iterator
@@ -20,6 +22,8 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from sandlot.broker.keys import KeyService
 from sandlot.broker.store import Store
@@ -43,7 +47,7 @@ BUDGETS = {
     "SANDLOT_WEB_WS_USER_CONNECT_BURST": "2",
     "SANDLOT_WEB_WS_USER_CONNECTS_PER_SECOND": "0.001",
 }
-USERS = ("ada", "bob", "cy")
+USERS = ("ada", "bob", "cy", "dee")
 
 
 class Lines(logging.Handler):
@@ -177,22 +181,115 @@ def test_walking_routes_spend_each_users_budget(served: Served) -> None:
     assert _get(served, bob, "bob", "/api/tree", path=".").status_code == 200
     assert _get(served, bob, "bob", "/api/search", q="*.md").status_code == 200
     logs = served.logs()
+    metrics = scrape(ada)
+    for route, refused in (("/api/tree", 2), ("/api/search", 1), ("/api/v1/grep", 1)):
+        assert metrics[("sandlot_web_route_limited_total", (("route", route),))] == refused
+    assert metrics[("sandlot_web_ready", ())] == 1
     assert "/api/tree refused for ada: over its rate limit" in logs
     assert "/api/v1/grep refused for ada: over its rate limit" in logs
     assert "refused for bob" not in logs
 
 
 async def test_socket_limits_come_from_the_settings(served: Served) -> None:
-    _, csrf, cookie = served.sign_in("cy")
+    client, csrf, cookie = served.sign_in("cy")
     browser = Browser(served.base, None, cookie, csrf)
     thread = served.threads.get("cy")
     for _ in range(2):
         async with browser.socket(thread=thread) as sock:
             assert (await sock.frame())["type"] == "session"
+            open_now = scrape(client)[("sandlot_web_sockets_open", (("channel", "pty"),))]
+            assert open_now >= 1
     async with browser.socket(thread=thread) as sock:
         code, frames = await sock.closed()
     assert code == 4429
     assert frames[0]["error"]["code"] == "RATE_LIMITED"
+    # Counted once the server has closed its side (it may finish after the browser).
+    await eventually(
+        client,
+        {
+            ("sandlot_web_socket_disconnects_total", (("channel", "pty"), ("side", "browser"))): 2,
+            ("sandlot_web_socket_disconnects_total", (("channel", "pty"), ("side", "limit"))): 1,
+            (
+                "sandlot_web_attach_failures_total",
+                (("channel", "pty"), ("reason", "rate_limited")),
+            ): 1,
+            ("sandlot_web_sockets_open", (("channel", "pty"),)): 0,
+        },
+    )
+
+
+async def test_chat_sockets_are_counted_apart(served: Served) -> None:
+    client, csrf, cookie = served.sign_in("dee")
+    browser = Browser(served.base, None, cookie, csrf)
+    async with browser.socket(
+        "/ws/claude-stream", thread=served.threads.get("dee"), provider="nope"
+    ) as sock:
+        code, _ = await sock.closed()
+    assert code == 4003
+    await eventually(
+        client,
+        {
+            (
+                "sandlot_web_attach_failures_total",
+                (("channel", "chat"), ("reason", "unknown_provider")),
+            ): 1,
+            ("sandlot_web_socket_disconnects_total", (("channel", "chat"), ("side", "server"))): 1,
+            ("sandlot_web_sockets_open", (("channel", "chat"),)): 0,
+        },
+    )
+
+
+def test_readiness_is_exported_as_readyz_answers(tmp_path: Path) -> None:
+    root = tmp_path / "folder"
+    root.mkdir()
+    settings = WebSettings(
+        mode=WorkspaceMode.LOCAL, root=root, local_users=frozenset({"ada"}), data_dir=tmp_path
+    )
+    registry = CollectorRegistry()
+    app = create_web_app(settings, broker_url=None, authenticator=None, registry=registry)
+    # The local dataplane starts with the app's lifespan: not ready before.
+    assert registry.get_sample_value("sandlot_web_ready") == 0
+    server = ThreadedServer(app).start()
+    try:
+        ready = httpx.get(f"{server.url}/api/readyz")
+        assert ready.status_code == 200 and ready.json()["ready"] is True
+        metrics = parse(httpx.get(f"{server.url}/api/metrics").text)
+        assert metrics[("sandlot_web_ready", ())] == 1
+    finally:
+        server.stop()
+    assert registry.get_sample_value("sandlot_web_ready") == 0
+
+
+# --- metrics as a scraper reads them --------------------------------------------------
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse(text: str) -> Samples:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def scrape(client: httpx.Client) -> Samples:
+    r = client.get("/api/metrics")
+    assert r.status_code == 200, r.text
+    return parse(r.text)
+
+
+async def eventually(client: httpx.Client, expected: Samples) -> None:
+    """Scrape until every sample in ``expected`` has its value (or fail after 30 s)."""
+    seen: Samples = {}
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(30):
+            while True:
+                seen = await asyncio.to_thread(scrape, client)
+                if all(seen.get(key, 0) == value for key, value in expected.items()):
+                    return
+                await asyncio.sleep(0.05)
+    assert {key: seen.get(key, 0) for key in expected} == expected
 
 
 # --- the budgets themselves -----------------------------------------------------------

@@ -54,6 +54,7 @@ from sandlot.web.channels import (
     BrowserChannel,
     DataplaneChannel,
     Disconnected,
+    Side,
     SocketKind,
     cancel_all,
     serve_browser_socket,
@@ -147,6 +148,7 @@ class Chat(UsesDeps):
             SocketKind.CHAT,
             auth=self.auth,
             gate=self.gate,
+            metrics=self.metrics,
             error_frame=system_error,
             serve=self._stream,
         )
@@ -186,6 +188,7 @@ class Chat(UsesDeps):
                 system_error(exc), CLOSE_TRY_AGAIN if exc.retryable else CLOSE_POLICY
             )
             return
+        channel.attached = True
         try:
             channel.send(
                 system(
@@ -404,7 +407,7 @@ class Chat(UsesDeps):
                 "chat closed: its %s queue overflowed", "output" if first == "upstream" else "input"
             )
             exc = RateLimited("the chat fell too far behind: reconnect to resume")
-            await channel.abort(system_error(exc), CLOSE_TRY_AGAIN)
+            await channel.abort(system_error(exc), CLOSE_TRY_AGAIN, side=Side.LIMIT)
         elif isinstance(error, Disconnected) or first == "to_browser":
             pass  # the browser left: the agent keeps running for a reattach
         elif error is not None:

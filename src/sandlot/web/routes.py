@@ -46,6 +46,7 @@ from sandlot.web.files import WorkspaceFiles
 from sandlot.web.gateway import Gateway, request_id_of
 from sandlot.web.git import WorkspaceGit
 from sandlot.web.limits import RouteGate, Walk
+from sandlot.web.metrics import WebMetrics
 from sandlot.web.settings import WebSettings
 from sandlot.web.workspaces import Workspaces, open_workspace
 
@@ -162,7 +163,8 @@ class WorkspaceRoutes:
 
     ``features`` are the optional parts (``pty``, ``chat_claude_code``) and whether they
     are served, for ``/api/capabilities``; ``walks`` admits the routes that walk the
-    workspace (a gate of the settings' ``route_limits`` if none).
+    workspace (a gate of the settings' ``route_limits`` if none); ``metrics`` counts what
+    it refuses (the gateway's registry's if none).
     """
 
     def __init__(
@@ -173,12 +175,14 @@ class WorkspaceRoutes:
         features: dict[str, bool] | None = None,
         *,
         walks: RouteGate | None = None,
+        metrics: WebMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.gateway = gateway
         self.workspaces = workspaces
         self.features = features or {}
         self.walks = walks or RouteGate(settings.route_limits)
+        self.metrics = metrics or WebMetrics.of(gateway.registry)
 
     def routes(self) -> list[BaseRoute]:
         h = self._handler
@@ -230,6 +234,7 @@ class WorkspaceRoutes:
             self.walks.admit(walk, user)
         except RateLimited:
             log.info("%s refused for %s: over its rate limit", request.url.path, user)
+            self.metrics.route_limited.labels(request.url.path).inc()
             raise
 
     def _files(self, calls: DataplaneCalls) -> WorkspaceFiles:

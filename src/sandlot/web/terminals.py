@@ -75,6 +75,7 @@ from sandlot.web.channels import (
     BrowserChannel,
     DataplaneChannel,
     Disconnected,
+    Side,
     SocketKind,
     cancel_all,
     serve_browser_socket,
@@ -185,6 +186,7 @@ class Terminals(UsesDeps):
             SocketKind.PTY,
             auth=self.auth,
             gate=self.gate,
+            metrics=self.metrics,
             error_frame=error_frame,
             serve=self._pty,
         )
@@ -298,6 +300,7 @@ class Terminals(UsesDeps):
             user=user,
             workspace=workspace.id,
         )
+        channel.attached = True
         log.info("terminal of %s attached to shell %s (%s) as %s", user, name, shell_id, role)
         output = self._greet(channel, upstream, token, name, role, history, ws.query_params)
         await self._relay(channel, upstream, output, token, (workspace.id, shell_id))
@@ -430,7 +433,7 @@ class Terminals(UsesDeps):
                 "output" if first == "upstream" else "input",
             )
             exc = RateLimited("the terminal fell too far behind: reconnect to resume")
-            await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN)
+            await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN, side=Side.LIMIT)
         elif isinstance(error, Disconnected) or first == "to_browser":
             return  # the browser left: the shell keeps running
         elif error is not None:
