@@ -29,6 +29,7 @@ from sandlot.broker.store import Store
 from sandlot.protocol.common import PrincipalType
 from sandlot.sdk import Sandlot
 from sandlot.web.app import create_web_app
+from sandlot.web.limits import RouteLimits
 from sandlot.web.settings import WebSettings, WorkspaceMode
 from tests.dataplane.test_security import ESCAPES
 from tests.figures import RecordProperty, report
@@ -52,6 +53,9 @@ CORPUS = [p for p in ESCAPES if p != "hardlink"] + [
 JWT = re.compile(r"eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{4,}\.")
 ENVELOPE = {"code", "message", "retryable", "request_id", "domain", "metadata"}
 TREE_MAX_NODES = 50
+#: Budgets of the walking routes no test here exhausts: the corpus alone walks hundreds
+#: of times (their limits are tests/web/test_limits.py's).
+WALKS = {f"SANDLOT_WEB_{name}": "100000" for name in ("TREE_BURST", "SEARCH_BURST")}
 
 
 # --- the two modes --------------------------------------------------------------------
@@ -160,6 +164,7 @@ def _local(tmp: Path, outside: Path) -> Iterator[Browser]:
         local_users=frozenset({"ada"}),
         data_dir=tmp / "data",
         tree_max_nodes=TREE_MAX_NODES,
+        route_limits=RouteLimits(tree_burst=100_000, search_burst=100_000),
     )
     collected = Collected()
     rootlog = logging.getLogger()
@@ -210,7 +215,7 @@ def _local(tmp: Path, outside: Path) -> Iterator[Browser]:
 
 def _sandbox(tmp: Path, outside: Path) -> Iterator[Browser]:
     server = SandlotServer(
-        tmp / "d", env={"SANDLOT_WEB_TREE_MAX_NODES": str(TREE_MAX_NODES)}
+        tmp / "d", env={"SANDLOT_WEB_TREE_MAX_NODES": str(TREE_MAX_NODES), **WALKS}
     ).start()
     secrets: list[str] = []
     cookies: list[str] = []

@@ -25,6 +25,7 @@ from websockets.exceptions import InvalidStatus
 from sandlot.sdk import Grant, Sandlot
 from sandlot.web.app import create_web_app
 from sandlot.web.chat import chat_routes
+from sandlot.web.gateway import Gateway
 from sandlot.web.limits import FrameQueue, QueueOverflow, SocketGate, SocketLimits
 from sandlot.web.session_tokens import SessionTokens
 from sandlot.web.settings import WebSettings
@@ -82,9 +83,10 @@ async def app(
     refresh_seconds: float = 60.0,
     others: tuple[Grant, ...] = (),
     workspace: GrantWorkspace | None = None,
+    gateway: Gateway | None = None,
 ) -> AsyncIterator[tuple[Browser, SessionTokens]]:
     workspace = workspace or GrantWorkspace(THREAD, grant, others)
-    async with dataplane_gateway(server) as gateway:
+    async with gateway or dataplane_gateway(server) as gateway:
         routes = web_app(
             lambda auth, tokens: terminal_routes(
                 gateway=gateway,
@@ -448,7 +450,11 @@ async def test_a_browser_that_stops_reading_is_closed_with_an_error(
     server: SandlotServer, grant: Grant
 ) -> None:
     gate = SocketGate(SocketLimits(output_queue_frames=4))
-    async with app(server, grant, limits=gate) as (browser, _), browser.socket() as sock:
+    gateway = dataplane_gateway(server)
+    async with (
+        app(server, grant, limits=gate, gateway=gateway) as (browser, _),
+        browser.socket() as sock,
+    ):
         await opened(sock)
         await sock.type("head -c 60000000 /dev/zero | tr '\\0' y; echo\r")
         # Not reading: the browser's buffers fill, then the server's queue.
@@ -459,6 +465,55 @@ async def test_a_browser_that_stops_reading_is_closed_with_an_error(
     assert code == 1013
     assert frames[-1]["type"] == "error" and frames[-1]["error"]["code"] == "RATE_LIMITED"
     assert "reconnect" in frames[-1]["data"]
+    ended = {"channel": "pty", "side": "limit"}
+    async with asyncio.timeout(30):  # counted as the server closes its side
+        while not gateway.registry.get_sample_value("sandlot_web_socket_disconnects_total", ended):
+            await asyncio.sleep(0.02)
+
+
+async def test_sockets_are_counted_by_who_ended_them_and_why(
+    server: SandlotServer, grant: Grant
+) -> None:
+    gateway = dataplane_gateway(server)
+
+    def count(name: str, **labels: str) -> float:
+        return gateway.registry.get_sample_value(name, {"channel": "pty", **labels}) or 0.0
+
+    async def until(name: str, value: float, **labels: str) -> None:
+        async with asyncio.timeout(30):  # the server may close its side after the browser
+            while count(name, **labels) != value:
+                await asyncio.sleep(0.02)
+
+    async with app(server, grant, gateway=gateway) as (browser, _):
+        async with browser.socket() as sock:
+            await opened(sock)
+            assert count("sandlot_web_sockets_open") == 1
+        await until("sandlot_web_socket_disconnects_total", 1, side="browser")
+        async with browser.socket() as sock:
+            await opened(sock)
+            await sock.type("exit 3\r")
+            code, frames = await sock.closed()
+        assert code == 1000 and frames[-1]["type"] == "exit"
+        await until("sandlot_web_socket_disconnects_total", 1, side="upstream")
+        async with browser.socket(session_id="not-a-session", resume=1) as sock:
+            assert (await sock.closed())[0] == 4404
+        async with browser.socket(provider="nope") as sock:
+            assert (await sock.closed())[0] == 4003
+        async with browser.socket(role="king") as sock:
+            assert (await sock.closed())[0] == 1008
+        await until("sandlot_web_socket_disconnects_total", 3, side="server")
+        assert count("sandlot_web_sockets_open") == 0
+    reasons = ("session_not_found", "unknown_provider", "refused", "rate_limited", "upstream")
+    failures = {r: count("sandlot_web_attach_failures_total", reason=r) for r in reasons}
+    assert failures == {
+        "session_not_found": 1,
+        "unknown_provider": 1,
+        "refused": 1,
+        "rate_limited": 0,
+        "upstream": 0,
+    }
+    # Attached sockets are no attach failures, however they ended.
+    assert count("sandlot_web_socket_disconnects_total", side="limit") == 0
 
 
 def test_a_full_queue_drops_repeated_resizes_before_overflowing() -> None:

@@ -15,7 +15,8 @@ against a broker). It only wires:
   request's workspace with :func:`~sandlot.web.workspaces.open_workspace`;
 - ``GET /`` (a placeholder page until a frontend is served), ``/api/healthz``,
   ``/api/readyz`` (each upstream's breaker and the local dataplane's state) and
-  ``/api/metrics`` (the gateway's figures).
+  ``/api/metrics`` (the gateway's figures and the server's own,
+  :mod:`sandlot.web.metrics`, ``sandlot_web_ready`` among them: ``/api/readyz``'s verdict).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from sandlot.web.auth import (
 )
 from sandlot.web.gateway import Gateway, GatewaySettings, request_id_of
 from sandlot.web.localplane import LocalDataplane
+from sandlot.web.metrics import WebMetrics
 from sandlot.web.routes import WorkspaceRoutes, error_json, json_answer
 from sandlot.web.settings import ConfigError, WebSettings, WorkspaceMode, served_root
 from sandlot.web.workspaces import LocalWorkspaces, SandboxWorkspaces, Workspaces
@@ -117,7 +119,8 @@ def create_web_app(
     ``broker_url``: the broker the ``sandbox`` mode negotiates with (``None`` in ``local``
     mode); ``dataplane_url``: where its grants point, when not ``{broker_url}/dp``;
     ``authenticator`` checks API keys at sign-in (``None``: only one-time links sign in);
-    ``registry`` receives the gateway's metrics (the broker's, when mounted beside it).
+    ``registry`` receives the gateway's metrics and the server's own (the broker's
+    registry, when mounted beside it).
     """
     if workspaces is None:
         workspaces = build_workspaces(settings, broker_url=broker_url, dataplane_url=dataplane_url)
@@ -128,7 +131,8 @@ def create_web_app(
         "pty": _served(extra_routes, "/ws/pty"),
         "chat_claude_code": _served(extra_routes, "/ws/claude-stream"),
     }
-    workspace_routes = WorkspaceRoutes(settings, gateway, workspaces, features)
+    web_metrics = WebMetrics.of(gateway.registry)
+    workspace_routes = WorkspaceRoutes(settings, gateway, workspaces, features, metrics=web_metrics)
 
     async def page(request: Request) -> Response:
         return Response(PLACEHOLDER, media_type="text/html", headers=_PAGE_HEADERS)
@@ -136,12 +140,17 @@ def create_web_app(
     async def healthz(request: Request) -> Response:
         return json_answer({"status": "ok", "version": __version__}, request_id_of(request.headers))
 
-    async def readyz(request: Request) -> Response:
+    def readiness() -> dict[str, Any]:
         state = workspaces.readiness()
         breakers = gateway.states()
         ready = bool(state.get("ready")) and all(s != "open" for s in breakers.values())
-        body: dict[str, Any] = {"ready": ready, **state, "gateway": breakers}
-        return json_answer(body, request_id_of(request.headers), 200 if ready else 503)
+        return {**state, "ready": ready, "gateway": breakers}
+
+    web_metrics.watch_readiness(lambda: bool(readiness()["ready"]))
+
+    async def readyz(request: Request) -> Response:
+        body = readiness()
+        return json_answer(body, request_id_of(request.headers), 200 if body["ready"] else 503)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(gateway.registry), media_type=CONTENT_TYPE_LATEST)

@@ -8,6 +8,12 @@ never holds up the dataplane side; if the queue overflows, :meth:`send` raises
 :meth:`BrowserChannel.abort`: what is queued is dropped (the browser reattaches and the
 dataplane replays it), an ``error`` frame is sent, then the close.
 
+:func:`serve_browser_socket` is how ``/ws/pty`` and ``/ws/claude-stream`` take a socket:
+the handshake checked, the socket accepted and held against the
+:class:`~sandlot.web.limits.SocketGate`'s limits while the route serves it, then closed;
+it counts every socket in :class:`~sandlot.web.metrics.WebMetrics` (open, who ended it,
+why one that was never attached failed: the close code says).
+
 A :class:`DataplaneChannel` is the other side: the dataplane WebSocket the gateway
 opened for it, with its own bounded queue of frames and a token kept fresh.
 """
@@ -16,17 +22,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketState
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
+from sandlot.protocol.errors import RateLimited, SandlotError
+from sandlot.web.auth import WebAuth
 from sandlot.web.gateway import Gateway
-from sandlot.web.limits import FrameQueue, SocketLimits
+from sandlot.web.limits import FrameQueue, SocketGate, SocketLimits
+from sandlot.web.metrics import WebMetrics
 from sandlot.web.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -44,18 +54,52 @@ CLOSE_RATE_LIMITED = 4429
 CLOSE_UNAUTHENTICATED = 4401
 
 
+#: Why a socket closed before it was attached failed, by its close code.
+ATTACH_FAILURES = {
+    CLOSE_RATE_LIMITED: "rate_limited",
+    CLOSE_UNKNOWN_PROVIDER: "unknown_provider",
+    CLOSE_SESSION_NOT_FOUND: "session_not_found",
+    CLOSE_TRY_AGAIN: "upstream",
+    CLOSE_POLICY: "refused",
+    CLOSE_INTERNAL: "internal",
+}
+
+
 class Disconnected(Exception):
     """The browser went away."""
 
 
+class Side(enum.StrEnum):
+    """Who ended a browser's socket."""
+
+    BROWSER = "browser"
+    #: The shell or agent exited, or the dataplane went.
+    UPSTREAM = "upstream"
+    SERVER = "server"
+    #: A limit: a connect refused, a queue that overflowed.
+    LIMIT = "limit"
+
+
 class BrowserChannel:
-    """An accepted browser WebSocket; frames to it leave through a bounded queue."""
+    """An accepted browser WebSocket; frames to it leave through a bounded queue.
+
+    The route sets :attr:`attached` once the socket is attached to its shell or agent.
+    """
 
     def __init__(self, ws: WebSocket, limits: SocketLimits) -> None:
         self.ws = ws
         self.limits = limits
         self.queue = FrameQueue(limits.output_queue_frames, limits.output_queue_bytes)
+        self.attached = False
+        #: Who ended the socket, once known (the first to).
+        self.ended_by: Side | None = None
+        #: The code the server closed it with.
+        self.close_code: int | None = None
         self._closed = False
+
+    def ended(self, side: Side) -> None:
+        if self.ended_by is None:
+            self.ended_by = side
 
     def send(self, frame: dict[str, Any]) -> None:
         """Queue ``frame`` for the browser (``QueueOverflow`` if the queue is full)."""
@@ -72,6 +116,7 @@ class BrowserChannel:
             try:
                 await self.ws.send_text(text)
             except Exception:
+                self.ended(Side.BROWSER)
                 return
 
     async def receive(self) -> str:
@@ -79,6 +124,7 @@ class BrowserChannel:
         the browser has gone."""
         message = await self.ws.receive()
         if message["type"] == "websocket.disconnect":
+            self.ended(Side.BROWSER)
             raise Disconnected()
         text = message.get("text")
         if text is not None:
@@ -86,8 +132,10 @@ class BrowserChannel:
         return bytes(message.get("bytes") or b"").decode("utf-8", errors="replace")
 
     async def finish(self, frames: list[dict[str, Any]], code: int = CLOSE_NORMAL) -> None:
-        """Send what is queued, then ``frames``, then close with ``code`` (within the
-        close timeout: a browser that does not read is not waited for longer)."""
+        """The upstream ended: send what is queued, then ``frames``, then close with
+        ``code`` (within the close timeout: a browser that does not read is not waited
+        for longer)."""
+        self.ended(Side.UPSTREAM)
         with contextlib.suppress(TimeoutError, Exception):
             async with asyncio.timeout(self.limits.close_timeout):
                 while len(self.queue):
@@ -96,8 +144,10 @@ class BrowserChannel:
                     await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
         await self.close(code)
 
-    async def abort(self, frame: dict[str, Any], code: int) -> None:
-        """Drop what is queued, send ``frame`` and close with ``code``."""
+    async def abort(self, frame: dict[str, Any], code: int, *, side: Side = Side.SERVER) -> None:
+        """``side`` ends the socket: drop what is queued, send ``frame`` and close with
+        ``code``."""
+        self.ended(side)
         self.queue.clear()
         with contextlib.suppress(TimeoutError, Exception):
             async with asyncio.timeout(self.limits.close_timeout):
@@ -108,10 +158,65 @@ class BrowserChannel:
         if self._closed:
             return
         self._closed = True
+        self.close_code = code
         if self.ws.application_state is WebSocketState.CONNECTED:
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.limits.close_timeout):
                     await self.ws.close(code, reason[:120])
+
+
+class SocketKind(enum.StrEnum):
+    """The browser's live sockets."""
+
+    PTY = "pty"
+    CHAT = "chat"
+
+
+_NAMES = {SocketKind.PTY: "terminal", SocketKind.CHAT: "chat"}
+
+#: Serves an admitted socket: the WebSocket, its channel, the signed-in user.
+Serve = Callable[[WebSocket, BrowserChannel, str], Awaitable[None]]
+
+
+async def serve_browser_socket(
+    ws: WebSocket,
+    kind: SocketKind,
+    *,
+    auth: WebAuth,
+    gate: SocketGate,
+    metrics: WebMetrics,
+    error_frame: Callable[[SandlotError], dict[str, Any]],
+    serve: Serve,
+) -> None:
+    """Admit a terminal or chat socket and serve it.
+
+    The handshake is checked (origin, sign-in: refused before it is accepted), then the
+    socket is accepted and held against ``gate`` while ``serve`` runs; a limit refusing
+    it sends ``error_frame`` of the :class:`~sandlot.protocol.errors.RateLimited` and
+    closes with 4429. The socket is closed when ``serve`` returns, whatever happened,
+    and counted in ``metrics``.
+    """
+    browser = await auth.admit_websocket(ws)
+    if browser is None:
+        return
+    await ws.accept()
+    channel = BrowserChannel(ws, gate.limits)
+    metrics.socket_opened(kind)
+    try:
+        with gate.admit(browser.user_id, client_address(ws)):
+            await serve(ws, channel, browser.user_id)
+    except RateLimited as exc:
+        log.info("%s of %s refused: %s", _NAMES[kind], browser.user_id, exc.message)
+        await channel.abort(error_frame(exc), CLOSE_RATE_LIMITED, side=Side.LIMIT)
+    finally:
+        try:
+            await channel.close()
+        finally:
+            side = channel.ended_by or Side.SERVER
+            failure = None
+            if not channel.attached and side is not Side.BROWSER:
+                failure = ATTACH_FAILURES.get(channel.close_code or CLOSE_NORMAL, "other")
+            metrics.socket_closed(kind, side, failure)
 
 
 def client_address(ws: WebSocket) -> str | None:

@@ -48,15 +48,16 @@ from sandlot.web.channels import (
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
     CLOSE_POLICY,
-    CLOSE_RATE_LIMITED,
     CLOSE_SESSION_NOT_FOUND,
     CLOSE_TRY_AGAIN,
     CLOSE_UNKNOWN_PROVIDER,
     BrowserChannel,
     DataplaneChannel,
     Disconnected,
+    Side,
+    SocketKind,
     cancel_all,
-    client_address,
+    serve_browser_socket,
 )
 from sandlot.web.chat_templates import (
     DEFAULT_TEMPLATES,
@@ -142,19 +143,15 @@ class Chat(UsesDeps):
 
     async def stream(self, ws: WebSocket) -> None:
         self.deps.bind(ws)
-        browser = await self.auth.admit_websocket(ws)
-        if browser is None:
-            return
-        await ws.accept()
-        channel = BrowserChannel(ws, self.gate.limits)
-        try:
-            with self.gate.admit(browser.user_id, client_address(ws)):
-                await self._stream(ws, channel, browser.user_id)
-        except RateLimited as exc:
-            log.info("chat of %s refused: %s", browser.user_id, exc.message)
-            await channel.abort(system_error(exc), CLOSE_RATE_LIMITED)
-        finally:
-            await channel.close()
+        await serve_browser_socket(
+            ws,
+            SocketKind.CHAT,
+            auth=self.auth,
+            gate=self.gate,
+            metrics=self.metrics,
+            error_frame=system_error,
+            serve=self._stream,
+        )
 
     async def _stream(self, ws: WebSocket, channel: BrowserChannel, user: str) -> None:
         q = ws.query_params
@@ -191,6 +188,7 @@ class Chat(UsesDeps):
                 system_error(exc), CLOSE_TRY_AGAIN if exc.retryable else CLOSE_POLICY
             )
             return
+        channel.attached = True
         try:
             channel.send(
                 system(
@@ -409,7 +407,7 @@ class Chat(UsesDeps):
                 "chat closed: its %s queue overflowed", "output" if first == "upstream" else "input"
             )
             exc = RateLimited("the chat fell too far behind: reconnect to resume")
-            await channel.abort(system_error(exc), CLOSE_TRY_AGAIN)
+            await channel.abort(system_error(exc), CLOSE_TRY_AGAIN, side=Side.LIMIT)
         elif isinstance(error, Disconnected) or first == "to_browser":
             pass  # the browser left: the agent keeps running for a reattach
         elif error is not None:

@@ -1,4 +1,5 @@
-"""Limits on the browser's terminal and chat sockets: token buckets and bounded queues.
+"""Limits on the browser's terminal and chat sockets and on the routes that walk the
+workspace: token buckets and bounded queues.
 
 Everything is kept in the process's memory, which is enough for one web server (several
 processes each keep their own, so the limits then hold per process):
@@ -19,6 +20,11 @@ processes each keep their own, so the limits then hold per process):
   ``error`` frame. Nothing is lost for good: a terminal reattaches from its offset and
   the dataplane replays what the browser had not received.
 
+- **Walks**: ``GET /api/tree`` takes one token from its user's tree bucket, and
+  ``GET /api/search`` and ``GET /api/v1/grep`` one from the user's search bucket (they
+  share it: both walk the workspace's files) (:class:`RouteGate`); an empty bucket
+  refuses the request (``RATE_LIMITED``, 429, ``Retry-After`` the time until a token).
+
 A :class:`TokenBucket` holds ``burst`` tokens and gains ``rate`` per second up to
 ``burst``; a cost it cannot pay leaves it unchanged.
 """
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import time
 from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
@@ -35,6 +42,8 @@ from dataclasses import dataclass
 from sandlot.protocol.errors import RateLimited
 
 MiB = 1024 * 1024
+#: Buckets remembered per budget (users, addresses, sessions) unless said otherwise.
+MAX_BUCKETS = 10_000
 #: The least an input frame costs in the input bucket, whatever its size.
 MIN_FRAME_COST = 64
 
@@ -66,7 +75,7 @@ class SocketLimits:
     input_queue_frames: int = 256
     input_queue_bytes: int = 16 * MiB
     #: Buckets remembered (users, addresses, sessions); the least recently used go first.
-    max_buckets: int = 10_000
+    max_buckets: int = MAX_BUCKETS
     #: Seconds a controlled close may wait for the browser to take its last frames.
     close_timeout: float = 5.0
 
@@ -93,6 +102,11 @@ class TokenBucket:
             return False
         self.tokens -= cost
         return True
+
+    def wait(self, cost: float, now: float) -> float:
+        """Seconds until the bucket holds ``cost`` (0 if it does now)."""
+        tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        return max(0.0, (cost - tokens) / self.rate)
 
 
 class Buckets:
@@ -123,6 +137,11 @@ class Buckets:
         else:
             self._buckets.move_to_end(key)
         return bucket.take(cost, now)
+
+    def wait(self, key: Hashable, cost: float = 1.0) -> float:
+        """Seconds until ``key``'s bucket holds ``cost`` (0 if it does now)."""
+        bucket = self._buckets.get(key)
+        return 0.0 if bucket is None else bucket.wait(cost, self._clock())
 
 
 class SocketGate:
@@ -170,6 +189,63 @@ class SocketGate:
     def input_allowed(self, session: Hashable, size: int) -> bool:
         """Whether ``session`` may take an input frame of ``size`` bytes now."""
         return self._input.take(("input", session), max(size, MIN_FRAME_COST))
+
+
+@dataclass(frozen=True)
+class RouteLimits:
+    """Each user's budget of the routes that walk the workspace (enough for a page
+    expanding folders and searching as one types; not for a script hammering them)."""
+
+    #: ``GET /api/tree``: at once, then per second.
+    tree_burst: float = 20
+    tree_per_second: float = 5.0
+    #: ``GET /api/search`` and ``GET /api/v1/grep`` together: at once, then per second.
+    search_burst: float = 20
+    search_per_second: float = 2.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value <= 0:
+                raise ValueError(f"{name} must be positive")
+
+
+class Walk(enum.StrEnum):
+    """The budgets of :class:`RouteLimits`: what a limited route spends."""
+
+    TREE = "tree"
+    SEARCH = "search"
+
+
+class RouteGate:
+    """Admits the requests of the routes that walk the workspace, per user and budget."""
+
+    def __init__(
+        self,
+        limits: RouteLimits | None = None,
+        *,
+        max_buckets: int = MAX_BUCKETS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limits = limits = limits or RouteLimits()
+        self._buckets = {
+            Walk.TREE: Buckets(
+                limits.tree_burst, limits.tree_per_second, max_buckets=max_buckets, clock=clock
+            ),
+            Walk.SEARCH: Buckets(
+                limits.search_burst, limits.search_per_second, max_buckets=max_buckets, clock=clock
+            ),
+        }
+
+    def admit(self, walk: Walk, user: str) -> None:
+        """Spend one of ``user``'s ``walk`` tokens; :class:`~sandlot.protocol.errors.RateLimited`
+        (with the seconds until the next token) when there is none."""
+        buckets = self._buckets[walk]
+        if not buckets.take(user):
+            raise RateLimited(
+                f"too many {'tree listings' if walk is Walk.TREE else 'searches'}: "
+                "try again in a moment",
+                retry_after=buckets.wait(user),
+            )
 
 
 class QueueOverflow(Exception):

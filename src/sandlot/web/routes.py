@@ -9,6 +9,10 @@ answers JSON. Every answer is JSON data only: ``<``, ``>`` and ``&`` are escaped
 with ``X-Content-Type-Options: nosniff`` and ``Cache-Control: no-store``. Errors are the
 project's envelope under the browser's request id (``X-Request-Id``, echoed when sane),
 never a stack trace, an upstream URL or a token; an etag conflict is 412.
+
+The routes that walk the workspace (``/api/tree``, ``/api/search``, ``/api/v1/grep``)
+spend their user's budget first (:class:`~sandlot.web.limits.RouteGate`); an empty one
+is 429 ``RATE_LIMITED`` with ``Retry-After``, before the workspace is opened.
 """
 
 from __future__ import annotations
@@ -31,15 +35,18 @@ from sandlot.protocol.errors import (
     InternalError,
     InvalidRequest,
     ProviderUnavailable,
+    RateLimited,
     SandlotError,
 )
 from sandlot.web.activity import WorkspaceActivity
-from sandlot.web.auth import read_capped
+from sandlot.web.auth import current_user, read_capped
 from sandlot.web.calls import DataplaneCalls
 from sandlot.web.errors import error_answer
 from sandlot.web.files import WorkspaceFiles
 from sandlot.web.gateway import Gateway, request_id_of
 from sandlot.web.git import WorkspaceGit
+from sandlot.web.limits import RouteGate, Walk
+from sandlot.web.metrics import WebMetrics
 from sandlot.web.settings import WebSettings
 from sandlot.web.workspaces import Workspaces, open_workspace
 
@@ -155,7 +162,9 @@ class WorkspaceRoutes:
     """The routes of :mod:`sandlot.web.routes`, over one gateway and one mode's workspaces.
 
     ``features`` are the optional parts (``pty``, ``chat_claude_code``) and whether they
-    are served, for ``/api/capabilities``.
+    are served, for ``/api/capabilities``; ``walks`` admits the routes that walk the
+    workspace (a gate of the settings' ``route_limits`` if none); ``metrics`` counts what
+    it refuses (the gateway's registry's if none).
     """
 
     def __init__(
@@ -164,38 +173,47 @@ class WorkspaceRoutes:
         gateway: Gateway,
         workspaces: Workspaces,
         features: dict[str, bool] | None = None,
+        *,
+        walks: RouteGate | None = None,
+        metrics: WebMetrics | None = None,
     ) -> None:
         self.settings = settings
         self.gateway = gateway
         self.workspaces = workspaces
         self.features = features or {}
+        self.walks = walks or RouteGate(settings.route_limits)
+        self.metrics = metrics or WebMetrics.of(gateway.registry)
 
     def routes(self) -> list[BaseRoute]:
         h = self._handler
         return [
             Route("/api/capabilities", self.capabilities, methods=["GET"]),
-            Route("/api/tree", h(self.tree), methods=["GET"]),
+            Route("/api/tree", h(self.tree, Walk.TREE), methods=["GET"]),
             Route("/api/file", h(self.read_file), methods=["GET"]),
             Route("/api/file", h(self.write_file), methods=["PUT"]),
             Route("/api/file", h(self.delete_file), methods=["DELETE"]),
             Route("/api/file/rename", h(self.rename), methods=["POST"]),
             Route("/api/file/move", h(self.move), methods=["POST"]),
-            Route("/api/search", h(self.search), methods=["GET"]),
+            Route("/api/search", h(self.search, Walk.SEARCH), methods=["GET"]),
             Route("/api/git/status", h(self.git_status), methods=["GET"]),
             Route("/api/git/diff", h(self.git_diff), methods=["GET"]),
             Route("/api/git/show", h(self.git_show), methods=["GET"]),
             Route("/api/v1/file", h(self.read_versioned), methods=["GET"]),
             Route("/api/v1/file", h(self.write_versioned), methods=["PUT"]),
             Route("/api/v1/file/diff", h(self.agent_diff), methods=["GET"]),
-            Route("/api/v1/grep", h(self.grep), methods=["GET"]),
+            Route("/api/v1/grep", h(self.grep, Walk.SEARCH), methods=["GET"]),
             Route("/api/v1/activity", h(self.activity), methods=["GET"]),
         ]
 
-    def _handler(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    def _handler(
+        self, handler: Handler, walk: Walk | None = None
+    ) -> Callable[[Request], Awaitable[Response]]:
         @functools.wraps(handler)
         async def endpoint(request: Request) -> Response:
             rid = request_id_of(request.headers)
             try:
+                if walk is not None:
+                    self._admit(request, walk)
                 workspace = await open_workspace(request, self.workspaces)
                 result = await handler(request, DataplaneCalls(self.gateway, workspace, rid))
             except SandlotError as exc:
@@ -209,6 +227,15 @@ class WorkspaceRoutes:
             return json_answer(result, rid)
 
         return endpoint
+
+    def _admit(self, request: Request, walk: Walk) -> None:
+        user = current_user(request).user_id
+        try:
+            self.walks.admit(walk, user)
+        except RateLimited:
+            log.info("%s refused for %s: over its rate limit", request.url.path, user)
+            self.metrics.route_limited.labels(request.url.path).inc()
+            raise
 
     def _files(self, calls: DataplaneCalls) -> WorkspaceFiles:
         return WorkspaceFiles(calls, self.settings)

@@ -36,6 +36,19 @@ Environment variables:
   ``SANDLOT_WEB_TREE_SECONDS``: bounds of ``GET /api/tree`` (deepest ``depth`` accepted,
   default 8; most entries answered, default 5000; seconds the walk may take before a
   partial listing is answered, default 5).
+- ``SANDLOT_WEB_TREE_BURST``, ``SANDLOT_WEB_TREE_PER_SECOND``: each user's budget of
+  ``GET /api/tree`` (default 20 at once, then 5 per second);
+  ``SANDLOT_WEB_SEARCH_BURST``, ``SANDLOT_WEB_SEARCH_PER_SECOND``: of ``GET /api/search``
+  and ``GET /api/v1/grep`` together (default 20, then 2 per second). Beyond, the route
+  answers 429 ``RATE_LIMITED`` with ``Retry-After`` (:class:`~sandlot.web.limits.RouteLimits`).
+- ``SANDLOT_WEB_WS_<FIELD>``: each field of :class:`~sandlot.web.limits.SocketLimits`,
+  the limits of the terminal and chat sockets (defaults there, and in docs/WEB.md):
+  ``…_USER_CONNECT_BURST``, ``…_USER_CONNECTS_PER_SECOND``, ``…_IP_CONNECT_BURST``,
+  ``…_IP_CONNECTS_PER_SECOND``, ``…_MAX_SOCKETS_PER_USER``, ``…_INPUT_BURST_BYTES``,
+  ``…_INPUT_BYTES_PER_SECOND``, ``…_MAX_INPUT_FRAME_BYTES``, ``…_MAX_CHAT_FRAME_BYTES``,
+  ``…_OUTPUT_QUEUE_FRAMES``, ``…_OUTPUT_QUEUE_BYTES``, ``…_INPUT_QUEUE_FRAMES``,
+  ``…_INPUT_QUEUE_BYTES``, ``…_MAX_BUCKETS``, ``…_CLOSE_TIMEOUT`` (seconds). Every limit
+  is a positive number (a whole one where its default is).
 - ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
   separated) whose pages may make state-changing requests and open WebSockets.
 - ``SANDLOT_WEB_CHAT_TEMPLATES``: a TOML file of the agent programs ``/ws/claude-stream``
@@ -46,12 +59,15 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
+
+from sandlot.web.limits import RouteLimits, SocketLimits
 
 #: Bounds of a terminal session id's lifetime (seconds).
 MIN_SESSION_TOKEN_TTL = 15 * 60
@@ -114,6 +130,10 @@ class WebSettings:
     tree_seconds: float = 5.0
     #: ``GET /api/search`` and ``/api/v1/grep``: most results answered.
     max_search_results: int = 1000
+    #: Each user's budgets of ``/api/tree``, ``/api/search`` and ``/api/v1/grep``.
+    route_limits: RouteLimits = dataclasses.field(default_factory=RouteLimits)
+    #: The terminal and chat sockets' limits.
+    socket_limits: SocketLimits = dataclasses.field(default_factory=SocketLimits)
     #: Largest JSON body a workspace route reads (a file written through ``PUT``).
     max_body_bytes: int = 16 * 1024 * 1024
     #: The chat's command templates (``None``: the built-in set).
@@ -174,6 +194,29 @@ _INT_VARS = {
 }
 
 
+Limits = TypeVar("Limits", RouteLimits, SocketLimits)
+
+
+def _limits_from_env(cls: type[Limits], env: Mapping[str, str], prefix: str) -> Limits:
+    """``cls`` with each field ``name`` read from ``<prefix><NAME>`` when set (the
+    defaults are the class's own)."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        name = f"{prefix}{field.name.upper()}"
+        if not (raw := env.get(name)):
+            continue
+        whole = field.type in ("int", int)
+        try:
+            value = int(raw) if whole else float(raw)
+        except ValueError:
+            kind = "a whole number" if whole else "a number"
+            raise ConfigError(f"{name}: {raw!r} is not {kind}") from None
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} must be positive")
+        values[field.name] = value
+    return cls(**values)
+
+
 def load_web_settings(
     environ: Mapping[str, str] | None = None,
     *,
@@ -208,6 +251,8 @@ def load_web_settings(
             values["tree_seconds"] = float(seconds)
         except ValueError:
             raise ConfigError(f"SANDLOT_WEB_TREE_SECONDS: {seconds!r} is not a number") from None
+    values["route_limits"] = _limits_from_env(RouteLimits, env, "SANDLOT_WEB_")
+    values["socket_limits"] = _limits_from_env(SocketLimits, env, "SANDLOT_WEB_WS_")
     if secure := env.get("SANDLOT_WEB_COOKIE_SECURE"):
         choice = secure.strip().lower()
         if choice not in ("auto", "true", "false", "1", "0"):

@@ -68,15 +68,17 @@ from sandlot.web.auth import WebAuth, current_user, error_response
 from sandlot.web.channels import (
     CLOSE_INTERNAL,
     CLOSE_NORMAL,
-    CLOSE_RATE_LIMITED,
+    CLOSE_POLICY,
     CLOSE_SESSION_NOT_FOUND,
     CLOSE_TRY_AGAIN,
     CLOSE_UNKNOWN_PROVIDER,
     BrowserChannel,
     DataplaneChannel,
     Disconnected,
+    Side,
+    SocketKind,
     cancel_all,
-    client_address,
+    serve_browser_socket,
 )
 from sandlot.web.chat_templates import chat_of
 from sandlot.web.gateway import Gateway
@@ -179,19 +181,15 @@ class Terminals(UsesDeps):
 
     async def pty(self, ws: WebSocket) -> None:
         self.deps.bind(ws)
-        browser = await self.auth.admit_websocket(ws)
-        if browser is None:
-            return
-        await ws.accept()
-        channel = BrowserChannel(ws, self.gate.limits)
-        try:
-            with self.gate.admit(browser.user_id, client_address(ws)):
-                await self._pty(ws, channel, browser.user_id)
-        except RateLimited as exc:
-            log.info("terminal of %s refused: %s", browser.user_id, exc.message)
-            await channel.abort(error_frame(exc), CLOSE_RATE_LIMITED)
-        finally:
-            await channel.close()
+        await serve_browser_socket(
+            ws,
+            SocketKind.PTY,
+            auth=self.auth,
+            gate=self.gate,
+            metrics=self.metrics,
+            error_frame=error_frame,
+            serve=self._pty,
+        )
 
     async def _pty(self, ws: WebSocket, channel: BrowserChannel, user: str) -> None:
         q = ws.query_params
@@ -228,7 +226,9 @@ class Terminals(UsesDeps):
             await channel.abort({"type": "session_not_found"}, CLOSE_SESSION_NOT_FOUND)
             return
         except SandlotError as exc:
-            await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN if exc.retryable else 1008)
+            await channel.abort(
+                error_frame(exc), CLOSE_TRY_AGAIN if exc.retryable else CLOSE_POLICY
+            )
             return
         try:
             await self._attached(
@@ -300,6 +300,7 @@ class Terminals(UsesDeps):
             user=user,
             workspace=workspace.id,
         )
+        channel.attached = True
         log.info("terminal of %s attached to shell %s (%s) as %s", user, name, shell_id, role)
         output = self._greet(channel, upstream, token, name, role, history, ws.query_params)
         await self._relay(channel, upstream, output, token, (workspace.id, shell_id))
@@ -432,7 +433,7 @@ class Terminals(UsesDeps):
                 "output" if first == "upstream" else "input",
             )
             exc = RateLimited("the terminal fell too far behind: reconnect to resume")
-            await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN)
+            await channel.abort(error_frame(exc), CLOSE_TRY_AGAIN, side=Side.LIMIT)
         elif isinstance(error, Disconnected) or first == "to_browser":
             return  # the browser left: the shell keeps running
         elif error is not None:

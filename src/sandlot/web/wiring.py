@@ -20,6 +20,7 @@ from starlette.requests import HTTPConnection
 from sandlot.web.app import web_context
 from sandlot.web.auth import WebAuth
 from sandlot.web.gateway import Gateway
+from sandlot.web.metrics import WebMetrics
 from sandlot.web.session_tokens import SessionTokens
 from sandlot.web.workspace import Workspace
 from sandlot.web.workspaces import open_workspace
@@ -82,7 +83,8 @@ class Deps:
 
 
 class UsesDeps:
-    """Routes whose gateway, auth, session ids and workspaces come from :class:`Deps`."""
+    """Routes whose gateway, auth, session ids and workspaces come from :class:`Deps`
+    (and their metrics from the gateway's registry)."""
 
     deps: Deps
 
@@ -101,3 +103,8 @@ class UsesDeps:
     @property
     def workspace_of(self) -> WorkspaceOf:
         return self.deps.bound.workspace_of
+
+    @property
+    def metrics(self) -> WebMetrics:
+        """The web server's figures, in its gateway's registry."""
+        return WebMetrics.of(self.gateway.registry)
