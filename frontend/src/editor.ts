@@ -4,7 +4,7 @@
 
 import { basicSetup } from "codemirror";
 import { Compartment, EditorState } from "@codemirror/state";
-import { EditorView, keymap } from "@codemirror/view";
+import { EditorView } from "@codemirror/view";
 import { oneDark } from "@codemirror/theme-one-dark";
 import { ApiError, call } from "./api";
 import { h } from "./dom";
@@ -85,7 +85,6 @@ export class Editor {
       extensions: [
         basicSetup,
         EditorView.cspNonce.of(this.nonce),
-        keymap.of([{ key: "Mod-s", preventDefault: true, run: () => (void this.save(), true) }]),
         this.language.of(languageFor(path)),
         this.readOnly.of([EditorState.readOnly.of(!this.editable), EditorView.editable.of(this.editable)]),
         this.theme.of(document.documentElement.dataset.theme === "dark" ? oneDark : []),
@@ -160,8 +159,21 @@ export class Editor {
     this.host.dataset.readonly = String(!this.editable);
   }
 
+  private saving = false;
+
+  /** Saves with the file's etag (Ctrl+S is the page's, in main.ts). */
   async save(force = false): Promise<void> {
-    if (!this.path || !this.editable) return;
+    if (!this.path || !this.editable || this.saving) return;
+    this.saving = true;
+    try {
+      await this.write(force);
+    } finally {
+      this.saving = false;
+    }
+  }
+
+  private async write(force: boolean): Promise<void> {
+    if (!this.path) return;
     const content = this.view.state.doc.toString();
     this.status("saving…");
     const headers: Record<string, string> = {};

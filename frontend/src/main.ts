@@ -17,6 +17,20 @@ const root = document.getElementById("app") as HTMLElement;
 const nonce = document.querySelector<HTMLMetaElement>("meta[name=csp-nonce]")?.content ?? "";
 const dark = window.matchMedia("(prefers-color-scheme: dark)");
 
+// The editor and the terminal add <style> elements at run time; the policy admits those
+// that carry this answer's nonce (CodeMirror also takes it through EditorView.cspNonce).
+if (nonce) {
+  const proto = Document.prototype as unknown as {
+    createElement: (this: Document, tag: string, options?: ElementCreationOptions) => HTMLElement;
+  };
+  const create = proto.createElement;
+  proto.createElement = function (this: Document, tag: string, options?: ElementCreationOptions) {
+    const el = create.call(this, tag, options);
+    if (tag.toLowerCase() === "style") el.setAttribute("nonce", nonce);
+    return el;
+  };
+}
+
 function applyTheme(): void {
   document.documentElement.dataset.theme = dark.matches ? "dark" : "light";
 }

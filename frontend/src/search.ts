@@ -131,7 +131,7 @@ export class QuickOpen {
         { q: pattern, path: "." },
         { signal: controller.signal },
       );
-      const files = found.results.filter((r) => r.dir !== true).slice(0, 100);
+      const files = found.results.filter((r) => !r.path.startsWith(".git/")).slice(0, 100);
       this.list.replaceChildren(
         ...files.map((r, i) => {
           const li = h(
