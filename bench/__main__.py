@@ -51,6 +51,12 @@ BENCHES = [
         "integrations: ensure through a LangGraph server, MCP exec, a LangGraph run's deepagents",
     ),
     ("sync_bench", [], ["--rounds", "2"], "sync of 10,000 files vs local tar"),
+    (
+        "web_bench",
+        [],
+        ["--quick"],
+        "browser workspace: /ws/pty echo, /api/tree, 200 browsers attached, 1,000 reattaches",
+    ),
 ]
 
 
