@@ -10,6 +10,8 @@ ensure_system_packages() {
   # mkfs.ext4 formats the sandboxes' size-limited disks (often outside a user's PATH).
   command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] \
     || missing+=(e2fsprogs)
+  # The browser the page's tests drive (Playwright's own download is not used).
+  [ -x /usr/bin/chromium ] || missing+=(chromium)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing system packages: ${missing[*]}" >&2
