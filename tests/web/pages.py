@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol
@@ -41,7 +42,7 @@ from playwright.sync_api import (
 )
 
 from sandlot.sdk import Sandbox, Sandlot
-from tests.servers import running
+from tests.servers import SandlotServer
 
 CHROMIUM = "/usr/bin/chromium"
 SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
@@ -143,7 +144,8 @@ class Site:
 def sandbox_site(tmp: Path) -> Iterator[Site]:
     """``sandlot serve`` (isolated sandboxes where the tests run as root): the page opens
     :data:`THREAD`, whose sandbox an agent-actor SDK client ensured first."""
-    with running(tmp / "d") as server:
+    server = SandlotServer(tmp / "d").start()
+    try:
         human = server.key(USER)
         with Sandlot(server.url, server.key(USER, "agent"), auto_refresh=False) as client:
             sandbox = client.ensure(THREAD)
@@ -164,6 +166,12 @@ def sandbox_site(tmp: Path) -> Iterator[Site]:
                 cli_env=env,
                 output=lambda: "".join(server.output),
             )
+    finally:
+        server.stop()
+        # In a thread of its own: the removal runs an event loop, and Playwright's sync API
+        # holds the test thread's.
+        with ThreadPoolExecutor(1) as pool:
+            pool.submit(server.cleanup).result()
 
 
 @contextlib.contextmanager
