@@ -10,6 +10,9 @@ ensure_system_packages() {
   # mkfs.ext4 formats the sandboxes' size-limited disks (often outside a user's PATH).
   command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] \
     || missing+=(e2fsprogs)
+  # The workspace page's toolchain (frontend/), for the gate that rebuilds it.
+  command -v node >/dev/null 2>&1 || missing+=(nodejs)
+  command -v npm >/dev/null 2>&1 || missing+=(npm)
   # The browser the page's tests drive (Playwright's own download is not used).
   [ -x /usr/bin/chromium ] || missing+=(chromium)
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -59,4 +62,26 @@ ensure_langgraph_venv() {
     "$LANGGRAPH_VENV/bin/python" -m pip install -q -e ".[langgraph,deepagents,mcp]" "$LANGGRAPH_SERVER"
     touch "$stamp"
   fi
+}
+
+# The workspace page: its sources type-check and lint, and they build exactly the bundle
+# committed in src/sandlot/web/static/ (so serving needs no Node, and CI proves the bundle
+# is what the sources make).
+frontend_check() {
+  local built
+  built="$(mktemp -d)"
+  (
+    cd frontend \
+      && npm ci --no-audit --no-fund --loglevel=error \
+      && npx --no-install tsc --noEmit \
+      && npx --no-install eslint . \
+      && node build.mjs "$built"
+  ) || { rm -rf "$built"; return 1; }
+  if ! diff -r "$built" src/sandlot/web/static >/dev/null; then
+    echo "src/sandlot/web/static/ is not what frontend/ builds: run (cd frontend && npm run build)" >&2
+    diff -rq "$built" src/sandlot/web/static >&2
+    rm -rf "$built"
+    return 1
+  fi
+  rm -rf "$built"
 }

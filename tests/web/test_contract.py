@@ -551,6 +551,122 @@ def test_capabilities(browser: Browser) -> None:
         assert set(router) == {"name", "prefix", "description", "enabled"}
 
 
+def _stream_events(browser: Browser, after: int, until: Callable[[list[Any]], bool]) -> list[Any]:
+    """Reads ``/api/v1/activity/stream`` until ``until(frames)``: ``(event, id, data)``."""
+    frames: list[Any] = []
+    params = {"thread": THREAD, "after": after}
+    with browser.client.stream("GET", "/api/v1/activity/stream", params=params) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        buffer = ""
+        for chunk in r.iter_text():
+            buffer += chunk
+            while "\n\n" in buffer:
+                frame, buffer = buffer.split("\n\n", 1)
+                fields = dict(
+                    line.split(": ", 1)
+                    for line in frame.split("\n")
+                    if ": " in line and line[0] != ":"
+                )
+                if "event" in fields:
+                    frames.append((fields["event"], fields.get("id"), fields.get("data")))
+            if until(frames):
+                return frames
+    raise AssertionError(f"the stream ended early: {frames}")
+
+
+def test_activity_stream_sends_the_log_then_live_events(browser: Browser) -> None:
+    import json as jsonlib
+    import threading
+
+    _, cursor = browser.activity()
+    browser.put_file("live/before.txt", "1")
+    later = threading.Timer(0.6, lambda: browser.put_file("live/after.txt", "2"))
+    later.start()
+    try:
+        frames = _stream_events(
+            browser,
+            cursor,
+            lambda fs: any(e == "message" and "live/after.txt" in str(d) for e, _, d in fs),
+        )
+    finally:
+        later.join()
+    names = [e for e, _, _ in frames]
+    assert "ready" in names
+    ready = names.index("ready")
+    events = [(e, i, jsonlib.loads(d)) for e, i, d in frames if e == "message"]
+    before = [ev for _, _, ev in events if ev.get("path") == "live/before.txt"]
+    after = [ev for _, _, ev in events if ev.get("path") == "live/after.txt"]
+    assert before and after
+    # What the log held comes before "ready", what happened later after it.
+    assert frames.index(next(f for f in frames if "live/after.txt" in str(f[2]))) > ready
+    assert all(int(i) == ev["sequence"] and ev["sequence"] > cursor for _, i, ev in events)
+    assert set(after[-1]) >= {"sequence", "event_type", "timestamp", "actor", "details", "path"}
+    envelope(browser.get("/api/v1/activity/stream", after=-1), 400, "INVALID_REQUEST")
+
+
+def test_workspaces_list_the_users_threads_and_sandboxes(browser: Browser) -> None:
+    listed = browser.ok("GET", "/api/v1/workspaces")
+    assert listed["mode"] == browser.mode
+    entries = listed["workspaces"]
+    assert entries
+    for entry in entries:
+        keys = {"id", "thread", "sandbox", "name", "state", "template", "created_at", "attached"}
+        assert set(entry) == keys
+    if browser.mode == "sandbox":
+        mine = [e for e in entries if e["thread"] == THREAD]
+        assert mine and mine[0]["sandbox"].startswith("sb") and mine[0]["template"]
+    else:
+        assert entries[0]["id"] == "local" and entries[0]["template"] == "local"
+    with httpx.Client(base_url=browser.base) as anonymous:
+        envelope(anonymous.get("/api/v1/workspaces"), 401, "UNAUTHENTICATED")
+
+
+def test_download_archive_and_upload(browser: Browser) -> None:
+    import io
+    import tarfile
+
+    browser.put_file("dl/a.txt", "alpha\n")
+    browser.put_file("dl/sub/b.txt", "beta\n")
+    r = browser.request("GET", "/api/v1/download", {"path": "dl/a.txt"})
+    assert r.status_code == 200 and r.content == b"alpha\n"
+    assert r.headers["content-disposition"].startswith("attachment;")
+    r = browser.request("GET", "/api/v1/archive", {"path": "dl"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/gzip"
+    with tarfile.open(fileobj=io.BytesIO(r.content), mode="r:gz") as tar:
+        names = {m.name.lstrip("./") for m in tar.getmembers() if m.isfile()}
+    assert {"a.txt", "sub/b.txt"} <= names, names
+    envelope(browser.get("/api/v1/download", path="dl"), 400, "INVALID_REQUEST")
+    envelope(browser.get("/api/v1/archive", path="dl/a.txt"), 400, "INVALID_REQUEST")
+    envelope(browser.get("/api/v1/download", path="dl/none"), 404, "FILE_NOT_FOUND")
+    envelope(browser.get("/api/v1/download", path="../x"), 400, "INVALID_REQUEST")
+    body = bytes(range(256)) * 64
+    r = browser.request("POST", "/api/v1/upload", {"path": "up/deep/blob.bin"}, content=body)
+    assert r.status_code == 201, r.text
+    assert r.json()["path"] == "up/deep/blob.bin"
+    r = browser.request("GET", "/api/v1/download", {"path": "up/deep/blob.bin"})
+    assert r.content == body
+    refused = browser.request("POST", "/api/v1/upload", {"path": "up/x"}, content=b"x", csrf=False)
+    assert refused.status_code == 403
+
+
+def test_the_page_is_served_with_a_strict_policy(browser: Browser) -> None:
+    page = browser.client.get("/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "script-src 'self';" in csp and "connect-src 'self'" in csp and "unsafe" not in csp
+    nonce = csp.split("'nonce-", 1)[1].split("'", 1)[0]
+    assert f'content="{nonce}"' in page.text and "__CSP_NONCE__" not in page.text
+    assert nonce not in browser.client.get("/").text
+    script = browser.client.get("/assets/app.js", headers={"Accept-Encoding": "gzip"})
+    assert script.status_code == 200 and script.headers["content-type"].startswith(
+        "text/javascript"
+    )
+    again = browser.client.get("/assets/app.js", headers={"If-None-Match": script.headers["etag"]})
+    assert again.status_code == 304
+    assert browser.client.get("/assets/nothing.js").status_code == 404
+
+
 # --- hostile names, errors, CSRF ------------------------------------------------------
 
 

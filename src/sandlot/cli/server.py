@@ -99,7 +99,8 @@ def build_app(
 
 
 class WebDispatch:
-    """``/``, ``/login``, ``/api/…`` and ``/ws/…`` to the web app; the rest to ``app``."""
+    """``/``, ``/login``, ``/assets/…``, ``/api/…`` and ``/ws/…`` to the web app; the rest to
+    ``app``."""
 
     def __init__(self, app: ASGIApp, web: Starlette) -> None:
         self.app = app
@@ -107,7 +108,9 @@ class WebDispatch:
 
     @staticmethod
     def is_web(path: str) -> bool:
-        return path in ("/", "/login", "/api", "/ws") or path.startswith(("/api/", "/ws/"))
+        return path in ("/", "/login", "/api", "/ws") or path.startswith(
+            ("/api/", "/ws/", "/assets/")
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] in ("http", "websocket"):

@@ -15,12 +15,13 @@ past them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
-from sandlot.protocol.errors import InvalidRequest, SequenceExpired
+from sandlot.protocol.errors import InvalidRequest, SandlotError, SequenceExpired
 from sandlot.web import paths
 from sandlot.web.calls import DataplaneCalls
 
@@ -144,3 +145,90 @@ class WorkspaceActivity:
                 break
             after = int(events[-1].get("sequence") or after)
         return found
+
+
+#: The most bytes one live stream relays before it ends (the browser then reconnects
+#: from its last event id).
+STREAM_BYTES = 256 << 20
+
+
+def sse_frame(event: str, data: str, event_id: int | None = None) -> bytes:
+    """One Server-Sent Events frame (``data`` is one line of escaped JSON)."""
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}event: {event}\ndata: {data}\n\n".encode()
+
+
+class ActivityStream:
+    """``GET /api/v1/activity/stream``: the event log after ``after``, then live, as
+    Server-Sent Events (each event a ``message`` with its sequence as ``id``; one
+    ``ready`` once what the log held has been sent; ``expired`` then the end when the
+    cursor is older than the log keeps). The dataplane's keep-alive comments pass
+    through, so a quiet stream stays open."""
+
+    def __init__(self, calls: DataplaneCalls, after: int) -> None:
+        if after < 0:
+            raise InvalidRequest("after must be 0 or more")
+        self.calls = calls
+        self.after = after
+        self._stack = contextlib.AsyncExitStack()
+        self._chunks: AsyncIterator[bytes] | None = None
+
+    async def open(self) -> None:
+        """Opens the upstream stream (its failures are the request's errors)."""
+        answer = await self._stack.enter_async_context(
+            self.calls.stream(
+                "/events",
+                params={"after": self.after},
+                accept="text/event-stream",
+                max_bytes=STREAM_BYTES,
+            )
+        )
+        self._chunks = answer.aiter_bytes()
+
+    async def frames(self, encode: Callable[[Any], str]) -> AsyncGenerator[bytes]:
+        """The browser's frames (``encode`` writes an event as escaped JSON)."""
+        assert self._chunks is not None, "open() first"
+        frames = _frames(self._chunks)
+        ready = False
+        next_frame: asyncio.Future[tuple[str, str]] | None = None
+        try:
+            while True:
+                if next_frame is None:
+                    next_frame = asyncio.ensure_future(anext(frames))
+                if not ready:
+                    # The log's backlog comes at once: a pause means it has all been sent.
+                    done, _ = await asyncio.wait({next_frame}, timeout=SETTLE_SECONDS)
+                    if not done:
+                        ready = True
+                        yield sse_frame("ready", "{}")
+                        continue
+                try:
+                    name, data = await next_frame
+                except StopAsyncIteration:
+                    return
+                finally:
+                    next_frame = None
+                if name == "error":
+                    yield sse_frame("expired", "{}")
+                    return
+                if name == "comment":
+                    yield b": keep-alive\n\n"
+                    continue
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    continue
+                if not isinstance(event, dict) or own_command(event):
+                    continue
+                yield sse_frame("message", encode(browser_event(event)), event.get("sequence"))
+        except SandlotError:
+            # The upstream ended badly (over its byte cap, the sandbox gone): the browser
+            # reconnects from its last event id.
+            return
+        finally:
+            if next_frame is not None:
+                next_frame.cancel()
+                with contextlib.suppress(BaseException):
+                    await next_frame
+            await frames.aclose()
+            await self._stack.aclose()

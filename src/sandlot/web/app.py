@@ -13,7 +13,7 @@ against a broker). It only wires:
   ``/ws/claude-stream``), built elsewhere; they find what they need with
   :func:`web_context` (the settings, the auth, the gateway, the workspaces) and open a
   request's workspace with :func:`~sandlot.web.workspaces.open_workspace`;
-- ``GET /`` (a placeholder page until a frontend is served), ``/api/healthz``,
+- the workspace page (:mod:`sandlot.web.page`: ``GET /`` and ``/assets/…``), ``/api/healthz``,
   ``/api/readyz`` (each upstream's breaker and the local dataplane's state) and
   ``/api/metrics`` (the gateway's figures).
 """
@@ -43,24 +43,10 @@ from sandlot.web.auth import (
 )
 from sandlot.web.gateway import Gateway, GatewaySettings, request_id_of
 from sandlot.web.localplane import LocalDataplane
+from sandlot.web.page import Page
 from sandlot.web.routes import WorkspaceRoutes, error_json, json_answer
 from sandlot.web.settings import ConfigError, WebSettings, WorkspaceMode, served_root
 from sandlot.web.workspaces import LocalWorkspaces, SandboxWorkspaces, Workspaces
-
-#: The page at ``/`` until a frontend is served: static, no script, nothing of the user's.
-PLACEHOLDER = b"""<!doctype html>
-<html><head><meta charset="utf-8"><title>sandlot</title></head>
-<body><h1>sandlot</h1>
-<p>This server serves a workspace to the browser under <code>/api</code> and
-<code>/ws</code> (docs/WEB.md). Signed-in users see their files at
-<code>/api/tree?path=.</code>.</p></body></html>
-"""
-_PAGE_HEADERS = {
-    "Content-Security-Policy": "default-src 'none'; style-src 'unsafe-inline'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-    "Cache-Control": "no-store",
-}
 
 
 @dataclass(frozen=True)
@@ -130,9 +116,6 @@ def create_web_app(
     }
     workspace_routes = WorkspaceRoutes(settings, gateway, workspaces, features)
 
-    async def page(request: Request) -> Response:
-        return Response(PLACEHOLDER, media_type="text/html", headers=_PAGE_HEADERS)
-
     async def healthz(request: Request) -> Response:
         return json_answer({"status": "ok", "version": __version__}, request_id_of(request.headers))
 
@@ -167,7 +150,7 @@ def create_web_app(
     app = Starlette(
         routes=[
             *auth.routes(),
-            Route("/", page, methods=["GET"]),
+            *Page().routes(),
             *workspace_routes.routes(),
             Route("/api/healthz", healthz, methods=["GET"]),
             Route("/api/readyz", readyz, methods=["GET"]),

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from sandlot import __version__
@@ -33,14 +33,15 @@ from sandlot.protocol.errors import (
     ProviderUnavailable,
     SandlotError,
 )
-from sandlot.web.activity import WorkspaceActivity
-from sandlot.web.auth import read_capped
+from sandlot.web.activity import ActivityStream, WorkspaceActivity
+from sandlot.web.auth import current_user, read_capped
 from sandlot.web.calls import DataplaneCalls
 from sandlot.web.errors import error_answer
 from sandlot.web.files import WorkspaceFiles
 from sandlot.web.gateway import Gateway, request_id_of
 from sandlot.web.git import WorkspaceGit
 from sandlot.web.settings import WebSettings
+from sandlot.web.transfer import WorkspaceTransfer
 from sandlot.web.workspaces import Workspaces, open_workspace
 
 log = logging.getLogger("sandlot.web.routes")
@@ -189,6 +190,11 @@ class WorkspaceRoutes:
             Route("/api/v1/file/diff", h(self.agent_diff), methods=["GET"]),
             Route("/api/v1/grep", h(self.grep), methods=["GET"]),
             Route("/api/v1/activity", h(self.activity), methods=["GET"]),
+            Route("/api/v1/activity/stream", h(self.activity_stream), methods=["GET"]),
+            Route("/api/v1/download", h(self.download), methods=["GET"]),
+            Route("/api/v1/archive", h(self.archive), methods=["GET"]),
+            Route("/api/v1/upload", h(self.upload), methods=["POST"]),
+            Route("/api/v1/workspaces", self.workspace_list, methods=["GET"]),
         ]
 
     def _handler(self, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
@@ -332,6 +338,47 @@ class WorkspaceRoutes:
         after = query_int(request, "after", 0)
         limit = query_int(request, "limit", 100)
         return await WorkspaceActivity(calls).page(after, limit)
+
+    async def activity_stream(self, request: Request, calls: DataplaneCalls) -> Any:
+        """``GET /api/v1/activity/stream``: the log after ``after`` (or the browser's
+        ``Last-Event-ID`` when it reconnects), then live, as Server-Sent Events."""
+        after = query_int(request, "after", 0)
+        last_id = request.headers.get("last-event-id", "").strip()
+        if last_id.isdigit():
+            after = int(last_id)
+        stream = ActivityStream(calls, after)
+        await stream.open()
+        return StreamingResponse(
+            stream.frames(lambda event: json_text(event).decode("ascii")),
+            media_type="text/event-stream",
+            headers={"X-Accel-Buffering": "no"},
+        )
+
+    def _transfer(self, calls: DataplaneCalls) -> WorkspaceTransfer:
+        return WorkspaceTransfer(calls, self._files(calls))
+
+    async def download(self, request: Request, calls: DataplaneCalls) -> Any:
+        return await self._transfer(calls).download(query(request, "path"))
+
+    async def archive(self, request: Request, calls: DataplaneCalls) -> Any:
+        return await self._transfer(calls).archive(query(request, "path", "."))
+
+    async def upload(self, request: Request, calls: DataplaneCalls) -> Any:
+        written = await self._transfer(calls).upload(query(request, "path"), request.stream())
+        return json_answer(written, "", 201)
+
+    async def workspace_list(self, request: Request) -> Response:
+        """``GET /api/v1/workspaces``: ``{"workspaces": [{"id", "thread", "sandbox",
+        "name", "state", "template", "created_at", "attached"}], "mode"}``."""
+        rid = request_id_of(request.headers)
+        try:
+            entries = await self.workspaces.listing(current_user(request))
+        except SandlotError as exc:
+            return error_json(exc, rid)
+        except Exception:
+            log.exception("unexpected error listing workspaces")
+            return error_json(InternalError("internal error"), rid)
+        return json_answer({"workspaces": entries, "mode": self.workspaces.mode.value}, rid)
 
     async def agent_diff(self, request: Request, calls: DataplaneCalls) -> Any:
         """``GET /api/v1/file/diff``: the file against ``HEAD``, and the agent's last

@@ -79,6 +79,10 @@ class Workspaces(Protocol):
         self, session: BrowserSession, *, thread: str | None, sandbox: str | None
     ) -> Workspace: ...
 
+    async def listing(self, session: BrowserSession) -> list[dict[str, Any]]:
+        """The workspaces the user may open (``GET /api/v1/workspaces``)."""
+        ...
+
 
 async def open_workspace(conn: HTTPConnection, workspaces: Workspaces) -> Workspace:
     """The workspace a request or WebSocket names (``?thread=`` or ``?sandbox=``), for its
@@ -273,6 +277,33 @@ class SandboxWorkspaces:
         sandbox_id = _checked_id(sandbox, "sandbox")
         return SandboxWorkspace(sandbox_id, lambda: client.attach_sandbox(sandbox_id))
 
+    async def listing(self, session: BrowserSession) -> list[dict[str, Any]]:
+        """The user's live sandboxes as the broker lists them, a thread's named by its
+        thread (the broker's scope ``thread:ID``)."""
+        client = self._client(session)
+        try:
+            sandboxes = await client.list_sandboxes()
+        except (SandlotError, OSError) as exc:
+            raise broker_error(exc, "*") from None
+        entries = []
+        for box in sandboxes:
+            scope = box.scope or ""
+            thread = scope.removeprefix("thread:") if scope.startswith("thread:") else None
+            entries.append(
+                {
+                    "id": thread or box.id,
+                    "thread": thread,
+                    "sandbox": box.id,
+                    "name": box.name,
+                    "state": box.state,
+                    "template": box.template,
+                    "created_at": box.created_at,
+                    # The broker does not say who holds a sandbox's leases.
+                    "attached": None,
+                }
+            )
+        return entries
+
 
 # --- local mode -----------------------------------------------------------------------
 
@@ -337,3 +368,21 @@ class LocalWorkspaces:
         if session.user_id not in self.users:
             raise Forbidden("this folder is not served to you")
         return LocalWorkspace(self.plane, session.user_id)
+
+    async def listing(self, session: BrowserSession) -> list[dict[str, Any]]:
+        """The one folder (its name only, never where it lies)."""
+        if session.user_id not in self.users:
+            raise Forbidden("this folder is not served to you")
+        running = self.plane.state.value == "running"
+        return [
+            {
+                "id": "local",
+                "thread": None,
+                "sandbox": None,
+                "name": self.root.name or "/",
+                "state": "active" if running else self.plane.state.value,
+                "template": "local",
+                "created_at": None,
+                "attached": None,
+            }
+        ]

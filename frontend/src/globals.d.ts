@@ -1,0 +1,6 @@
+declare module "*.css";
+
+interface Window {
+  sandlotTerminal?: import("@xterm/xterm").Terminal;
+  sandlotTerminalSession?: string;
+}

@@ -1,0 +1,167 @@
+// The workspace page: sign-in, then the workspace's panes wired to its live events.
+
+import { login, logout, me, setCsrf, workspace } from "./api";
+import { Chat } from "./chat";
+import { Connection } from "./connection";
+import { h } from "./dom";
+import { Editor } from "./editor";
+import { EventHub } from "./events";
+import { Feed } from "./feed";
+import { DiffView, Git } from "./git";
+import { QuickOpen, Search } from "./search";
+import { Terminals } from "./terminal";
+import { FileTree } from "./tree";
+import { Workspaces } from "./workspaces";
+
+const root = document.getElementById("app") as HTMLElement;
+const nonce = document.querySelector<HTMLMetaElement>("meta[name=csp-nonce]")?.content ?? "";
+const dark = window.matchMedia("(prefers-color-scheme: dark)");
+
+// The editor and the terminal add <style> elements at run time; the policy admits those
+// that carry this answer's nonce (CodeMirror also takes it through EditorView.cspNonce).
+if (nonce) {
+  const proto = Document.prototype as unknown as {
+    createElement: (this: Document, tag: string, options?: ElementCreationOptions) => HTMLElement;
+  };
+  const create = proto.createElement;
+  proto.createElement = function (this: Document, tag: string, options?: ElementCreationOptions) {
+    const el = create.call(this, tag, options);
+    if (tag.toLowerCase() === "style") el.setAttribute("nonce", nonce);
+    return el;
+  };
+}
+
+function applyTheme(): void {
+  document.documentElement.dataset.theme = dark.matches ? "dark" : "light";
+}
+applyTheme();
+
+function signIn(error = ""): void {
+  const key = h("input", { type: "password", id: "api-key", "data-testid": "login-key", autocomplete: "current-password", required: true, placeholder: "sl_…" });
+  const message = h("p", { class: "error", role: "alert", text: error });
+  const form = h(
+    "form",
+    { class: "login", "data-testid": "login", "aria-label": "Sign in" },
+    h("h1", { text: "sandlot" }),
+    h("p", { text: "Sign in with your API key, or open the one-time link `sandlot open` prints." }),
+    h("label", { for: "api-key", text: "API key" }),
+    key,
+    h("button", { type: "submit", "data-testid": "login-submit", text: "Sign in" }),
+    message,
+  );
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    login(key.value)
+      .then(() => boot())
+      .catch((err: unknown) => {
+        message.textContent = err instanceof Error ? err.message : "sign-in failed";
+      });
+  });
+  root.className = "app signed-out";
+  root.replaceChildren(form);
+  key.focus();
+}
+
+async function boot(): Promise<void> {
+  let who;
+  try {
+    who = await me();
+  } catch {
+    who = null;
+  }
+  if (!who) {
+    signIn();
+    return;
+  }
+  setCsrf(who.csrf_token);
+  const user = who.user;
+  const mine = (): string => user;
+
+  const connection = new Connection();
+  const hub = new EventHub(connection);
+  const diffView = new DiffView();
+  const editor = new Editor(nonce, mine);
+  const tree = new FileTree((path) => void editor.open(path), mine);
+  const openAt = (path: string, line: number): void => {
+    void editor.open(path).then(() => editor.goto(line));
+  };
+  const showDiff = (path: string): void => void diffView.show(path);
+  editor.onDiff = showDiff;
+  const feed = new Feed((path) => {
+    void tree.reveal(path);
+    void editor.open(path);
+  }, showDiff);
+  const search = new Search(openAt);
+  const quick = new QuickOpen((path) => {
+    void tree.reveal(path);
+    void editor.open(path);
+  });
+  const git = new Git(showDiff);
+  const terminals = new Terminals();
+  const chat = new Chat();
+  const spaces = new Workspaces();
+
+  hub.on((events, live) => {
+    tree.apply(events, live);
+    editor.apply(events, live);
+    feed.apply(events);
+    if (live && events.some((e) => e.details.fs)) git.soon();
+  });
+
+  const name = workspace.thread ?? workspace.sandbox ?? "local folder";
+  const signOut = h("button", { type: "button", class: "small", text: "Sign out" });
+  signOut.addEventListener("click", () => void logout().then(() => location.reload()));
+  const quickButton = h("button", { type: "button", class: "small", text: "Open file… (Ctrl+P)" });
+  quickButton.addEventListener("click", () => quick.show());
+  const header = h(
+    "header",
+    { class: "topbar" },
+    h("h1", { text: "sandlot" }),
+    h("span", { class: "workspace-name", title: "Workspace", text: name }),
+    h("span", { class: "spacer" }),
+    quickButton,
+    connection.el,
+    h("span", { class: "user", text: user }),
+    signOut,
+  );
+  const left = h("aside", { class: "left", "aria-label": "Workspace" }, spaces.el, search.el, tree.el, git.el);
+  const center = h("main", { class: "center" }, editor.el, diffView.el, terminals.el);
+  const right = h("aside", { class: "right", "aria-label": "Activity and chat" }, feed.el, chat.el);
+  root.className = "app signed-in";
+  root.replaceChildren(header, left, center, right, tree.progress, quick.el);
+
+  dark.addEventListener("change", () => {
+    applyTheme();
+    editor.setTheme(dark.matches);
+    terminals.setTheme(dark.matches);
+  });
+
+  document.addEventListener("keydown", (e) => {
+    const mod = e.ctrlKey || e.metaKey;
+    if (!mod) return;
+    const key = e.key.toLowerCase();
+    if (key === "s" && !e.shiftKey) {
+      e.preventDefault();
+      void editor.save();
+    } else if (key === "p" && !e.shiftKey) {
+      e.preventDefault();
+      quick.show();
+    } else if (key === "f" && e.shiftKey) {
+      e.preventDefault();
+      search.focus();
+    } else if (key === "`" || (key === "j" && !e.shiftKey)) {
+      e.preventDefault();
+      terminals.focus();
+    } else if (key === "e" && e.shiftKey) {
+      e.preventDefault();
+      tree.el.querySelector<HTMLElement>("[role=tree]")?.focus();
+    }
+  });
+
+  hub.start();
+  terminals.start();
+  await Promise.all([tree.start(), spaces.refresh(), git.refresh()]);
+  if (chat.resumable) chat.start();
+}
+
+void boot();
