@@ -311,11 +311,12 @@ def tab(browser: Browser, *, color_scheme: Scheme = "light") -> Iterator[Tab]:
         context.close()
 
 
-def sign_in(page: Page, link: str) -> None:
+def sign_in(page: Page, link: str, *, connected: bool = True) -> None:
     """Follows a one-time link: the server sets the session cookie and sends the browser
-    to the workspace, which connects."""
+    to the link's page (a workspace, which connects, unless ``connected`` is false)."""
     page.goto(link)
-    expect_connected(page)
+    if connected:
+        expect_connected(page)
 
 
 # --- reading the page -----------------------------------------------------------------------

@@ -154,10 +154,11 @@ def test_opening_a_thread_shows_its_workspace(chromium: Browser, site: Site) -> 
         if site.mode == "sandbox":
             # Signed in on the page that lists the user's workspaces, the thread is opened
             # from the list.
-            sign_in(page, site.link(to="/"))
+            sign_in(page, site.link(to="/"), connected=False)
             item = page.locator(f'[data-testid="workspace-item"][data-thread="{THREAD}"]')
             expect(item).to_be_visible(timeout=SOON)
-            item.click()
+            item.get_by_role("link").click()
+            expect_connected(page)
         else:
             sign_in(page, site.link())
         expect(node(page, f"{name}.md")).to_be_visible(timeout=SOON)
@@ -283,7 +284,7 @@ def test_the_terminal_is_the_shell_the_cli_attaches_to(
         observer.expect(r"[$#] ")  # attached: the shell's history, its prompt
         type_in_terminal(page, "echo hi")
         wait_for_terminal_line(page, r"^hi$", timeout=SOON)
-        observer.expect(r"\r\nhi\r\n")
+        observer.expect(r"\rhi\r\n")
         driver = _cli(site, "shell", THREAD, "--session", shell)
         driver.expect(r"[$#] ")
         driver.sendline("echo typed-in-the-cli-$((6*7))")
@@ -377,8 +378,11 @@ def test_a_hostile_file_name_shows_as_text(browser_tab: Tab, site: Site) -> None
 def _serious(page: Page) -> list[str]:
     results = Axe().run(page, options={"resultTypes": ["violations"]}).response
     return [
-        f"{v['id']} ({v['impact']}): {v['help']} — "
-        + "; ".join(", ".join(n["target"]) for n in v["nodes"][:5])
+        f"{v['id']} ({v['impact']}): {v['help']}\n"
+        + "\n".join(
+            f"  {', '.join(n['target'])}: {n['html'][:160]}\n    {n.get('failureSummary', '')}"
+            for n in v["nodes"][:5]
+        )
         for v in results["violations"]
         if v["impact"] in ("serious", "critical")
     ]
