@@ -13,6 +13,8 @@ ensure_system_packages() {
   # The workspace page's toolchain (frontend/), for the gate that rebuilds it.
   command -v node >/dev/null 2>&1 || missing+=(nodejs)
   command -v npm >/dev/null 2>&1 || missing+=(npm)
+  # The browser the page's tests drive (Playwright's own download is not used).
+  [ -x /usr/bin/chromium ] || missing+=(chromium)
   [ ${#missing[@]} -eq 0 ] && return 0
   if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "installing system packages: ${missing[*]}" >&2
