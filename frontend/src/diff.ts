@@ -67,6 +67,11 @@ export function lineDiff(before: string, after: string, from = "theirs", to = "m
   if (!ops.length) return "";
   const before3 = a.slice(Math.max(0, start - 3), start).map((l) => ` ${l}`);
   const after3 = a.slice(endA, endA + 3).map((l) => ` ${l}`);
-  const header = `@@ -${Math.max(1, start - before3.length + 1)} +${Math.max(1, start - before3.length + 1)} @@`;
+  // Unified diff ranges: first line (1-based) and line count of the hunk on each side.
+  const first = start - before3.length + 1;
+  const context = before3.length + after3.length;
+  const oldCount = midA.length + context;
+  const newCount = midB.length + context;
+  const header = `@@ -${oldCount ? first : first - 1},${oldCount} +${newCount ? first : first - 1},${newCount} @@`;
   return [`--- ${from}`, `+++ ${to}`, header, ...before3, ...ops, ...after3].join("\n") + "\n";
 }

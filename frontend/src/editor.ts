@@ -5,7 +5,7 @@
 import { basicSetup } from "codemirror";
 import { Compartment, EditorState } from "@codemirror/state";
 import { EditorView } from "@codemirror/view";
-import { oneDark } from "@codemirror/theme-one-dark";
+import { darkTheme } from "./darktheme";
 import { ApiError, call } from "./api";
 import { h } from "./dom";
 import { lineDiff, renderUnified } from "./diff";
@@ -87,7 +87,7 @@ export class Editor {
         EditorView.cspNonce.of(this.nonce),
         this.language.of(languageFor(path)),
         this.readOnly.of([EditorState.readOnly.of(!this.editable), EditorView.editable.of(this.editable)]),
-        this.theme.of(document.documentElement.dataset.theme === "dark" ? oneDark : []),
+        this.theme.of(document.documentElement.dataset.theme === "dark" ? darkTheme : []),
         EditorView.contentAttributes.of({ "aria-label": path ? `Contents of ${path}` : "Editor" }),
         EditorView.updateListener.of((u) => {
           if (u.docChanged) this.status(this.dirty ? "modified" : "saved");
@@ -97,7 +97,7 @@ export class Editor {
   }
 
   setTheme(dark: boolean): void {
-    this.view.dispatch({ effects: this.theme.reconfigure(dark ? oneDark : []) });
+    this.view.dispatch({ effects: this.theme.reconfigure(dark ? darkTheme : []) });
   }
 
   get dirty(): boolean {

@@ -57,7 +57,8 @@ export class EventHub {
     this.source?.close();
     const source = new EventSource(url("/api/v1/activity/stream", { after }));
     this.source = source;
-    source.onopen = () => this.connection.set("connected");
+    // Connected once the log's backlog is through (``ready``): from then on every event is
+    // live, and marked as such in the tree and the editor.
     source.onerror = () => {
       if (source.readyState === EventSource.CLOSED) {
         // A refused answer (signed out, workspace gone): try again in a while.
@@ -81,6 +82,7 @@ export class EventHub {
     source.addEventListener("ready", () => {
       this.flush();
       this.live = true;
+      this.connection.set("connected");
     });
     source.addEventListener("expired", () => {
       // Older than the log keeps: start again from its beginning.

@@ -62,6 +62,32 @@ function signIn(error = ""): void {
   key.focus();
 }
 
+function signOutButton(): HTMLElement {
+  const button = h("button", { type: "button", class: "small", text: "Sign out" });
+  button.addEventListener("click", () => void logout().then(() => location.reload()));
+  return button;
+}
+
+/** The page without a workspace: the user's threads and sandboxes, to open one. */
+function choose(user: string, spaces: Workspaces): void {
+  const header = h(
+    "header",
+    { class: "topbar" },
+    h("h1", { text: "sandlot" }),
+    h("span", { class: "spacer" }),
+    h("span", { class: "user", text: user }),
+    signOutButton(),
+  );
+  const main = h(
+    "main",
+    { class: "chooser", "aria-label": "Choose a workspace" },
+    h("p", { text: "Open a thread or a sandbox below, or the link `sandlot open THREAD` prints." }),
+    spaces.el,
+  );
+  root.className = "app signed-in choosing";
+  root.replaceChildren(header, main);
+}
+
 async function boot(): Promise<void> {
   let who;
   try {
@@ -76,6 +102,12 @@ async function boot(): Promise<void> {
   setCsrf(who.csrf_token);
   const user = who.user;
   const mine = (): string => user;
+  const spaces = new Workspaces();
+  if (!workspace.thread && !workspace.sandbox && (await spaces.refresh()) !== "local") {
+    // A server of sandboxes, and no workspace named: the user picks one.
+    choose(user, spaces);
+    return;
+  }
 
   const connection = new Connection();
   const hub = new EventHub(connection);
@@ -99,7 +131,6 @@ async function boot(): Promise<void> {
   const git = new Git(showDiff);
   const terminals = new Terminals();
   const chat = new Chat();
-  const spaces = new Workspaces();
 
   hub.on((events, live) => {
     tree.apply(events, live);
@@ -109,8 +140,6 @@ async function boot(): Promise<void> {
   });
 
   const name = workspace.thread ?? workspace.sandbox ?? "local folder";
-  const signOut = h("button", { type: "button", class: "small", text: "Sign out" });
-  signOut.addEventListener("click", () => void logout().then(() => location.reload()));
   const quickButton = h("button", { type: "button", class: "small", text: "Open file… (Ctrl+P)" });
   quickButton.addEventListener("click", () => quick.show());
   const header = h(
@@ -122,7 +151,7 @@ async function boot(): Promise<void> {
     quickButton,
     connection.el,
     h("span", { class: "user", text: user }),
-    signOut,
+    signOutButton(),
   );
   const left = h("aside", { class: "left", "aria-label": "Workspace" }, spaces.el, search.el, tree.el, git.el);
   const center = h("main", { class: "center" }, editor.el, diffView.el, terminals.el);

@@ -24,13 +24,16 @@ export class Workspaces {
     this.el = h("section", { class: "panel workspaces-panel", "aria-label": "Workspaces" }, h("h2", { text: "Workspaces" }), this.note, this.list);
   }
 
-  async refresh(): Promise<void> {
+  /** Lists the workspaces again; answers the server's mode (``null`` if it could not say). */
+  async refresh(): Promise<string | null> {
     try {
       const answer = await call<{ workspaces: Entry[]; mode: string }>("/api/v1/workspaces", {}, { plain: true });
       this.note.textContent = answer.workspaces.length ? "" : "No workspaces yet.";
       this.list.replaceChildren(...answer.workspaces.map((w) => this.item(w)));
+      return answer.mode;
     } catch (e) {
       this.note.textContent = e instanceof Error ? e.message : "could not list workspaces";
+      return null;
     }
   }
 
