@@ -24,7 +24,11 @@ def build_provider(
     """Instantiate the configured provider, wiring in what an in-process dataplane needs."""
 
     async def jwks() -> Mapping[str, Any]:
-        return await asyncio.to_thread(broker_ref[0].keyring.jwks)
+        # Read afresh: another replica may have signed with a key it added since (the
+        # dataplane asks at most every few seconds).
+        keyring = broker_ref[0].keyring
+        await asyncio.to_thread(keyring.reload)
+        return await asyncio.to_thread(keyring.jwks)
 
     async def api_key_resolver(api_key: str, sandbox_id: str) -> AuthContext | None:
         broker = broker_ref[0]
@@ -63,7 +67,7 @@ def build_provider(
         **settings.provider_config,
         "mode": settings.provider_mode,
         "data_dir": settings.data_dir,
-        "public_url": dataplane_url or settings.base_url,
+        "public_url": dataplane_url or settings.dataplane_url or settings.base_url,
         "issuer": settings.issuer,
         "jwks": jwks,
         "api_key_resolver": api_key_resolver,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditLog
 from sandlot.broker.events import EventHub
+from sandlot.broker.hosts import host_id
 from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.keys import KeyService
 from sandlot.broker.leases import LeaseService
@@ -77,6 +78,8 @@ class Broker:
             templates=self.templates,
             hub=self.hub,
             clock=clock,
+            # One SQLite store is one machine's; replicas share a server database.
+            host=None if self.store.dialect == "sqlite" else host_id(settings.data_dir),
         )
         self.sessions = SessionService(
             store=self.store,

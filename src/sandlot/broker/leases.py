@@ -92,7 +92,7 @@ class LeaseService:
         with self.store.read() as conn:
             binding, sandbox = self._load(conn, principal, session_id)
             lease = self._lease(conn, principal, binding.id)
-        coords = self.sandboxes.coordinates(sandbox.id)
+        coords = self.sandboxes.coordinates(sandbox)
         return SessionSnapshot(
             session_id=binding.id,
             binding=self.sessions.binding_snapshot(

@@ -75,7 +75,7 @@ class Reaper:
 
     async def recover(self) -> list[str]:
         """At start: re-adopt what the store believes is live; re-drive or fail the rest."""
-        live = await anyio.to_thread.run_sync(self.sandboxes.list_live)
+        live = await anyio.to_thread.run_sync(self._hosted_here)
         records = []
         for row in live:
             try:
@@ -125,7 +125,7 @@ class Reaper:
     async def run_once(self) -> ReaperReport:
         async with self._lock:
             report = ReaperReport()
-            live = await anyio.to_thread.run_sync(self.sandboxes.list_live)
+            live = await anyio.to_thread.run_sync(self._hosted_here)
             held = await anyio.to_thread.run_sync(self._sandboxes_with_live_leases)
             for row in live:
                 await self._visit(row, held, report)
@@ -134,6 +134,10 @@ class Reaper:
             await self._refill_pools(report)
             await anyio.to_thread.run_sync(self._purge)
             return report
+
+    def _hosted_here(self) -> list[SandboxRow]:
+        """The live sandboxes this process's provider runs: the only ones it may reap."""
+        return self.sandboxes.list_live(hosted_here=True)
 
     def _sandboxes_with_live_leases(self) -> set[str]:
         now = self.now()
@@ -216,6 +220,7 @@ class Reaper:
             log.exception("provider cannot list sandboxes; orphan removal skipped")
             return
         # Re-read after listing: a sandbox created meanwhile is in the store by now.
+        # Every host's count as known (ids are unique); only this host's can vanish here.
         live = await anyio.to_thread.run_sync(self.sandboxes.list_live)
         # A sandbox being torn down is no orphan: its teardown finishes it.
         ending = await anyio.to_thread.run_sync(self.sandboxes.terminating)
@@ -228,7 +233,11 @@ class Reaper:
             except Exception:
                 log.exception("could not remove orphan %s", sandbox_id)
         for row in live:
-            if row.id in existing or row.state is SandboxState.PROVISIONING:
+            if (
+                row.id in existing
+                or row.state is SandboxState.PROVISIONING
+                or not self.sandboxes.is_hosted_here(row)
+            ):
                 continue
             # A binding whose sandbox is gone: end it instead of handing out dead tokens.
             await self.sandboxes.apply_state(row.id, SandboxState.FAILED, reason="sandbox vanished")

@@ -14,10 +14,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import anyio
-from sqlalchemy import Connection, bindparam, func, select, update
+from sqlalchemy import Connection, bindparam, func, or_, select, true, update
 
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
@@ -67,6 +68,10 @@ class SandboxRow:
     event_seq: int
     reason: str | None
     updated_at: float
+    #: The sandbox host that runs it (None: any, see :mod:`sandlot.broker.hosts`).
+    host: str | None = None
+    dataplane_http: str | None = None
+    dataplane_ws: str | None = None
 
     @classmethod
     def from_row(cls, r: Any) -> SandboxRow:
@@ -88,6 +93,9 @@ class SandboxRow:
             event_seq=r.event_seq,
             reason=r.reason,
             updated_at=r.updated_at,
+            host=r.host,
+            dataplane_http=r.dataplane_http,
+            dataplane_ws=r.dataplane_ws,
         )
 
 
@@ -112,9 +120,12 @@ class SandboxService:
         templates: TemplateService,
         hub: EventHub,
         clock: Clock = time.time,
+        host: str | None = None,
     ) -> None:
         self.store = store
         self.provider = provider
+        #: The sandbox host this process is, for a provider bound to one (else None).
+        self.host = host if provider.host_bound else None
         self.settings = settings
         self.templates = templates
         self.hub = hub
@@ -148,6 +159,7 @@ class SandboxService:
             ).first()
             if taken is not None:
                 raise ResourceConflict(f"a live sandbox named {name!r} already exists")
+        coords = self.provider.dataplane(sandbox_id)
         conn.execute(
             sandboxes.insert().values(
                 id=sandbox_id,
@@ -166,6 +178,9 @@ class SandboxService:
                 idle_timeout=idle,
                 live_name=live_name,
                 event_seq=0,
+                host=self.host,
+                dataplane_http=coords.http_base_url,
+                dataplane_ws=coords.ws_base_url,
             )
         )
         append_event(
@@ -214,7 +229,7 @@ class SandboxService:
             template=row.template,
             state=row.state.value,
             provider=row.provider,
-            dataplane=self.coordinates(row.id),
+            dataplane=self.coordinates(row),
             created_at=rfc3339(row.created_at) or "",
             last_event_sequence=row.event_seq,
             owner_user_id=row.owner_user_id,
@@ -222,8 +237,23 @@ class SandboxService:
             generation=row.generation,
         )
 
-    def coordinates(self, sandbox_id: str) -> DataplaneCoordinates:
-        return self.provider.dataplane(sandbox_id)
+    def coordinates(self, row: SandboxRow) -> DataplaneCoordinates:
+        """Where its dataplane answers, as recorded by its host (whichever replica asks)."""
+        if row.dataplane_http and row.dataplane_ws:
+            return DataplaneCoordinates(
+                http_base_url=row.dataplane_http, ws_base_url=row.dataplane_ws
+            )
+        return self.provider.dataplane(row.id)
+
+    def is_hosted_here(self, row: SandboxRow) -> bool:
+        """Whether this process's provider runs the sandbox (see :mod:`sandlot.broker.hosts`)."""
+        return row.host is None or self.host is None or row.host == self.host
+
+    def _hosted_here(self) -> Any:
+        """The SQL form of :meth:`is_hosted_here`."""
+        if self.host is None:
+            return true()
+        return or_(sandboxes.c.host.is_(None), sandboxes.c.host == self.host)
 
     # --- provider calls ------------------------------------------------------------
 
@@ -418,6 +448,10 @@ class SandboxService:
             if binding_id:
                 self.hub.notify(binding_id)
         await self.push_revocations(sandbox_id, revoked)
+        if not self.is_hosted_here(row):
+            # Its host's reaper deletes it (finish_terminating); its dataplane already
+            # refuses the revoked tokens, pushed there by its host's RevocationWatcher.
+            return row
         if row.state is SandboxState.TERMINATED:
             # Deleted before: the provider is asked once more (a retry after a failure).
             await self._delete(sandbox_id)
@@ -462,12 +496,13 @@ class SandboxService:
             return False
         return True
 
-    def terminating(self) -> list[SandboxRow]:
+    def terminating(self, *, hosted_here: bool = False) -> list[SandboxRow]:
         """Sandboxes whose teardown was accepted and not yet finished."""
+        q = select(sandboxes).where(sandboxes.c.state == SandboxState.TERMINATING.value)
+        if hosted_here:
+            q = q.where(self._hosted_here())
         with self.store.read() as conn:
-            rows = conn.execute(
-                select(sandboxes).where(sandboxes.c.state == SandboxState.TERMINATING.value)
-            ).all()
+            rows = conn.execute(q).all()
         return [SandboxRow.from_row(r) for r in rows]
 
     async def finish_terminating(self, grace: float = TEARDOWN_GRACE_SECONDS) -> list[str]:
@@ -476,7 +511,7 @@ class SandboxService:
         One accepted less than ``grace`` seconds ago is left to the process that
         accepted it (another worker, maybe), unless this process is running it.
         """
-        rows = await anyio.to_thread.run_sync(self.terminating)
+        rows = await anyio.to_thread.run_sync(partial(self.terminating, hosted_here=True))
         done = []
         now = self.clock()
         for row in rows:
@@ -498,6 +533,12 @@ class SandboxService:
         await self.apply_state(sandbox_id, status.state, reason=reason)
 
     async def resume(self, sandbox_id: str, *, reason: str) -> SandboxState:
+        row = await anyio.to_thread.run_sync(self.get, sandbox_id)
+        if not self.is_hosted_here(row):
+            raise ProviderUnavailable(
+                f"sandbox {sandbox_id} is suspended on another host; retry there",
+                metadata={"sandbox_id": sandbox_id, "host": row.host},
+            )
         try:
             status = await self.provider.resume(sandbox_id)
         except SandboxNotFound:
@@ -519,9 +560,13 @@ class SandboxService:
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         return row
 
-    def list_live(self) -> list[SandboxRow]:
+    def list_live(self, *, hosted_here: bool = False) -> list[SandboxRow]:
+        """Live sandboxes (``hosted_here``: only those this process's provider runs)."""
+        q = select(sandboxes).where(sandboxes.c.state.in_(LIVE_STATES))
+        if hosted_here:
+            q = q.where(self._hosted_here())
         with self.store.read() as conn:
-            rows = conn.execute(select(sandboxes).where(sandboxes.c.state.in_(LIVE_STATES))).all()
+            rows = conn.execute(q).all()
         return [SandboxRow.from_row(r) for r in rows]
 
     def list_for(self, user_id: str | None, *, include_ended: bool = False) -> list[SandboxRow]:

@@ -655,7 +655,7 @@ class SessionService:
         token: Any,
         caps: list[Capability],
     ) -> SessionGrant:
-        coords = self.sandboxes.coordinates(sandbox.id)
+        coords = self.sandboxes.coordinates(sandbox)
         expires_at = rfc3339(token.expires_at) or ""
         return SessionGrant(
             session_id=binding.id,

@@ -10,7 +10,8 @@ Environment variables: ``SANDLOT_HOST``, ``SANDLOT_PORT``,
 ``SANDLOT_PUBLIC_URL`` (how clients reach this server, when it is not
 ``http://HOST:PORT``), ``SANDLOT_PROVIDER_MODE`` (``isolated``|``unisolated``),
 ``SANDLOT_LOG_FORMAT`` (``text``|``json``), ``SANDLOT_CONFIG`` (a config file),
-``SANDLOT_FAILPOINTS`` (crash points for recovery tests), ``SANDLOT_DATAPLANE_PORT``.
+``SANDLOT_FAILPOINTS`` (crash points for recovery tests), ``SANDLOT_DATAPLANE_PORT``,
+``SANDLOT_DATAPLANE_URL`` (this host's dataplane, for a replica behind a load balancer).
 
 Config file keys (see ``default_config.toml`` for every one with its default):
 ``[policy]`` TTLs and capability policy per actor type, ``[quotas]``,
@@ -55,6 +56,10 @@ class BrokerSettings:
     workers: int = 1
     #: With several workers, where the sandbox host serves the dataplane (None: port + 1).
     dataplane_port: int | None = None
+    #: Where this host's dataplane answers, when not at ``public_url``: a replica behind a
+    #: load balancer shares the balancer's ``public_url`` (the tokens' issuer) and gives
+    #: its own address here, since only this host runs its sandboxes.
+    dataplane_url: str | None = None
     log_format: str = "text"
     token_ttl_seconds: int = 900
     lease_ttl_seconds: int = 300
@@ -199,6 +204,7 @@ def load_settings(
         "log_format",
         "workers",
         "dataplane_port",
+        "dataplane_url",
     ):
         if key in raw.get("server", {}):
             values[key] = raw["server"][key]
@@ -212,6 +218,7 @@ def load_settings(
         "SANDLOT_PROVIDER_MODE": "provider_mode",
         "SANDLOT_LOG_FORMAT": "log_format",
         "SANDLOT_DATAPLANE_PORT": "dataplane_port",
+        "SANDLOT_DATAPLANE_URL": "dataplane_url",
     }
     for var, key in env_map.items():
         if env.get(var):

@@ -19,7 +19,7 @@ import jwt
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from jwt.algorithms import OKPAlgorithm
-from sqlalchemy import select, update
+from sqlalchemy import Connection, select, update
 
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import signing_keys
@@ -73,10 +73,22 @@ class KeyRing:
         self._lock = threading.Lock()
 
     def ensure_key(self) -> None:
-        """Load the keys, creating the first one if the store has none."""
+        """Load the keys, creating the first one if the store has none.
+
+        Replicas starting together make one key between them: the check and the
+        insert run under the store's lock on signing keys.
+        """
         self.reload()
-        if not self._active():
-            self.rotate()
+        if self._active():
+            return
+        with self.store.write() as conn:
+            self.store.serialize(conn, "signing_keys")
+            live = conn.execute(
+                select(signing_keys.c.kid).where(signing_keys.c.retired_at.is_(None))
+            ).first()
+            if live is None:
+                self._insert_key(conn, time.time())
+        self.reload()
 
     def reload(self) -> None:
         with self.store.read() as conn:
@@ -125,6 +137,20 @@ class KeyRing:
 
     def rotate(self) -> str:
         """Add a new signing key and retire the others; returns the new kid."""
+        now = time.time()
+        with self.store.write() as conn:
+            self.store.serialize(conn, "signing_keys")
+            conn.execute(
+                update(signing_keys)
+                .where(signing_keys.c.retired_at.is_(None))
+                .values(retired_at=now)
+            )
+            kid = self._insert_key(conn, now)
+        self.reload()
+        return kid
+
+    @staticmethod
+    def _insert_key(conn: Connection, now: float) -> str:
         private = Ed25519PrivateKey.generate()
         kid = f"k_{secrets.token_hex(8)}"
         pem = private.private_bytes(
@@ -132,22 +158,14 @@ class KeyRing:
             serialization.PrivateFormat.PKCS8,
             serialization.NoEncryption(),
         ).decode()
-        now = time.time()
-        with self.store.write() as conn:
-            conn.execute(
-                update(signing_keys)
-                .where(signing_keys.c.retired_at.is_(None))
-                .values(retired_at=now)
+        conn.execute(
+            signing_keys.insert().values(
+                kid=kid,
+                private_pem=pem,
+                public_jwk=_public_jwk(kid, private.public_key()),
+                created_at=now,
             )
-            conn.execute(
-                signing_keys.insert().values(
-                    kid=kid,
-                    private_pem=pem,
-                    public_jwk=_public_jwk(kid, private.public_key()),
-                    created_at=now,
-                )
-            )
-        self.reload()
+        )
         return kid
 
     def jwks(self) -> dict[str, Any]:

@@ -70,13 +70,14 @@ def build_app(
 
     dataplane = getattr(provider, "app", None)
     served: ASGIApp = MountDispatch(app, {"/dp": dataplane}) if dataplane else app
+    own_dataplane = dataplane_url or settings.dataplane_url or settings.base_url
     web_settings = load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url)
     web = create_web_app(
         web_settings,
         broker_url=settings.base_url,
         extra_routes=live_routes(web_settings),
         authenticator=broker.keys,
-        dataplane_url=f"{(dataplane_url or settings.base_url).rstrip('/')}/dp",
+        dataplane_url=f"{own_dataplane.rstrip('/')}/dp",
         registry=app.state.metrics.registry,
     )
     served = WebDispatch(served, web)

@@ -77,6 +77,10 @@ class Provider(abc.ABC):
     name: ClassVar[str]
     #: Whether :meth:`suspend` keeps processes and files (else idle sandboxes are deleted).
     supports_suspend: bool = False
+    #: Whether its sandboxes live on the machine of the process that made them, so only
+    #: that machine's processes can reach them (:mod:`sandlot.broker.hosts`). A provider
+    #: every broker replica reaches alike (a cluster engine, a hosted service) says False.
+    host_bound: ClassVar[bool] = True
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config: dict[str, Any] = dict(config or {})

@@ -139,6 +139,16 @@ class Store:
         except OperationalError as exc:
             raise ProviderUnavailable("the store is unavailable, retry") from exc
 
+    def serialize(self, conn: Connection, name: str) -> None:
+        """Hold the lock called ``name`` until the write transaction ``conn`` ends.
+
+        For a check-then-insert that no unique constraint covers. SQLite's write
+        transactions are serialized already; PostgreSQL takes a transaction-level
+        advisory lock, so replicas queue on it.
+        """
+        if self.dialect == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
+
     @contextlib.contextmanager
     def read(self) -> Iterator[Connection]:
         """A read transaction (a consistent snapshot)."""

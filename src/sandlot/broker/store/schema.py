@@ -81,6 +81,11 @@ sandboxes = Table(
     Column("idle_timeout", Integer, nullable=False),
     Column("live_name", String(270), unique=True),
     Column("event_seq", BigInteger, nullable=False, default=0),
+    #: The sandbox host that runs it (:mod:`sandlot.broker.hosts`); NULL: any host may.
+    Column("host", String(80), index=True),
+    #: Where its dataplane answers, as its host made it: every replica grants the same.
+    Column("dataplane_http", String(400)),
+    Column("dataplane_ws", String(400)),
 )
 
 bindings = Table(
