@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,9 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
+from sandlot.broker.events import EventHub, StoreListener, append_event
+from sandlot.broker.store import Store
+from sandlot.broker.store.schema import bindings
 from tests.broker.test_e2e import FAST_REAPER, _storm, wait_active
 from tests.figures import RecordProperty, report
 from tests.pg import postgres_cluster
@@ -73,3 +77,65 @@ def test_serve_on_postgres_with_workers(
             ).scalar_one()
             assert n == 1
     engine.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_notifications_wake_subscribers_of_another_process(pg_url: str) -> None:
+    """An event committed through another connection wakes this process's subscriber
+    through LISTEN/NOTIFY alone (its wait would otherwise last 30 s), and again after
+    the listening connection is killed and comes back by itself."""
+    store = Store(pg_url)
+    store.migrate()
+    other = Store(pg_url)
+
+    def append(stream: str) -> None:
+        with other.write() as conn:
+            conn.execute(
+                bindings.insert().values(
+                    id=stream,
+                    scope_key=f"thread:{stream}",
+                    sandbox_id="sb_x",
+                    owner_user_id="u",
+                    created_at=0.0,
+                    event_seq=0,
+                )
+            )
+            append_event(conn, bindings, stream, "binding.created", {}, state="active")
+
+    async def woken(hub: EventHub, stream: str) -> float:
+        seen = hub.version(stream)
+        started = time.monotonic()
+        waiter = asyncio.create_task(hub.wait(stream, 30.0, seen))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(append, stream)
+        await waiter
+        return time.monotonic() - started
+
+    async def scenario() -> None:
+        hub = EventHub()
+        hub.bind_loop(asyncio.get_running_loop())
+        listener = StoreListener(store.url, hub)
+        listener.start()
+        try:
+            assert await asyncio.to_thread(listener.connected.wait, 10)
+            assert await woken(hub, "ssn_notify1") < 10
+            with store.engine.connect() as conn:
+                conn.execute(
+                    text(
+                        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                        "WHERE query LIKE 'LISTEN%'"
+                    )
+                )
+            deadline = time.monotonic() + 15
+            while listener.connected.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert await asyncio.to_thread(listener.connected.wait, 15)
+            assert await woken(hub, "ssn_notify2") < 10
+        finally:
+            listener.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.dispose()
+        other.dispose()

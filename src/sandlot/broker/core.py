@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditLog
-from sandlot.broker.events import EventHub
+from sandlot.broker.events import EventHub, StoreListener
 from sandlot.broker.hosts import host_id
 from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.keys import KeyService
@@ -106,6 +106,10 @@ class Broker:
             hub=self.hub,
         )
         self.revocations = RevocationWatcher(self.store, provider, clock)
+        #: Other processes' events, on a store that can tell (PostgreSQL).
+        self.listener = (
+            StoreListener(self.store.url, self.hub) if self.store.dialect == "postgresql" else None
+        )
         self.run_reaper = run_reaper
         self.started = False
         failpoints.arm(settings.failpoints)
@@ -113,6 +117,8 @@ class Broker:
     async def start(self, *, migrate: bool = True, recover: bool = True) -> None:
         """Start serving; ``recover=False`` for worker processes that own no sandboxes."""
         self.hub.bind_loop(asyncio.get_running_loop())
+        if self.listener is not None:
+            self.listener.start()
         if migrate:
             await asyncio.to_thread(self._prepare)
         else:
@@ -135,6 +141,8 @@ class Broker:
         self.keyring.ensure_key()
 
     async def stop(self) -> None:
+        if self.listener is not None:
+            await asyncio.to_thread(self.listener.stop)
         await self.revocations.stop()
         await self.reaper.stop()
         await self.sandboxes.drain()

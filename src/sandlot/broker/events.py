@@ -2,18 +2,26 @@
 
 Appending happens inside the caller's transaction, so an event is visible
 exactly when the change it describes is. Subscribers in this process are woken
-at once through :class:`EventHub`; subscribers of other worker processes find
-new events on their next read (they re-read at least every
-``EventHub.POLL_SECONDS``).
+at once through :class:`EventHub`. On PostgreSQL the append also sends
+``NOTIFY sandlot_events`` with the stream id, delivered when the transaction
+commits; every broker process (every worker, every replica) runs a
+:class:`StoreListener` that wakes its own subscribers of that stream. A
+notification sent while a listener is disconnected is lost, so subscribers
+still re-read at least every ``EventHub.POLL_SECONDS`` (the reconciling read):
+a lost notification costs latency, never an event. On SQLite (one machine)
+that re-read is how other worker processes' events arrive.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
 import time
 from typing import Any
 
-from sqlalchemy import Connection, Table, bindparam, delete, select, update
+from sqlalchemy import Connection, Table, bindparam, delete, select, text, update
+from sqlalchemy.engine import make_url
 
 from sandlot.broker.store.schema import bindings, events, sandboxes
 from sandlot.protocol.common import Actor, rfc3339
@@ -30,6 +38,11 @@ _NEXT_SEQ = {
     for t in (bindings, sandboxes)
 }
 _INSERT_EVENT = events.insert()
+#: The PostgreSQL channel of :class:`StoreListener` (payload: a stream id, ≤ 8000 bytes).
+CHANNEL = "sandlot_events"
+_NOTIFY = text(f"SELECT pg_notify('{CHANNEL}', :stream)")
+
+log = logging.getLogger("sandlot.broker.events")
 
 
 def append_event(
@@ -64,6 +77,8 @@ def append_event(
         _INSERT_EVENT,
         {"stream_id": stream_id, "sequence": seq, "event": envelope, "created_at": now},
     )
+    if conn.dialect.name == "postgresql":
+        conn.execute(_NOTIFY, {"stream": stream_id})
     if seq > RETAINED_EVENTS and seq % 256 == 0:
         conn.execute(
             delete(events).where(
@@ -155,5 +170,72 @@ class EventHub:
         if stream_id not in self._waiters:
             self._versions.pop(stream_id, None)
 
+    def notify_all(self) -> None:
+        """Wake every subscriber (notifications may have been lost): each re-reads."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake_all)
 
-__all__ = ["RETAINED_EVENTS", "EventHub", "append_event", "bindings", "read_events", "sandboxes"]
+    def _wake_all(self) -> None:
+        for stream_id in list(self._waiters):
+            self._wake(stream_id)
+
+
+class StoreListener:
+    """Feeds an :class:`EventHub` with PostgreSQL notifications of every process's events.
+
+    A thread holds one ``LISTEN`` connection (psycopg, autocommit) and reconnects by
+    itself; after a reconnection it wakes every subscriber, whose re-read finds what
+    was committed meanwhile.
+    """
+
+    #: How long a wait for notifications lasts before the thread checks it should stop.
+    TICK_SECONDS = 0.5
+    RECONNECT_SECONDS = 1.0
+
+    def __init__(self, url: str, hub: EventHub) -> None:
+        self.conninfo = make_url(url).set(drivername="postgresql").render_as_string(False)
+        self.hub = hub
+        self.connected = threading.Event()
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="sandlot-listen", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(self.TICK_SECONDS * 4)
+            self._thread = None
+
+    def _run(self) -> None:
+        import psycopg
+
+        while not self._stopping.is_set():
+            try:
+                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5) as conn:
+                    conn.execute(f"LISTEN {CHANNEL}")
+                    self.connected.set()
+                    self.hub.notify_all()
+                    while not self._stopping.is_set():
+                        for note in conn.notifies(timeout=self.TICK_SECONDS):
+                            self.hub.notify(note.payload)
+            except psycopg.Error as exc:
+                self.connected.clear()
+                if not self._stopping.is_set():
+                    log.warning("event notifications interrupted (%s); reconnecting", exc)
+                    self._stopping.wait(self.RECONNECT_SECONDS)
+
+
+__all__ = [
+    "CHANNEL",
+    "RETAINED_EVENTS",
+    "EventHub",
+    "StoreListener",
+    "append_event",
+    "bindings",
+    "read_events",
+    "sandboxes",
+]

@@ -87,6 +87,8 @@ class Reaper:
                 continue
             records.append(AdoptionRecord(row.id, row.generation, template, row.state))
         lost = set(await self.provider.load_state(records))
+        adopted = [r.sandbox_id for r in records if r.sandbox_id not in lost]
+        await anyio.to_thread.run_sync(self.sandboxes.record_coordinates, adopted)
         for row in live:
             if row.id not in lost:
                 continue

@@ -238,12 +238,26 @@ class SandboxService:
         )
 
     def coordinates(self, row: SandboxRow) -> DataplaneCoordinates:
-        """Where its dataplane answers, as recorded by its host (whichever replica asks)."""
-        if row.dataplane_http and row.dataplane_ws:
+        """Where its dataplane answers: its host asks its provider (the address may change
+        across a restart); other replicas read what the host recorded."""
+        if not self.is_hosted_here(row) and row.dataplane_http and row.dataplane_ws:
             return DataplaneCoordinates(
                 http_base_url=row.dataplane_http, ws_base_url=row.dataplane_ws
             )
         return self.provider.dataplane(row.id)
+
+    def record_coordinates(self, sandbox_ids: list[str]) -> None:
+        """Record where this host's sandboxes answer now (after a restart re-adopts them)."""
+        if self.host is None or not sandbox_ids:
+            return
+        with self.store.write() as conn:
+            for sandbox_id in sandbox_ids:
+                coords = self.provider.dataplane(sandbox_id)
+                conn.execute(
+                    update(sandboxes)
+                    .where(sandboxes.c.id == sandbox_id)
+                    .values(dataplane_http=coords.http_base_url, dataplane_ws=coords.ws_base_url)
+                )
 
     def is_hosted_here(self, row: SandboxRow) -> bool:
         """Whether this process's provider runs the sandbox (see :mod:`sandlot.broker.hosts`)."""
