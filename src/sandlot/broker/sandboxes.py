@@ -322,20 +322,35 @@ class SandboxService:
         reason: str | None = None,
         ctx: AuditContext | None = None,
     ) -> tuple[bool, str | None]:
-        """Checked transition inside the caller's transaction; returns (changed, binding)."""
-        row = get_sandbox(conn, sandbox_id)
-        if row is None or row.state == state or not can_transition(row.state, state):
+        """Checked transition inside the caller's transaction; returns (changed, binding).
+
+        The update holds only if the state is still the one checked: on PostgreSQL two
+        replicas' transactions may both read ``active``, and the later writer must not
+        overwrite the earlier one's ``terminating`` with ``idle``. The later one re-reads
+        (the other has committed by then) and checks its transition again.
+        """
+        for _ in range(5):
+            row = get_sandbox(conn, sandbox_id)
+            if row is None or row.state == state or not can_transition(row.state, state):
+                return False, None
+            now = self.clock()
+            values: dict[str, Any] = {"state": state.value, "updated_at": now, "reason": reason}
+            if state is SandboxState.IDLE:
+                values["idle_since"] = now
+            elif state is SandboxState.ACTIVE:
+                values["idle_since"] = None
+                values["last_active_at"] = now
+            if not state.live:
+                values["live_name"] = None
+            changed = conn.execute(
+                update(sandboxes)
+                .where(sandboxes.c.id == sandbox_id, sandboxes.c.state == row.state.value)
+                .values(**values)
+            ).rowcount
+            if changed:
+                break
+        else:
             return False, None
-        now = self.clock()
-        values: dict[str, Any] = {"state": state.value, "updated_at": now, "reason": reason}
-        if state is SandboxState.IDLE:
-            values["idle_since"] = now
-        elif state is SandboxState.ACTIVE:
-            values["idle_since"] = None
-            values["last_active_at"] = now
-        if not state.live:
-            values["live_name"] = None
-        conn.execute(update(sandboxes).where(sandboxes.c.id == sandbox_id).values(**values))
         phase = {"from": row.state.value, "to": state.value, "reason": reason}
         append_event(
             conn,
