@@ -50,6 +50,7 @@ log = logging.getLogger("sandlot.dataplane.standalone")
 CONTROL_PREFIX = "/__control/"
 JWKS_FILE = "jwks.json"
 REVOKED_FILE = "revoked.json"
+COMMAND_OOM_SCORE_ADJ = 800
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,14 @@ class StandaloneDataplane:
         template = Template(name="standalone", image="self")
         if options.shells:
             template = template.model_copy(update={"shells": dict(options.shells)})
-        runtime = DirectRuntime(options.sandbox_id, options.generation, template, options.workspace)
+        # Out of memory, the kernel kills a command rather than the dataplane beside it.
+        runtime = DirectRuntime(
+            options.sandbox_id,
+            options.generation,
+            template,
+            options.workspace,
+            oom_score_adj=COMMAND_OOM_SCORE_ADJ,
+        )
         self.inner = create_standalone_app(runtime, verifier=verifier, settings=settings)
         self.host = self.inner.host
 

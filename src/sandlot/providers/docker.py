@@ -376,9 +376,14 @@ class DockerProvider(Provider):
             await self._docker(old.remove, force=True)
         config = self._container_config(spec)
         try:
-            return await self._docker(self._client.containers.run, **config)
+            # Never pulled: the image is the engine's own (built or pulled beforehand).
+            await self._docker(self._client.images.get, config["image"])
         except docker.errors.NotFound as exc:
-            raise ProviderUnavailable(f"image {config['image']!r} not found") from exc
+            raise ProviderUnavailable(f"image {config['image']!r} not found on the engine") from exc
+        del config["detach"]
+        container = await self._docker(self._client.containers.create, **config)
+        await self._docker(container.start)
+        return container
 
     async def _wait_ready(self, sandbox_id: str, container: Any) -> Upstream:
         """The dataplane answers on its socket: its upstream (its state read once)."""
