@@ -220,7 +220,12 @@ class DirectRuntime(SandboxRuntime):
         workspace: Path,
         *,
         tmp: Path | None = None,
+        oom_score_adj: int | None = None,
     ) -> None:
+        """``oom_score_adj``: raise the commands' (and tools') score, so that when the
+        sandbox runs out of memory the kernel kills them rather than the dataplane that
+        shares their cgroup (a container's)."""
+        self.oom_score_adj = oom_score_adj
         self.sandbox_id = sandbox_id
         self.generation = generation
         self.template = template
@@ -256,7 +261,16 @@ class DirectRuntime(SandboxRuntime):
         }
 
     async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
-        return await spawn_direct(spec, cwd=self._host_cwd(spec.cwd), base_env=self._base_env())
+        proc = await spawn_direct(spec, cwd=self._host_cwd(spec.cwd), base_env=self._base_env())
+        self._mark_killable(proc.pid)
+        return proc
+
+    def _mark_killable(self, pid: int) -> None:
+        if self.oom_score_adj is None:
+            return
+        # Raising a score needs no privilege; what the child forks later inherits it.
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/oom_score_adj", "w") as f:
+            f.write(str(self.oom_score_adj))
 
     async def spawn_tool(
         self,
@@ -280,8 +294,11 @@ class DirectRuntime(SandboxRuntime):
             argv = limited_argv(limit, program, args, deadline)
             if ids is not None:
                 argv[1:1] = ["--ids", f"{ids[0]}:{ids[1]}"]
-            return _spawn_pipes(argv, cwd=host_cwd, env=self._base_env())
-        popen: dict[str, Any] = {"preexec_fn": _die_with_server(os.getpid())}
-        if ids is not None:
-            popen.update(user=ids[0], group=ids[1], extra_groups=[])
-        return _spawn_pipes([program, *args], cwd=host_cwd, env=self._base_env(), **popen)
+            proc = _spawn_pipes(argv, cwd=host_cwd, env=self._base_env())
+        else:
+            popen: dict[str, Any] = {"preexec_fn": _die_with_server(os.getpid())}
+            if ids is not None:
+                popen.update(user=ids[0], group=ids[1], extra_groups=[])
+            proc = _spawn_pipes([program, *args], cwd=host_cwd, env=self._base_env(), **popen)
+        self._mark_killable(proc.pid)
+        return proc

@@ -1,0 +1,210 @@
+"""The dataplane of one sandbox, run inside it: ``python -m sandlot.dataplane``.
+
+A container-like provider (``docker``) starts this as the sandbox's main process,
+the way hosted sandboxes run a daemon in each box. It serves the one sandbox whose
+processes run where it runs (:class:`~sandlot.runtime.direct.DirectRuntime`: the
+container is the sandbox), on a Unix socket (or a TCP port), and verifies the broker's
+tokens itself.
+
+The broker's trust material comes from a *trust directory* the provider keeps up to
+date and mounts read-only (the sandbox cannot change it):
+
+- ``jwks.json``: the broker's public keys (the ``/.well-known/jwks.json`` document),
+  re-read when a token names a key it does not know;
+- ``revoked.json``: ``{"revoked": [{"jti": …, "expires_at": …}]}``, re-read on
+  ``POST /__control/reload``.
+
+Alternatively ``--jwks-url`` fetches the keys from the broker (a sandbox with network).
+
+Two control routes answer on the socket beside the sandbox's ``/v1/…`` and
+``/{sandbox_id}/v1/…``: ``GET /__control/status`` (state and last event sequence, read
+together) and ``POST /__control/reload`` (re-read the trust directory). Neither takes
+input nor says anything secret; the provider's relay does not forward them.
+
+Tuning comes from ``SANDLOT_DP_*`` (:class:`~sandlot.dataplane.settings.DataplaneSettings`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+
+from sandlot.dataplane.http.host import create_standalone_app
+from sandlot.dataplane.services.auth import JwksSource, TokenVerifier
+from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.tokens import RevokedToken
+from sandlot.runtime.direct import DirectRuntime
+
+log = logging.getLogger("sandlot.dataplane.standalone")
+
+CONTROL_PREFIX = "/__control/"
+JWKS_FILE = "jwks.json"
+REVOKED_FILE = "revoked.json"
+COMMAND_OOM_SCORE_ADJ = 800
+
+
+@dataclass(frozen=True)
+class StandaloneOptions:
+    """What one in-sandbox dataplane serves, and where."""
+
+    sandbox_id: str
+    generation: int
+    issuer: str
+    workspace: Path = Path("/workspace")
+    trust_dir: Path | None = None
+    jwks_url: str | None = None
+    uds: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8080
+    shells: Mapping[str, list[str]] | None = None
+
+
+def file_jwks(trust_dir: Path) -> JwksSource:
+    path = trust_dir / JWKS_FILE
+
+    async def source() -> Mapping[str, Any]:
+        text = await asyncio.to_thread(path.read_text)
+        doc = json.loads(text)
+        return doc if isinstance(doc, dict) else {}
+
+    return source
+
+
+def url_jwks(url: str) -> JwksSource:
+    async def source() -> Mapping[str, Any]:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            resp = await client.get(url)
+            resp.raise_for_status()
+            doc = resp.json()
+            return doc if isinstance(doc, dict) else {}
+
+    return source
+
+
+def read_revoked(trust_dir: Path) -> list[RevokedToken]:
+    try:
+        doc = json.loads((trust_dir / REVOKED_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for item in doc.get("revoked", []) if isinstance(doc, dict) else []:
+        try:
+            out.append(RevokedToken(str(item["jti"]), float(item["expires_at"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
+class StandaloneDataplane:
+    """The ASGI app: the sandbox's dataplane plus the two control routes."""
+
+    def __init__(self, options: StandaloneOptions, settings: DataplaneSettings) -> None:
+        self.options = options
+        if options.trust_dir is not None:
+            source = file_jwks(options.trust_dir)
+            # A local file: re-reading it for an unknown key costs nothing.
+            refetch = 0.2
+        elif options.jwks_url is not None:
+            source = url_jwks(options.jwks_url)
+            refetch = 5.0
+        else:
+            raise ValueError("the dataplane needs --trust-dir or --jwks-url")
+        verifier = TokenVerifier(source, issuer=options.issuer, refetch_interval=refetch)
+        template = Template(name="standalone", image="self")
+        if options.shells:
+            template = template.model_copy(update={"shells": dict(options.shells)})
+        # Out of memory, the kernel kills a command rather than the dataplane beside it.
+        runtime = DirectRuntime(
+            options.sandbox_id,
+            options.generation,
+            template,
+            options.workspace,
+            oom_score_adj=COMMAND_OOM_SCORE_ADJ,
+        )
+        self.inner = create_standalone_app(runtime, verifier=verifier, settings=settings)
+        self.host = self.inner.host
+
+    def reload(self) -> None:
+        if self.options.trust_dir is not None:
+            self.host.revoke(read_revoked(self.options.trust_dir))
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX):
+            await self._control(scope, send)
+            return
+        await self.inner(scope, receive, send)
+
+    async def _control(self, scope: Any, send: Any) -> None:
+        action = scope["path"][len(CONTROL_PREFIX) :]
+        status, body = 404, {"error": "no such control route"}
+        if action == "status" and scope["method"] == "GET":
+            try:
+                state, seq = self.host.status(self.options.sandbox_id)
+            except Exception:
+                status, body = 503, {"error": "starting"}
+            else:
+                status, body = 200, {"state": state.value, "last_event_sequence": seq}
+        elif action == "reload" and scope["method"] == "POST":
+            await asyncio.to_thread(self.reload)
+            status, body = 200, {}
+        data = json.dumps(body).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+
+def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:
+    parser = argparse.ArgumentParser(
+        prog="python -m sandlot.dataplane", description="The dataplane of the sandbox it runs in."
+    )
+    parser.add_argument("--sandbox-id", required=True)
+    parser.add_argument("--generation", type=int, required=True)
+    parser.add_argument("--issuer", required=True, help="the broker's token issuer")
+    parser.add_argument("--workspace", type=Path, default=Path("/workspace"))
+    keys = parser.add_mutually_exclusive_group(required=True)
+    keys.add_argument("--trust-dir", type=Path, help="holds jwks.json and revoked.json")
+    keys.add_argument("--jwks-url", help="the broker's /.well-known/jwks.json")
+    parser.add_argument("--uds", help="serve on this Unix socket")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8080)
+    parser.add_argument("--shells", help="shell profiles as JSON: name → argv")
+    args = parser.parse_args(argv)
+    return StandaloneOptions(
+        sandbox_id=args.sandbox_id,
+        generation=args.generation,
+        issuer=args.issuer,
+        workspace=args.workspace,
+        trust_dir=args.trust_dir,
+        jwks_url=args.jwks_url,
+        uds=args.uds,
+        host=args.host,
+        port=args.port,
+        shells=json.loads(args.shells) if args.shells else None,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    options = parse_args(argv)
+    app = StandaloneDataplane(options, DataplaneSettings.from_env())
+    app.reload()
+    where: dict[str, Any] = (
+        {"uds": options.uds} if options.uds else {"host": options.host, "port": options.port}
+    )
+    config = uvicorn.Config(
+        app, log_level="warning", lifespan="on", ws_ping_interval=None, access_log=False, **where
+    )
+    uvicorn.Server(config).run()
+
+
+__all__ = ["StandaloneDataplane", "StandaloneOptions", "main"]

@@ -1,0 +1,598 @@
+"""The ``docker`` provider: a sandbox is a container (Docker Engine, or Podman's
+Docker-compatible socket), driven with the ``docker`` SDK.
+
+Each sandbox is one container of its template's image, with the template's memory,
+pids and cpu limits, no network (``network_mode=none``) unless the template asks for
+it, an unprivileged user, every capability dropped, ``no-new-privileges``, a
+read-only root filesystem with a private ``/tmp``, and a named volume at
+``/workspace``. Its main process is the dataplane in its standalone mode
+(``python -m sandlot.dataplane``, :mod:`sandlot.dataplane.standalone`), which runs the
+sandbox's commands and shells as its own children and verifies the broker's tokens
+itself.
+
+The dataplane listens on a Unix socket in a host directory bind-mounted at
+``/run/sandlot``; the embedded server mounts :attr:`DockerProvider.app` (a
+:class:`~sandlot.providers.socketrelay.SocketRelay`) at ``/dp``, so clients reach a
+sandbox at ``{public_url}/dp/{sandbox_id}/v1`` exactly as with ``local``, and the
+sandbox needs no network for it. The broker's public keys and the revoked tokens are
+files in a second host directory, mounted read-only at ``/run/sandlot-trust``; the
+provider rewrites them when the broker's keys change (checked every
+``jwks_refresh_seconds``) and on :meth:`~DockerProvider.revoke`, then tells the
+dataplane to re-read them.
+
+Containers carry the labels ``sandlot.sandbox``, ``sandlot.generation`` and
+``sandlot.instance`` (this server's data directory): a restarted broker re-adopts
+them by label (:meth:`~DockerProvider.load_state`), and removes the containers,
+workspace volumes and run directories of its instance that no live sandbox owns.
+Suspend pauses the container (the cgroup freezer); resume unpauses it.
+
+Config keys (``[provider]`` in the server's configuration; ``data_dir``,
+``public_url``, ``issuer`` and ``jwks`` are wired in by the server):
+
+- ``url``: the engine's API (default ``unix:///var/run/docker.sock``; Podman:
+  ``unix:///run/podman/podman.sock``).
+- ``image``: the image of templates whose ``image`` is ``host`` or a path (default
+  ``sandlot-sandbox``); ``images``: a table template name → image, which wins.
+  A template whose ``image`` is anything else names its image itself.
+- ``user``: ``uid:gid`` the sandbox runs as (default ``1000:1000``; never 0).
+- ``python``: the image's interpreter (default ``python3``); ``pythonpath``: where
+  sandlot and its server dependencies are in the image (default ``/opt/sandlot/lib``).
+- ``network``: the network of templates with ``network = "host"`` (default ``bridge``);
+  ``network = "none"`` templates (the default) get none.
+- ``tmp_mb``: size of the private ``/tmp`` (default 256).
+- ``read_only_root``: the image's filesystem read-only (default true).
+- ``start_timeout_seconds``: how long a dataplane may take to answer (default 60).
+- ``jwks_refresh_seconds``: how often the broker's keys are compared (default 2).
+- ``keep_volumes``: keep workspace volumes when sandboxes are deleted (default false).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+import httpx
+from docker.types import Mount
+
+from sandlot.protocol.errors import (
+    InvalidRequest,
+    ProviderUnavailable,
+    SandboxNotFound,
+    SandboxStarting,
+)
+from sandlot.protocol.sessions import DataplaneCoordinates, NetworkMode, SandboxActivity, Template
+from sandlot.protocol.states import SandboxState
+from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers.base import (
+    AdoptionRecord,
+    Provider,
+    ProviderStatus,
+    SandboxSpec,
+    StatusListener,
+)
+from sandlot.providers.socketrelay import SocketRelay, Upstream, open_socket
+
+log = logging.getLogger("sandlot.providers.docker")
+
+LABEL_SANDBOX = "sandlot.sandbox"
+LABEL_GENERATION = "sandlot.generation"
+LABEL_INSTANCE = "sandlot.instance"
+RUN_MOUNT = "/run/sandlot"
+TRUST_MOUNT = "/run/sandlot-trust"
+SOCKET_NAME = "dp.sock"
+WORKSPACE = "/workspace"
+
+JwksSource = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+class _Sandbox:
+    """What the provider knows of one container."""
+
+    def __init__(self, spec: SandboxSpec, state: SandboxState) -> None:
+        self.spec = spec
+        self.state = state
+        self.reason: str | None = None
+        self.upstream: Upstream | None = None
+        self.last_event_sequence = 0
+        self.revoked: dict[str, float] = {}
+
+
+class DockerProvider(Provider):
+    name = "docker"
+    supports_suspend = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        self.url = str(cfg.get("url", "unix:///var/run/docker.sock"))
+        self.image = str(cfg.get("image", "sandlot-sandbox"))
+        self.images: dict[str, str] = dict(cfg.get("images", {}))
+        self.user = str(cfg.get("user", "1000:1000"))
+        uid, _, gid = self.user.partition(":")
+        if not uid.isdigit() or int(uid) == 0 or not (gid or uid).isdigit():
+            raise InvalidRequest("the docker provider's user is a numeric uid:gid, never 0")
+        self.uid, self.gid = int(uid), int(gid or uid)
+        self.python = str(cfg.get("python", "python3"))
+        self.pythonpath = str(cfg.get("pythonpath", "/opt/sandlot/lib"))
+        self.network = str(cfg.get("network", "bridge"))
+        self.tmp_mb = int(cfg.get("tmp_mb", 256))
+        self.read_only_root = bool(cfg.get("read_only_root", True))
+        self.start_timeout = float(cfg.get("start_timeout_seconds", 60.0))
+        self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
+        self.keep_volumes = bool(cfg.get("keep_volumes", False))
+        data_dir = Path(cfg.get("data_dir", ".sandlot")).absolute()
+        self.root = data_dir / "docker"
+        self.instance = hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+        self.public_url = str(cfg.get("public_url", "http://127.0.0.1:8765")).rstrip("/")
+        self.issuer = str(cfg.get("issuer", ""))
+        jwks = cfg.get("jwks")
+        if jwks is None or not self.issuer:
+            raise InvalidRequest("the docker provider needs the broker's issuer and JWKS source")
+        self._jwks: JwksSource = jwks
+        self._jwks_text = ""
+        self._client: Any = None
+        self._listener: StatusListener | None = None
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._refresher: asyncio.Task[None] | None = None
+        #: The ASGI app the embedded server mounts at ``/dp``.
+        self.app = SocketRelay(self._upstream)
+
+    # --- lifecycle of the provider --------------------------------------------------
+
+    async def start(self, listener: StatusListener | None = None) -> None:
+        self._listener = listener
+        try:
+            self._client = await asyncio.to_thread(docker.DockerClient, base_url=self.url)
+            await asyncio.to_thread(self._client.ping)
+        except Exception as exc:
+            raise ProviderUnavailable(f"the container engine at {self.url} is unreachable") from exc
+        self.root.mkdir(parents=True, exist_ok=True)
+        os.chmod(self.root, 0o700)
+        await self._refresh_keys()
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for box in self._sandboxes.values():
+            if box.upstream is not None:
+                await box.upstream.close()
+                box.upstream = None
+        if self._client is not None:
+            await asyncio.to_thread(self._client.close)
+
+    def readiness(self) -> dict[str, Any]:
+        return {
+            "ok": self._client is not None,
+            "engine": self.url,
+            "sandboxes": len(self._sandboxes),
+        }
+
+    async def _notify(self, sandbox_id: str) -> None:
+        if self._listener is None:
+            return
+        try:
+            result = self._listener(sandbox_id, await self.status(sandbox_id))
+            if inspect.isawaitable(result):
+                await result
+        except SandboxNotFound:
+            pass
+        except Exception:
+            log.exception("status listener failed for %s", sandbox_id)
+
+    async def _docker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One blocking SDK call, off the event loop."""
+        if self._client is None:
+            raise ProviderUnavailable("the docker provider is not started")
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except docker.errors.NotFound:
+            raise
+        except docker.errors.DockerException as exc:
+            raise ProviderUnavailable(f"container engine: {exc}") from exc
+
+    # --- paths and names -------------------------------------------------------------
+
+    def _dir(self, sandbox_id: str) -> Path:
+        return self.root / sandbox_id
+
+    def _container_name(self, sandbox_id: str) -> str:
+        return f"sandlot-{self.instance[:8]}-{sandbox_id}"
+
+    def _volume_name(self, sandbox_id: str) -> str:
+        return f"sandlot-{self.instance[:8]}-{sandbox_id}-workspace"
+
+    def image_for(self, template: Template) -> str:
+        if template.name in self.images:
+            return self.images[template.name]
+        if template.image == "host" or template.image.startswith("/"):
+            return self.image
+        return template.image
+
+    # --- the trust directory ------------------------------------------------------------
+
+    def _write_trust(self, sandbox_id: str, name: str, doc: Mapping[str, Any]) -> None:
+        trust = self._dir(sandbox_id) / "trust"
+        trust.mkdir(parents=True, exist_ok=True)
+        tmp = trust / f".{name}.tmp"
+        tmp.write_text(json.dumps(doc))
+        tmp.chmod(0o644)
+        tmp.replace(trust / name)
+
+    async def _refresh_keys(self) -> bool:
+        """Fetch the broker's keys; rewrite every sandbox's copy if they changed."""
+        doc = await self._jwks()
+        text = json.dumps(doc, sort_keys=True)
+        if text == self._jwks_text:
+            return False
+        self._jwks_text = text
+        for sandbox_id in list(self._sandboxes):
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._write_trust, sandbox_id, "jwks.json", doc)
+        return True
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.jwks_refresh)
+            try:
+                await self._refresh_keys()
+            except Exception:
+                log.exception("refreshing the broker's keys failed")
+
+    # --- the contract -----------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> ProviderStatus:
+        sid = spec.sandbox_id
+        box = self._sandboxes.get(sid)
+        if box is not None and box.spec.generation == spec.generation:
+            return await self.status(sid)
+        if box is not None:
+            await self.delete(sid)
+        self._sandboxes[sid] = _Sandbox(spec, SandboxState.PROVISIONING)
+        task = asyncio.get_running_loop().create_task(self._create(spec))
+        self._tasks[sid] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(sid, None))
+        return await self.status(sid)
+
+    async def _create(self, spec: SandboxSpec) -> None:
+        sid = spec.sandbox_id
+        try:
+            container = await self._start_container(spec)
+            upstream = await self._wait_ready(sid, container)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            reason = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            log.error("creating sandbox %s failed: %s", sid, reason)
+            box = self._sandboxes.get(sid)
+            if box is not None:
+                box.state, box.reason = SandboxState.FAILED, reason[:500]
+                await self._notify(sid)
+            return
+        box = self._sandboxes.get(sid)
+        if box is None:  # deleted while it was being created
+            await upstream.close()
+            await self._remove(sid)
+            return
+        box.upstream = upstream
+        box.state, box.reason = SandboxState.ACTIVE, "ready"
+        await self._notify(sid)
+
+    def _container_config(self, spec: SandboxSpec) -> dict[str, Any]:
+        sid, template = spec.sandbox_id, spec.template
+        res = template.resources
+        mounts = [
+            Mount(WORKSPACE, self._volume_name(sid), type="volume"),
+            Mount(RUN_MOUNT, str(self._dir(sid) / "run"), type="bind"),
+            Mount(TRUST_MOUNT, str(self._dir(sid) / "trust"), type="bind", read_only=True),
+        ]
+        for vm in template.volume_mounts:
+            name = f"sandlot-{self.instance[:8]}-vol-{vm.volume}"
+            mounts.append(Mount(vm.path, name, type="volume", read_only=vm.read_only))
+        command = [
+            self.python,
+            "-m",
+            "sandlot.dataplane",
+            "--sandbox-id",
+            sid,
+            "--generation",
+            str(spec.generation),
+            "--issuer",
+            self.issuer,
+            "--trust-dir",
+            TRUST_MOUNT,
+            "--uds",
+            f"{RUN_MOUNT}/{SOCKET_NAME}",
+            "--workspace",
+            WORKSPACE,
+            "--shells",
+            json.dumps(template.shells),
+        ]
+        network = "none" if template.network is NetworkMode.NONE else self.network
+        memory = f"{res.memory_mb}m"
+        return {
+            "image": self.image_for(template),
+            "command": command,
+            "name": self._container_name(sid),
+            "hostname": "sandbox",
+            "labels": {
+                LABEL_SANDBOX: sid,
+                LABEL_GENERATION: str(spec.generation),
+                LABEL_INSTANCE: self.instance,
+            },
+            "user": self.user,
+            "working_dir": WORKSPACE,
+            # The dataplane's own; commands get only the template's (DirectRuntime).
+            "environment": {"PYTHONPATH": self.pythonpath, "PYTHONDONTWRITEBYTECODE": "1"},
+            "network_mode": network,
+            "mem_limit": memory,
+            "memswap_limit": memory,
+            "pids_limit": res.pids,
+            "nano_cpus": int(res.cpu * 1e9),
+            "read_only": self.read_only_root,
+            "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmp_mb}m,mode=1777"},
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges"],
+            "mounts": mounts,
+            # A tiny init reaps the orphans of the sandbox's commands.
+            "init": True,
+            "detach": True,
+        }
+
+    def _prepare_dirs(self, sandbox_id: str) -> None:
+        base = self._dir(sandbox_id)
+        run = base / "run"
+        if run.exists():
+            shutil.rmtree(run)
+        run.mkdir(parents=True)
+        os.chown(run, self.uid, self.gid)
+        run.chmod(0o700)
+
+    async def _start_container(self, spec: SandboxSpec) -> Any:
+        sid = spec.sandbox_id
+        await asyncio.to_thread(self._prepare_dirs, sid)
+        await asyncio.to_thread(self._write_trust, sid, "jwks.json", json.loads(self._jwks_text))
+        await asyncio.to_thread(self._write_trust, sid, "revoked.json", {"revoked": []})
+        # A retry after a crash mid-create: start clean, keep the workspace volume.
+        with contextlib.suppress(docker.errors.NotFound):
+            old = await self._docker(self._client.containers.get, self._container_name(sid))
+            await self._docker(old.remove, force=True)
+        config = self._container_config(spec)
+        try:
+            # Never pulled: the image is the engine's own (built or pulled beforehand).
+            await self._docker(self._client.images.get, config["image"])
+        except docker.errors.NotFound as exc:
+            raise ProviderUnavailable(f"image {config['image']!r} not found on the engine") from exc
+        del config["detach"]
+        container = await self._docker(self._client.containers.create, **config)
+        await self._docker(container.start)
+        return container
+
+    async def _wait_ready(self, sandbox_id: str, container: Any) -> Upstream:
+        """The dataplane answers on its socket: its upstream (its state read once)."""
+        path = str(self._dir(sandbox_id) / "run" / SOCKET_NAME)
+        deadline = time.monotonic() + self.start_timeout
+        delay = 0.005
+        checked = time.monotonic()
+        while True:
+            fd = open_socket(path)
+            if fd is not None:
+                upstream = Upstream(fd)
+                try:
+                    resp = await upstream.client.get("/__control/status")
+                    if resp.status_code == 200:
+                        return upstream
+                except httpx.TransportError:
+                    pass
+                await upstream.close()
+            now = time.monotonic()
+            if now > deadline:
+                raise ProviderUnavailable(f"the dataplane did not start in {self.start_timeout} s")
+            if now - checked > 0.5:
+                checked = now
+                await self._docker(container.reload)
+                if container.status not in ("created", "running"):
+                    logs = await self._docker(container.logs, tail=20)
+                    tail = logs.decode(errors="replace").strip()[-400:]
+                    raise ProviderUnavailable(f"the sandbox's container exited: {tail}")
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _box(self, sandbox_id: str) -> _Sandbox:
+        box = self._sandboxes.get(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}")
+        return box
+
+    def _upstream(self, sandbox_id: str) -> Upstream:
+        box = self._box(sandbox_id)
+        if box.state is SandboxState.PROVISIONING or box.upstream is None:
+            if box.state is SandboxState.FAILED:
+                raise ProviderUnavailable(box.reason or "the sandbox failed")
+            raise SandboxStarting("sandbox is starting", retry_after=1.0)
+        if box.state is SandboxState.SUSPENDED:
+            raise SandboxStarting("sandbox is suspended", retry_after=1.0)
+        if not box.state.live:
+            raise SandboxNotFound("sandbox is no longer running")
+        return box.upstream
+
+    async def status(self, sandbox_id: str) -> ProviderStatus:
+        box = self._box(sandbox_id)
+        if box.state is SandboxState.ACTIVE and box.upstream is not None:
+            try:
+                resp = await box.upstream.client.get("/__control/status")
+                if resp.status_code == 200:
+                    box.last_event_sequence = int(resp.json()["last_event_sequence"])
+            except httpx.TransportError:
+                await self._check_alive(sandbox_id, box)
+        return ProviderStatus(box.state, box.last_event_sequence, box.reason)
+
+    async def _check_alive(self, sandbox_id: str, box: _Sandbox) -> None:
+        """The dataplane did not answer: a container that stopped fails the sandbox."""
+        try:
+            container = await self._docker(
+                self._client.containers.get, self._container_name(sandbox_id)
+            )
+        except docker.errors.NotFound:
+            box.state, box.reason = SandboxState.FAILED, "the container is gone"
+            return
+        if container.status != "running":
+            oom = container.attrs.get("State", {}).get("OOMKilled")
+            reason = "out of memory" if oom else f"the container is {container.status}"
+            box.state, box.reason = SandboxState.FAILED, reason
+
+    async def suspend(self, sandbox_id: str) -> ProviderStatus:
+        box = self._box(sandbox_id)
+        if box.state is SandboxState.ACTIVE:
+            container = await self._container(sandbox_id)
+            await self._docker(container.pause)
+            box.state, box.reason = SandboxState.SUSPENDED, "suspended"
+        return await self.status(sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> ProviderStatus:
+        box = self._box(sandbox_id)
+        if box.state is SandboxState.SUSPENDED:
+            container = await self._container(sandbox_id)
+            await self._docker(container.unpause)
+            box.state, box.reason = SandboxState.ACTIVE, "resumed"
+        return await self.status(sandbox_id)
+
+    async def _container(self, sandbox_id: str) -> Any:
+        try:
+            return await self._docker(self._client.containers.get, self._container_name(sandbox_id))
+        except docker.errors.NotFound as exc:
+            raise SandboxNotFound(f"no container for {sandbox_id}") from exc
+
+    async def delete(self, sandbox_id: str) -> None:
+        box = self._sandboxes.pop(sandbox_id, None)
+        task = self._tasks.pop(sandbox_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if box is not None and box.upstream is not None:
+            await box.upstream.close()
+        await self._remove(sandbox_id)
+
+    async def _remove(self, sandbox_id: str) -> None:
+        """Container, workspace volume (unless kept) and run directory. Idempotent."""
+        with contextlib.suppress(docker.errors.NotFound):
+            container = await self._docker(
+                self._client.containers.get, self._container_name(sandbox_id)
+            )
+            await self._docker(container.remove, force=True)
+        if not self.keep_volumes:
+            with contextlib.suppress(docker.errors.NotFound):
+                volume = await self._docker(self._client.volumes.get, self._volume_name(sandbox_id))
+                await self._docker(volume.remove, force=True)
+        await asyncio.to_thread(shutil.rmtree, self._dir(sandbox_id), True)
+
+    def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
+        http = f"{self.public_url}/dp/{sandbox_id}/v1"
+        ws = "ws" + http[4:] if http.startswith("http") else http
+        return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
+
+    async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
+        box = self._sandboxes.get(sandbox_id)
+        if box is None:
+            return
+        now = time.time()
+        box.revoked = {j: e for j, e in box.revoked.items() if e > now - 60}
+        box.revoked.update({t.jti: t.expires_at for t in tokens})
+        doc = {"revoked": [{"jti": j, "expires_at": e} for j, e in box.revoked.items()]}
+        await asyncio.to_thread(self._write_trust, sandbox_id, "revoked.json", doc)
+        if box.upstream is not None and box.state is SandboxState.ACTIVE:
+            with contextlib.suppress(httpx.TransportError):
+                await box.upstream.client.post("/__control/reload")
+
+    async def activity(self, sandbox_id: str) -> SandboxActivity:
+        self._box(sandbox_id)
+        return SandboxActivity()
+
+    async def load_state(self, records: Sequence[AdoptionRecord]) -> list[str]:
+        containers = await self._docker(
+            self._client.containers.list,
+            all=True,
+            filters={"label": f"{LABEL_INSTANCE}={self.instance}"},
+        )
+        by_id = {c.labels.get(LABEL_SANDBOX): c for c in containers}
+        lost: list[str] = []
+        for rec in records:
+            container = by_id.get(rec.sandbox_id)
+            if (
+                rec.state is SandboxState.PROVISIONING
+                or container is None
+                or container.labels.get(LABEL_GENERATION) != str(rec.generation)
+                or container.status not in ("running", "paused")
+            ):
+                lost.append(rec.sandbox_id)
+                continue
+            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template)
+            box = _Sandbox(spec, SandboxState.PROVISIONING)
+            self._sandboxes[rec.sandbox_id] = box
+            path = str(self._dir(rec.sandbox_id) / "run" / SOCKET_NAME)
+            fd = open_socket(path)
+            if fd is None:
+                self._sandboxes.pop(rec.sandbox_id)
+                lost.append(rec.sandbox_id)
+                continue
+            box.upstream = Upstream(fd)
+            if container.status == "paused":
+                box.state, box.reason = SandboxState.SUSPENDED, "re-adopted after restart"
+            else:
+                box.state, box.reason = SandboxState.ACTIVE, "re-adopted after restart"
+            # The broker's keys may have changed while nobody watched.
+            with contextlib.suppress(OSError, ValueError):
+                doc = json.loads(self._jwks_text)
+                await asyncio.to_thread(self._write_trust, rec.sandbox_id, "jwks.json", doc)
+        await self.cleanup_leftovers(keep=set(self._sandboxes))
+        return lost
+
+    async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
+        """Remove this instance's containers, workspace volumes and run directories that
+        belong to no sandbox in ``keep``; the ids removed."""
+        label = {"label": f"{LABEL_INSTANCE}={self.instance}"}
+        containers = await self._docker(self._client.containers.list, all=True, filters=label)
+        leftover = {c.labels.get(LABEL_SANDBOX) for c in containers} - keep - {None}
+        if self.root.is_dir():
+            leftover |= {p.name for p in self.root.iterdir() if p.is_dir()} - keep
+        prefix = f"sandlot-{self.instance[:8]}-"
+        volumes = [] if self.keep_volumes else await self._docker(self._client.volumes.list)
+        for volume in volumes:
+            name = volume.name
+            if name.startswith(prefix) and name.endswith("-workspace"):
+                sid = name[len(prefix) : -len("-workspace")]
+                if sid not in keep:
+                    leftover.add(sid)
+        removed = []
+        for sid in sorted(s for s in leftover if s):
+            log.info("removing leftover sandbox %s", sid)
+            await self._remove(sid)
+            removed.append(sid)
+        return removed
+
+    async def list_sandboxes(self) -> set[str]:
+        label = {"label": f"{LABEL_INSTANCE}={self.instance}"}
+        containers = await self._docker(self._client.containers.list, all=True, filters=label)
+        running = {c.labels.get(LABEL_SANDBOX) for c in containers} - {None}
+        return set(self._sandboxes) | {str(s) for s in running}
+
+
+__all__ = ["DockerProvider"]

@@ -1,0 +1,265 @@
+"""The broker's ``/dp/{sandbox_id}/v1/…`` relayed to a dataplane on a Unix socket.
+
+A container provider runs the dataplane inside each sandbox, listening on a Unix
+socket in a directory bind-mounted from the host; the sandbox itself has no network.
+:class:`SocketRelay` is the ASGI app the embedded server mounts at ``/dp``: it passes
+each request (streamed both ways) and each WebSocket (frame by frame, through
+:func:`sandlot.web.relay.relay`) to that sandbox's socket, unchanged. It checks no
+token: the dataplane in the sandbox verifies the broker's tokens itself, so the relay
+holds no authority a client could borrow. Only ``/{sandbox_id}/v1/…`` is forwarded.
+
+The socket is reached through a descriptor opened once, with ``O_PATH | O_NOFOLLOW``,
+on the socket the dataplane bound (:func:`open_socket`), and connected to as
+``/proc/self/fd/N``: whatever the sandbox later puts at that path (a symlink to a
+socket of the host, say) is never followed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import stat
+from collections.abc import AsyncIterator, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, unix_connect
+from websockets.exceptions import InvalidHandshake, InvalidStatus
+
+from sandlot.protocol.errors import ProviderUnavailable, ResourceNotFound, SandlotError
+from sandlot.web.relay import relay
+
+_ROUTE = re.compile(r"^/([A-Za-z0-9_.-]{1,128})(/v1(?:/.*)?)$")
+#: Headers of one hop only (RFC 9110 7.6.1), never passed on.
+_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"host",
+    }
+)
+_WS_DROP = _HOP | {
+    b"sec-websocket-key",
+    b"sec-websocket-version",
+    b"sec-websocket-extensions",
+    b"sec-websocket-protocol",
+}
+MAX_FRAME_BYTES = 16 << 20
+
+
+def open_socket(path: str) -> int | None:
+    """A descriptor on the Unix socket at ``path``, or ``None`` while there is none (or
+    what is there is not a socket: a symlink is not followed)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+@dataclass
+class Upstream:
+    """One sandbox's dataplane socket and the pooled HTTP client that reaches it."""
+
+    fd: int
+    client: httpx.AsyncClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        transport = httpx.AsyncHTTPTransport(uds=self.path)
+        self.client = httpx.AsyncClient(
+            transport=transport,
+            base_url="http://dataplane",
+            timeout=httpx.Timeout(None, connect=5.0),
+        )
+
+    @property
+    def path(self) -> str:
+        return f"/proc/self/fd/{self.fd}"
+
+    async def close(self) -> None:
+        await self.client.aclose()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+#: Sandbox id → its upstream; raises a :class:`SandlotError` the client should see
+#: (not found, 423 while starting or suspended, 503 when it is gone).
+UpstreamLookup = Callable[[str], Upstream]
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class SocketRelay:
+    """ASGI app: ``/{sandbox_id}/v1/…`` → that sandbox's dataplane socket."""
+
+    def __init__(self, lookup: UpstreamLookup) -> None:
+        self.lookup = lookup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            return
+        root = scope.get("root_path", "")
+        path: str = scope["path"]
+        route = path[len(root) :] if root and path.startswith(root) else path
+        match = _ROUTE.match(route)
+        try:
+            if match is None:
+                raise ResourceNotFound("no such route")
+            upstream = self.lookup(match.group(1))
+        except SandlotError as exc:
+            await _refuse(scope, receive, send, exc)
+            return
+        query = scope.get("query_string", b"").decode("latin-1")
+        target = route + (f"?{query}" if query else "")
+        if scope["type"] == "http":
+            await self._http(scope, receive, send, upstream, target)
+        else:
+            await self._websocket(scope, receive, send, upstream, target)
+
+    # --- HTTP ---------------------------------------------------------------------------
+
+    async def _http(
+        self, scope: Any, receive: Any, send: Any, upstream: Upstream, target: str
+    ) -> None:
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
+        first = await receive()
+        if first["type"] == "http.disconnect":
+            return
+        content: bytes | AsyncIterator[bytes] = first.get("body", b"")
+        if first.get("more_body"):
+            content = _body(first.get("body", b""), receive)
+        request = upstream.client.build_request(
+            scope["method"], target, headers=headers, content=content
+        )
+        try:
+            response = await upstream.client.send(request, stream=True)
+        except _ClientGone:
+            return
+        except httpx.TransportError:
+            error = ProviderUnavailable("the sandbox's dataplane is unreachable")
+            await _refuse(scope, receive, send, error, started=True)
+            return
+        try:
+            await _stream_response(response, receive, send, watch=not first.get("more_body"))
+        finally:
+            await response.aclose()
+
+    # --- WebSocket ----------------------------------------------------------------------
+
+    async def _websocket(
+        self, scope: Any, receive: Any, send: Any, upstream: Upstream, target: str
+    ) -> None:
+        connect = await receive()
+        if connect["type"] != "websocket.connect":
+            return
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k.lower() not in _WS_DROP
+        ]
+        try:
+            conn: ClientConnection = await unix_connect(
+                upstream.path,
+                uri=f"ws://dataplane{target}",
+                additional_headers=headers,
+                subprotocols=scope.get("subprotocols") or None,
+                compression=None,
+                max_size=MAX_FRAME_BYTES,
+                ping_interval=None,
+                open_timeout=10,
+                user_agent_header=None,
+            )
+        except InvalidStatus:
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        except (OSError, InvalidHandshake, TimeoutError):
+            await send({"type": "websocket.close", "code": 1013})
+            return
+        await send({"type": "websocket.accept", "subprotocol": conn.subprotocol})
+        await relay(_AsgiSocket(receive, send), conn)
+
+
+@dataclass
+class _AsgiSocket:
+    receive: Callable[[], Any]
+    send: Callable[[MutableMapping[str, Any]], Any]
+
+
+async def _body(first: bytes, receive: Any) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        body = message.get("body", b"")
+        if body:
+            yield body
+        if not message.get("more_body"):
+            return
+
+
+async def _stream_response(
+    response: httpx.Response, receive: Any, send: Any, *, watch: bool
+) -> None:
+    """Pass the response on as it comes; a client that goes away ends the upstream one
+    too (an event stream would otherwise run on)."""
+    headers = [(k.lower(), v) for k, v in response.headers.raw if k.lower() not in _HOP - {b"host"}]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+
+    async def pump() -> None:
+        async for chunk in response.aiter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def disconnected() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    pumping = asyncio.ensure_future(pump())
+    watcher = asyncio.ensure_future(disconnected()) if watch else None
+    try:
+        waiting = {pumping} if watcher is None else {pumping, watcher}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (pumping, watcher):
+            if task is not None and not task.done():
+                task.cancel()
+        for task in (pumping, watcher):
+            if task is not None:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+
+
+async def _refuse(
+    scope: Any, receive: Any, send: Any, exc: SandlotError, *, started: bool = False
+) -> None:
+    if scope["type"] == "websocket":
+        if not started:
+            await receive()
+        await send({"type": "websocket.close", "code": 1013 if exc.retryable else 1008})
+        return
+    body = json.dumps(exc.to_wire()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+    retry_after = getattr(exc, "retry_after", None)
+    if retry_after is not None:
+        headers.append((b"retry-after", str(max(1, round(retry_after))).encode()))
+    await send({"type": "http.response.start", "status": exc.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+__all__ = ["SocketRelay", "Upstream", "open_socket"]

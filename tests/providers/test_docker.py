@@ -1,0 +1,225 @@
+"""The docker provider's contract on a private Docker Engine: a sandbox is a container
+whose own dataplane verifies the broker's tokens; limits, no network, an unprivileged
+user, suspend as pause, re-adoption after a restart, cleanup of leftovers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import jwt
+import pytest
+
+from sandlot.protocol.errors import SandboxNotFound
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.states import SandboxState
+from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers.base import AdoptionRecord
+from tests.dataplane.conftest import Keys
+from tests.dockerengine import Engine
+from tests.providers.dockerharness import serving
+
+# The first test of a session builds the image (and, once per machine, its base).
+FORK_UNTIL_REFUSED = """python3 -c '
+import os, signal
+pids = []
+try:
+    for _ in range(200):
+        pid = os.fork()
+        if pid == 0:
+            signal.pause()
+            os._exit(0)
+        pids.append(pid)
+except OSError:
+    print("refused")
+print(len(pids))
+for pid in pids:
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+'"""
+
+pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+async def test_a_sandbox_is_a_locked_down_container(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        await h.create("sb_box", memory_mb=256, pids=128, cpu=0.5)
+        c = h.container("sb_box")
+        host = c.attrs["HostConfig"]
+        assert c.labels["sandlot.sandbox"] == "sb_box" and c.labels["sandlot.generation"] == "1"
+        assert host["NetworkMode"] == "none"
+        assert host["Memory"] == 256 << 20 and host["MemorySwap"] == 256 << 20
+        assert host["PidsLimit"] == 128 and host["NanoCpus"] == 500_000_000
+        assert host["ReadonlyRootfs"] is True
+        assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
+        assert c.attrs["Config"]["User"] == "1000:1000"
+        mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
+        assert mounts["/workspace"]["Type"] == "volume"
+        assert mounts["/run/sandlot-trust"]["RW"] is False
+
+        async with h.sandbox("sb_box") as sb:
+            probe = (
+                "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; "
+                "cat /proc/net/dev | tail -n +3 | cut -d: -f1; "
+                "touch /etc/x 2>&1 || echo ro; echo $HOME; pwd"
+            )
+            out = (await sb.run(probe)).stdout.split()
+            assert out[:5] == ["1000", "CapEff:", "0000000000000000", "NoNewPrivs:", "1"]
+            assert out[5] == "lo"  # the only interface
+            assert "ro" in out and out[-2:] == ["/workspace", "/workspace"]
+            net = await sb.run(
+                'python3 -c "import socket; s=socket.socket(); s.settimeout(2); '
+                "s.connect(('1.1.1.1', 80))\"",
+                check=False,
+            )
+            assert net.exit_code != 0 and "unreachable" in net.stderr.lower()
+            await sb.write("/workspace/notes.txt", "kept\n")
+            assert (await sb.run("cat /workspace/notes.txt")).stdout == "kept\n"
+
+
+async def test_memory_and_pids_limits_are_enforced(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        await h.create("sb_lim", memory_mb=96, pids=64)
+        async with h.sandbox("sb_lim") as sb:
+            hog = await sb.run("python3 -c 'b = bytearray(400 << 20); print(len(b))'", check=False)
+            assert hog.exit_code == 137 and hog.stdout == ""  # SIGKILL by the OOM killer
+            bomb = await sb.run(FORK_UNTIL_REFUSED)
+            refused, forked = bomb.stdout.split()
+            assert refused == "refused" and 0 < int(forked) < 64
+            # The dataplane outlived both, in the same container.
+            assert (await sb.run("echo alive")).stdout == "alive\n"
+
+
+async def test_tokens_are_verified_inside_the_sandbox(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        await h.create("sb_tok")
+        async with httpx.AsyncClient(timeout=20) as c:
+            url = h.url("sb_tok", "/exec")
+            body = {"command": "echo ok"}
+            assert (await c.post(url, json=body, headers=h.headers("sb_tok"))).status_code == 200
+            other = await c.post(url, json=body, headers=h.headers("sb_other"))
+            assert other.status_code == 403
+            forged = jwt.encode(h.keys.claims("sb_tok"), Keys().private, algorithm="EdDSA",
+                                headers={"kid": h.keys.kid})  # fmt: skip
+            bad = await c.post(url, json=body, headers={"Authorization": f"Bearer {forged}"})
+            assert bad.status_code == 401
+            gen2 = await c.post(url, json=body, headers=h.headers("sb_tok", gen=2))
+            assert gen2.status_code == 401
+            none = await c.post(url, json=body)
+            assert none.status_code == 401
+            # The relay forwards the sandbox's /v1 only, never the control routes.
+            ctl = await c.post(f"{h.base}/dp/sb_tok/__control/reload")
+            assert ctl.status_code == 404
+
+            # Revocation reaches the dataplane in the container within a second.
+            token = h.keys.token("sb_tok")
+            auth = {"Authorization": f"Bearer {token}"}
+            assert (await c.post(url, json=body, headers=auth)).status_code == 200
+            jti = jwt.decode(token, options={"verify_signature": False})["jti"]
+            started = time.monotonic()
+            await h.provider.revoke("sb_tok", [RevokedToken(jti, time.time() + 900)])
+            assert (await c.post(url, json=body, headers=auth)).status_code == 401
+            assert time.monotonic() - started < 1.0
+
+            # A rotated key reaches the container without a restart.
+            h.keys.private = Keys().private
+            h.keys.kid = "k_rotated"
+            await asyncio.sleep(0.5)
+            rotated = await c.post(url, json=body, headers=h.headers("sb_tok"))
+            assert rotated.status_code == 200
+
+
+async def test_suspend_pauses_and_resume_unpauses(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        await h.create("sb_nap")
+        async with h.sandbox("sb_nap") as sb:
+            cmd = await sb.stream("for i in 1 2 3 4 5 6; do echo tick $i; sleep 0.2; done")
+            assert (await h.provider.suspend("sb_nap")).state is SandboxState.SUSPENDED
+            assert h.container("sb_nap").status == "paused"
+            async with httpx.AsyncClient(timeout=10) as c:
+                r = await c.post(h.url("sb_nap", "/exec"), json={"command": "true"},
+                                 headers=h.headers("sb_nap"))  # fmt: skip
+                assert r.status_code == 423 and r.json()["error"]["code"] == "SANDBOX_STARTING"
+            assert (await h.provider.resume("sb_nap")).state is SandboxState.ACTIVE
+            result = await cmd.wait()
+            assert result.stdout.split("\n")[:6] == [f"tick {i}" for i in range(1, 7)]
+
+
+async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    keys = Keys()
+    async with serving(docker_engine, docker_image, tmp_path, keys) as h:
+        await h.create("sb_keep")
+        await h.create("sb_orphan")
+        await h.create("sb_paused")
+        async with h.sandbox("sb_keep") as sb:
+            await sb.write("/workspace/state.txt", "before\n")
+            await sb.stream("sleep 2; echo finished")
+            (before,) = await sb.list_execs()
+        await h.provider.suspend("sb_paused")
+    # The server stopped: its containers run on. A new one re-adopts the bound ones.
+    template = Template(name="t", image="host")
+    records = [
+        AdoptionRecord("sb_keep", 1, template, SandboxState.ACTIVE),
+        AdoptionRecord("sb_paused", 1, template, SandboxState.SUSPENDED),
+        AdoptionRecord("sb_gone", 1, template, SandboxState.ACTIVE),
+    ]
+    async with serving(docker_engine, docker_image, tmp_path, keys) as h:
+        lost = await h.provider.load_state(records)
+        assert lost == ["sb_gone"]
+        assert (await h.provider.status("sb_keep")).state is SandboxState.ACTIVE
+        assert (await h.provider.status("sb_paused")).state is SandboxState.SUSPENDED
+        with pytest.raises(SandboxNotFound):
+            await h.provider.status("sb_orphan")
+        labels = {c.labels["sandlot.sandbox"] for c in docker_engine.client.containers.list(
+            all=True, filters={"label": f"sandlot.instance={h.provider.instance}"})}  # fmt: skip
+        assert labels == {"sb_keep", "sb_paused"}
+        volumes = {v.name for v in docker_engine.client.volumes.list()}
+        assert not any("sb_orphan" in v for v in volumes)
+        assert not (tmp_path / "docker" / "sb_orphan").exists()
+        assert await h.provider.list_sandboxes() == {"sb_keep", "sb_paused"}
+        async with h.sandbox("sb_keep") as sb:
+            assert await sb.read_text("/workspace/state.txt") == "before\n"
+            # The command started before the restart is still the dataplane's.
+            snap = await sb.get_exec(before.exec_id)
+            assert snap.command == before.command
+        await h.provider.resume("sb_paused")
+        async with h.sandbox("sb_paused") as sb:
+            assert (await sb.run("echo back")).stdout == "back\n"
+        for sid in ("sb_keep", "sb_paused"):
+            await h.provider.delete(sid)
+            await h.provider.delete(sid)  # idempotent
+        assert not docker_engine.client.containers.list(
+            all=True, filters={"label": f"sandlot.instance={h.provider.instance}"}
+        )
+        assert not any(
+            v.name.startswith(f"sandlot-{h.provider.instance[:8]}")
+            for v in docker_engine.client.volumes.list()
+        )
+
+
+async def test_a_missing_image_fails_the_sandbox(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        spec_template = Template(name="t", image="sandlot-no-such-image:1")
+        from sandlot.providers.base import SandboxSpec
+
+        await h.provider.create(SandboxSpec("sb_noimg", 1, spec_template))
+        async with asyncio.timeout(30):
+            while (st := await h.provider.status("sb_noimg")).state is SandboxState.PROVISIONING:
+                await asyncio.sleep(0.02)
+        assert st.state is SandboxState.FAILED and "not found" in (st.reason or "")
+        assert h.changes and h.changes[-1][1].state is SandboxState.FAILED
+        await h.provider.delete("sb_noimg")
