@@ -5,6 +5,7 @@ user, suspend as pause, re-adoption after a restart, cleanup of leftovers."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from sandlot.protocol.errors import SandboxNotFound
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
-from sandlot.providers.base import AdoptionRecord
+from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import Engine
 from tests.providers.dockerharness import serving
@@ -214,8 +215,6 @@ async def test_a_missing_image_fails_the_sandbox(
 ) -> None:
     async with serving(docker_engine, docker_image, tmp_path) as h:
         spec_template = Template(name="t", image="sandlot-no-such-image:1")
-        from sandlot.providers.base import SandboxSpec
-
         await h.provider.create(SandboxSpec("sb_noimg", 1, spec_template))
         async with asyncio.timeout(30):
             while (st := await h.provider.status("sb_noimg")).state is SandboxState.PROVISIONING:
@@ -223,3 +222,67 @@ async def test_a_missing_image_fails_the_sandbox(
         assert st.state is SandboxState.FAILED and "not found" in (st.reason or "")
         assert h.changes and h.changes[-1][1].state is SandboxState.FAILED
         await h.provider.delete("sb_noimg")
+
+
+async def test_a_container_that_dies_fails_its_sandbox_at_once(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        await h.create("sb_die")
+        h.changes.clear()
+        h.container("sb_die").kill()
+        # Told by the engine's events, not found out at the next status call.
+        async with asyncio.timeout(20):
+            while not any(s.state is SandboxState.FAILED for _, s in h.changes):
+                await asyncio.sleep(0.02)
+        sid, status = h.changes[-1]
+        assert sid == "sb_die" and "exit code 137" in (status.reason or "")
+        async with httpx.AsyncClient(timeout=10) as c:
+            r = await c.post(h.url("sb_die", "/exec"), json={"command": "true"},
+                             headers=h.headers("sb_die"))  # fmt: skip
+            assert r.status_code == 503 and "exit code 137" in r.text
+        await h.provider.delete("sb_die")
+
+
+async def test_activity_counts_running_commands_and_attached_clients(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        await h.create("sb_busy")
+        idle = await h.provider.activity("sb_busy")
+        assert not idle.busy
+        async with h.sandbox("sb_busy") as sb:
+            cmd = await sb.stream("sleep 30")
+            async with asyncio.timeout(10):  # the command starts as the stream opens
+                while (busy := await h.provider.activity("sb_busy")).running_execs == 0:
+                    await asyncio.sleep(0.02)
+            assert busy.running_execs == 1 and busy.attached_clients >= 1
+            assert busy.last_active_at is not None
+            await cmd.signal("SIGKILL")
+        await h.provider.suspend("sb_busy")
+        assert not (await h.provider.activity("sb_busy")).busy
+        await h.provider.delete("sb_busy")
+
+
+async def test_the_event_log_is_held_while_the_container_starts(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    async with serving(docker_engine, docker_image, tmp_path) as h:
+        spec = SandboxSpec("sb_early", 1, Template(name="t", image="host"))
+        await h.provider.create(spec)
+        async with httpx.AsyncClient(timeout=60) as c:
+            r = await c.post(h.url("sb_early", "/exec"), json={"command": "true"},
+                             headers=h.headers("sb_early"))  # fmt: skip
+            assert r.status_code == 423
+            # The log answers once the dataplane is up, its activation first.
+            async with c.stream("GET", h.url("sb_early", "/events?after=0"),
+                                headers=h.headers("sb_early")) as resp:  # fmt: skip
+                assert resp.status_code == 200
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: "):
+                        phase = json.loads(line[6:])["details"]["phase"]
+                        assert phase["to"] == "active"
+                        break
+        async with h.sandbox("sb_early") as sb:
+            assert (await sb.run("echo up")).stdout == "up\n"
+        await h.provider.delete("sb_early")

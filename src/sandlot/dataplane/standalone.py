@@ -18,7 +18,8 @@ Alternatively ``--jwks-url`` fetches the keys from the broker (a sandbox with ne
 
 Two control routes answer on the socket beside the sandbox's ``/v1/…`` and
 ``/{sandbox_id}/v1/…``: ``GET /__control/status`` (state and last event sequence, read
-together) and ``POST /__control/reload`` (re-read the trust directory). Neither takes
+together, and the activity the idle reaper weighs: running commands, attached clients,
+last operation) and ``POST /__control/reload`` (re-read the trust directory). Neither takes
 input nor says anything secret; the provider's relay does not forward them.
 
 Tuning comes from ``SANDLOT_DP_*`` (:class:`~sandlot.dataplane.settings.DataplaneSettings`).
@@ -131,7 +132,10 @@ class StandaloneDataplane:
             options.workspace,
             oom_score_adj=COMMAND_OOM_SCORE_ADJ,
         )
-        self.inner = create_standalone_app(runtime, verifier=verifier, settings=settings)
+        # Clients that met 423 while the container started wait on the log for this.
+        self.inner = create_standalone_app(
+            runtime, verifier=verifier, settings=settings, announce=True
+        )
         self.host = self.inner.host
 
     def reload(self) -> None:
@@ -148,12 +152,23 @@ class StandaloneDataplane:
         action = scope["path"][len(CONTROL_PREFIX) :]
         status, body = 404, {"error": "no such control route"}
         if action == "status" and scope["method"] == "GET":
+            sandbox_id = self.options.sandbox_id
             try:
-                state, seq = self.host.status(self.options.sandbox_id)
+                state, seq = self.host.status(sandbox_id)
+                activity = self.host.activity(sandbox_id)
             except Exception:
                 status, body = 503, {"error": "starting"}
             else:
-                status, body = 200, {"state": state.value, "last_event_sequence": seq}
+                status, body = (
+                    200,
+                    {
+                        "state": state.value,
+                        "last_event_sequence": seq,
+                        "running_execs": activity.running_execs,
+                        "attached_clients": activity.attached_clients,
+                        "last_active_at": activity.last_active_at,
+                    },
+                )
         elif action == "reload" and scope["method"] == "POST":
             await asyncio.to_thread(self.reload)
             status, body = 200, {}

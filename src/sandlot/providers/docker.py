@@ -24,7 +24,10 @@ Containers carry the labels ``sandlot.sandbox``, ``sandlot.generation`` and
 ``sandlot.instance`` (this server's data directory): a restarted broker re-adopts
 them by label (:meth:`~DockerProvider.load_state`), and removes the containers,
 workspace volumes and run directories of its instance that no live sandbox owns.
-Suspend pauses the container (the cgroup freezer); resume unpauses it.
+Suspend pauses the container (the cgroup freezer); resume unpauses it. A container
+that stops on its own (its dataplane killed, out of memory, ``docker stop``) fails its
+sandbox at once: the provider follows the engine's ``die`` events for its instance and
+tells the broker.
 
 Config keys (``[provider]`` in the server's configuration; ``data_dir``,
 ``public_url``, ``issuer`` and ``jwks`` are wired in by the server):
@@ -56,6 +59,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
@@ -107,6 +111,8 @@ class _Sandbox:
         self.upstream: Upstream | None = None
         self.last_event_sequence = 0
         self.revoked: dict[str, float] = {}
+        #: Set once creation ended (ready or failed) or the sandbox was deleted.
+        self.settled = asyncio.Event()
 
 
 class DockerProvider(Provider):
@@ -147,8 +153,12 @@ class DockerProvider(Provider):
         self._sandboxes: dict[str, _Sandbox] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refresher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: Any = None
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
         #: The ASGI app the embedded server mounts at ``/dp``.
-        self.app = SocketRelay(self._upstream)
+        self.app = SocketRelay(self._upstream, until_started=self._until_started)
 
     # --- lifecycle of the provider --------------------------------------------------
 
@@ -162,9 +172,18 @@ class DockerProvider(Provider):
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
         await self._refresh_keys()
-        self._refresher = asyncio.get_running_loop().create_task(self._refresh_loop())
+        self._loop = asyncio.get_running_loop()
+        self._refresher = self._loop.create_task(self._refresh_loop())
+        self._watcher = threading.Thread(
+            target=self._watch_engine, name="sandlot-docker-events", daemon=True
+        )
+        self._watcher.start()
 
     async def close(self) -> None:
+        self._closing.set()
+        if self._events is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._events.close)
         if self._refresher is not None:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -177,6 +196,8 @@ class DockerProvider(Provider):
                 box.upstream = None
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
+        if self._watcher is not None:
+            await asyncio.to_thread(self._watcher.join, 5)
 
     def readiness(self) -> dict[str, Any]:
         return {
@@ -207,6 +228,62 @@ class DockerProvider(Provider):
             raise
         except docker.errors.DockerException as exc:
             raise ProviderUnavailable(f"container engine: {exc}") from exc
+
+    # --- containers that stop on their own ---------------------------------------------
+
+    def _watch_engine(self) -> None:
+        """The engine's events for this instance's containers (a thread: the SDK's stream
+        blocks), each ``die`` handed to the event loop; reconnects while the engine is away."""
+        filters = {
+            "type": "container",
+            "event": ["die"],
+            "label": f"{LABEL_INSTANCE}={self.instance}",
+        }
+        delay = 0.5
+        while not self._closing.is_set():
+            # A client of its own: the stream holds its connection for as long as it runs.
+            client = None
+            try:
+                client = docker.DockerClient(base_url=self.url)
+                self._events = client.events(decode=True, filters=filters)
+                delay = 0.5
+                for event in self._events:
+                    if self._closing.is_set():
+                        return
+                    attrs = event.get("Actor", {}).get("Attributes", {})
+                    loop = self._loop
+                    if loop is not None and not loop.is_closed():
+                        asyncio.run_coroutine_threadsafe(self._died(attrs), loop)
+            except Exception:
+                if self._closing.is_set():
+                    return
+                log.warning("the container engine's events stopped; reconnecting")
+            finally:
+                if client is not None:
+                    with contextlib.suppress(Exception):
+                        client.close()
+            self._closing.wait(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def _died(self, attrs: Mapping[str, str]) -> None:
+        """A container stopped: its sandbox fails, unless the provider stopped it."""
+        sid = attrs.get(LABEL_SANDBOX, "")
+        box = self._sandboxes.get(sid)
+        if box is None or attrs.get(LABEL_GENERATION) != str(box.spec.generation):
+            return
+        if box.state not in (SandboxState.ACTIVE, SandboxState.SUSPENDED):
+            return  # still starting (_wait_ready reports it) or already ended
+        try:
+            failed = await self._check_alive(sid, box)
+        except ProviderUnavailable:
+            log.exception("checking the container of %s failed", sid)
+            return
+        if failed:
+            if box.upstream is not None:
+                await box.upstream.close()
+                box.upstream = None
+            log.warning("sandbox %s failed: %s", sid, box.reason)
+            await self._notify(sid)
 
     # --- paths and names -------------------------------------------------------------
 
@@ -284,6 +361,7 @@ class DockerProvider(Provider):
             box = self._sandboxes.get(sid)
             if box is not None:
                 box.state, box.reason = SandboxState.FAILED, reason[:500]
+                box.settled.set()
                 await self._notify(sid)
             return
         box = self._sandboxes.get(sid)
@@ -293,6 +371,7 @@ class DockerProvider(Provider):
             return
         box.upstream = upstream
         box.state, box.reason = SandboxState.ACTIVE, "ready"
+        box.settled.set()
         await self._notify(sid)
 
     def _container_config(self, spec: SandboxSpec) -> dict[str, Any]:
@@ -421,6 +500,14 @@ class DockerProvider(Provider):
             raise SandboxNotFound(f"no sandbox {sandbox_id}")
         return box
 
+    async def _until_started(self, sandbox_id: str) -> None:
+        """Wait while the sandbox is being created (bounded by the start timeout)."""
+        box = self._sandboxes.get(sandbox_id)
+        if box is None or box.state is not SandboxState.PROVISIONING:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(box.settled.wait(), self.start_timeout)
+
     def _upstream(self, sandbox_id: str) -> Upstream:
         box = self._box(sandbox_id)
         if box.state is SandboxState.PROVISIONING or box.upstream is None:
@@ -444,19 +531,24 @@ class DockerProvider(Provider):
                 await self._check_alive(sandbox_id, box)
         return ProviderStatus(box.state, box.last_event_sequence, box.reason)
 
-    async def _check_alive(self, sandbox_id: str, box: _Sandbox) -> None:
-        """The dataplane did not answer: a container that stopped fails the sandbox."""
+    async def _check_alive(self, sandbox_id: str, box: _Sandbox) -> bool:
+        """A container that stopped fails the sandbox: whether it did."""
         try:
             container = await self._docker(
                 self._client.containers.get, self._container_name(sandbox_id)
             )
         except docker.errors.NotFound:
             box.state, box.reason = SandboxState.FAILED, "the container is gone"
-            return
-        if container.status != "running":
-            oom = container.attrs.get("State", {}).get("OOMKilled")
-            reason = "out of memory" if oom else f"the container is {container.status}"
-            box.state, box.reason = SandboxState.FAILED, reason
+            return True
+        if container.status in ("running", "paused"):
+            return False
+        state = container.attrs.get("State", {})
+        if state.get("OOMKilled"):
+            reason = "out of memory"
+        else:
+            reason = f"the container is {container.status} (exit code {state.get('ExitCode')})"
+        box.state, box.reason = SandboxState.FAILED, reason
+        return True
 
     async def suspend(self, sandbox_id: str) -> ProviderStatus:
         box = self._box(sandbox_id)
@@ -487,8 +579,10 @@ class DockerProvider(Provider):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if box is not None and box.upstream is not None:
-            await box.upstream.close()
+        if box is not None:
+            box.settled.set()
+            if box.upstream is not None:
+                await box.upstream.close()
         await self._remove(sandbox_id)
 
     async def _remove(self, sandbox_id: str) -> None:
@@ -523,8 +617,21 @@ class DockerProvider(Provider):
                 await box.upstream.client.post("/__control/reload")
 
     async def activity(self, sandbox_id: str) -> SandboxActivity:
-        self._box(sandbox_id)
-        return SandboxActivity()
+        """What the dataplane in the container reports (nothing while it is paused)."""
+        box = self._box(sandbox_id)
+        if box.state is not SandboxState.ACTIVE or box.upstream is None:
+            return SandboxActivity()
+        try:
+            resp = await box.upstream.client.get("/__control/status", timeout=5.0)
+            doc = resp.json() if resp.status_code == 200 else {}
+        except (httpx.TransportError, ValueError):
+            return SandboxActivity()
+        last = doc.get("last_active_at")
+        return SandboxActivity(
+            running_execs=int(doc.get("running_execs", 0)),
+            attached_clients=int(doc.get("attached_clients", 0)),
+            last_active_at=float(last) if last is not None else None,
+        )
 
     async def load_state(self, records: Sequence[AdoptionRecord]) -> list[str]:
         containers = await self._docker(
@@ -546,6 +653,7 @@ class DockerProvider(Provider):
                 continue
             spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template)
             box = _Sandbox(spec, SandboxState.PROVISIONING)
+            box.settled.set()
             self._sandboxes[rec.sandbox_id] = box
             path = str(self._dir(rec.sandbox_id) / "run" / SOCKET_NAME)
             fd = open_socket(path)

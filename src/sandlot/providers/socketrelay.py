@@ -7,6 +7,8 @@ each request (streamed both ways) and each WebSocket (frame by frame, through
 :func:`sandlot.web.relay.relay`) to that sandbox's socket, unchanged. It checks no
 token: the dataplane in the sandbox verifies the broker's tokens itself, so the relay
 holds no authority a client could borrow. Only ``/{sandbox_id}/v1/…`` is forwarded.
+While a sandbox starts every route answers 423, except its event log, which is held
+until the dataplane is up and then served from its start (activation first).
 
 The socket is reached through a descriptor opened once, with ``O_PATH | O_NOFOLLOW``,
 on the socket the dataplane bound (:func:`open_socket`), and connected to as
@@ -22,7 +24,7 @@ import json
 import os
 import re
 import stat
-from collections.abc import AsyncIterator, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +32,12 @@ import httpx
 from websockets.asyncio.client import ClientConnection, unix_connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 
-from sandlot.protocol.errors import ProviderUnavailable, ResourceNotFound, SandlotError
+from sandlot.protocol.errors import (
+    ProviderUnavailable,
+    ResourceNotFound,
+    SandboxStarting,
+    SandlotError,
+)
 from sandlot.web.relay import relay
 
 _ROUTE = re.compile(r"^/([A-Za-z0-9_.-]{1,128})(/v1(?:/.*)?)$")
@@ -97,6 +104,8 @@ class Upstream:
 #: Sandbox id → its upstream; raises a :class:`SandlotError` the client should see
 #: (not found, 423 while starting or suspended, 503 when it is gone).
 UpstreamLookup = Callable[[str], Upstream]
+#: Sandbox id → returns once the sandbox is no longer being created.
+StartWait = Callable[[str], Awaitable[None]]
 
 
 class _ClientGone(Exception):
@@ -106,8 +115,9 @@ class _ClientGone(Exception):
 class SocketRelay:
     """ASGI app: ``/{sandbox_id}/v1/…`` → that sandbox's dataplane socket."""
 
-    def __init__(self, lookup: UpstreamLookup) -> None:
+    def __init__(self, lookup: UpstreamLookup, *, until_started: StartWait | None = None) -> None:
         self.lookup = lookup
+        self.until_started = until_started
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -119,7 +129,7 @@ class SocketRelay:
         try:
             if match is None:
                 raise ResourceNotFound("no such route")
-            upstream = self.lookup(match.group(1))
+            upstream = await self._upstream(scope, match.group(1), match.group(2))
         except SandlotError as exc:
             await _refuse(scope, receive, send, exc)
             return
@@ -129,6 +139,18 @@ class SocketRelay:
             await self._http(scope, receive, send, upstream, target)
         else:
             await self._websocket(scope, receive, send, upstream, target)
+
+    async def _upstream(self, scope: Any, sandbox_id: str, route: str) -> Upstream:
+        """The sandbox's upstream. A request for its event log made while it starts is
+        held until it is up: the log is where clients that met 423 wait for it."""
+        try:
+            return self.lookup(sandbox_id)
+        except SandboxStarting:
+            held = scope["type"] == "http" and scope["method"] == "GET" and route == "/v1/events"
+            if not held or self.until_started is None:
+                raise
+        await self.until_started(sandbox_id)
+        return self.lookup(sandbox_id)
 
     # --- HTTP ---------------------------------------------------------------------------
 

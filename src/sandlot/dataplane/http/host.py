@@ -188,10 +188,13 @@ _tasks: set[asyncio.Task[Any]] = set()
 class _StandaloneApp:
     """ASGI wrapper that registers the one sandbox on startup and closes it on shutdown."""
 
-    def __init__(self, host: DataplaneHost, runtime: SandboxRuntime, app: Starlette) -> None:
+    def __init__(
+        self, host: DataplaneHost, runtime: SandboxRuntime, app: Starlette, *, announce: bool
+    ) -> None:
         self.host = host
         self.runtime = runtime
         self.app = app
+        self.announce = announce
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -199,7 +202,13 @@ class _StandaloneApp:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
                     rt = self.runtime
-                    self.host.register(rt.sandbox_id, rt.generation, SandboxState.ACTIVE, rt)
+                    if self.announce:
+                        self.host.register(
+                            rt.sandbox_id, rt.generation, SandboxState.PROVISIONING, rt
+                        )
+                        self.host.set_state(rt.sandbox_id, SandboxState.ACTIVE, reason="ready")
+                    else:
+                        self.host.register(rt.sandbox_id, rt.generation, SandboxState.ACTIVE, rt)
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
                     with contextlib.suppress(Exception):
@@ -218,10 +227,13 @@ def create_standalone_app(
     verifier: TokenVerifier,
     settings: DataplaneSettings | None = None,
     api_key_resolver: ApiKeyResolver | None = None,
+    announce: bool = False,
 ) -> Any:
     """A dataplane for one sandbox running where this process runs (``DirectRuntime``).
 
     Serves both ``/v1/...`` and ``/{sandbox_id}/v1/...``, and its figures at ``/metrics``.
+    With ``announce`` the sandbox's activation is the first event of its log: a dataplane
+    that starts with its sandbox, whose clients wait on that log for it to be active.
     """
     host = DataplaneHost(
         verifier=verifier,
@@ -243,7 +255,7 @@ def create_standalone_app(
             Mount("/{sandbox_id}/v1", routes=ROUTES),
         ],
     )
-    return _StandaloneApp(host, runtime, app)
+    return _StandaloneApp(host, runtime, app, announce=announce)
 
 
 __all__ = ["DataplaneHost", "create_standalone_app"]
