@@ -52,6 +52,12 @@ BENCHES = [
     ),
     ("sync_bench", [], ["--rounds", "2"], "sync of 10,000 files vs local tar"),
     (
+        "docker_bench",
+        [],
+        ["--quick"],
+        "docker provider: create → ready vs docker run, exec vs docker exec",
+    ),
+    (
         "web_bench",
         [],
         ["--quick"],

@@ -1,0 +1,220 @@
+"""Benchmark of the docker provider on a private Docker Engine; prints a Markdown table.
+
+Run as root on Linux: ``python bench/docker_bench.py [--quick]``. It starts its own
+``dockerd`` and builds the sandbox image as the tests do (``tests/dockerengine.py``).
+
+Figures, each side by side with the engine's own operation in the same run:
+
+- create → ready: ``DockerProvider.create`` until the dataplane in the container
+  answers, against ``docker run`` of the same image (create and start a container whose
+  process is ``true``, until it exited: a process that ran);
+- ``exec true`` through the relay and the dataplane in the container (the SDK's
+  ``run``), against ``docker exec`` (the engine's exec create, start and inspect);
+- the dataplane's Python start-up in the container (``python -X importtime``), where
+  most of create → ready goes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import ainterleave, ms, ratio, stats
+from targets import report
+from tests.dockerengine import Engine, build_image
+from tests.providers.dockerharness import Harness, serving
+
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.states import SandboxState
+from sandlot.providers.base import SandboxSpec
+
+PYTHONPATH = "/opt/sandlot/lib"
+
+
+async def create_ready(h: Harness, n: int) -> float:
+    """One sandbox from create to a dataplane that answers (then deleted, not timed)."""
+    sid = f"sb_bench{n}"
+    t0 = time.perf_counter()
+    await h.provider.create(SandboxSpec(sid, 1, Template(name="t", image="host")))
+    # Status read every 5 ms, as the harness's listener only records changes.
+    while (await h.provider.status(sid)).state is not SandboxState.ACTIVE:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+    took = time.perf_counter() - t0
+    await h.provider.delete(sid)
+    return took
+
+
+def docker_run(engine: Engine, image: str) -> float:
+    """``docker run --network none IMAGE true``: create, start, wait (removal not timed)."""
+    client = engine.client
+    t0 = time.perf_counter()
+    container = client.containers.create(image, ["true"], network_mode="none")
+    container.start()
+    container.wait()
+    took = time.perf_counter() - t0
+    container.remove(force=True)
+    return took
+
+
+def import_profile(engine: Engine, image: str) -> tuple[float, list[tuple[str, float]]]:
+    """The dataplane's imports in the container: total and the heaviest ones (ms)."""
+    out = engine.client.containers.run(
+        image,
+        ["python3", "-X", "importtime", "-c", "import sandlot.dataplane.standalone"],
+        environment={"PYTHONPATH": PYTHONPATH},
+        network_mode="none",
+        remove=True,
+        stdout=False,
+        stderr=True,
+    ).decode()
+    top: list[tuple[str, float]] = []
+    total = 0.0
+    for line in out.splitlines():
+        m = re.match(r"import time:\s+\d+ \|\s+(\d+) \| ( *)(\S+)", line)
+        if m is None:
+            continue
+        cumulative, depth, name = int(m.group(1)) / 1000, len(m.group(2)), m.group(3)
+        if depth == 0:
+            total += cumulative
+        # What the dataplane's module imports itself.
+        if depth == 2 and name.split(".")[0] not in {"encodings", "site"}:
+            top.append((name, cumulative))
+    top.sort(key=lambda t: -t[1])
+    return total, top[:8]
+
+
+def python_bare(engine: Engine, image: str) -> float:
+    """``python3 -c pass`` in the container (the interpreter alone), as ``docker run``."""
+    client = engine.client
+    t0 = time.perf_counter()
+    container = client.containers.create(image, ["python3", "-c", "pass"], network_mode="none")
+    container.start()
+    container.wait()
+    took = time.perf_counter() - t0
+    container.remove(force=True)
+    return took
+
+
+async def run(args: argparse.Namespace) -> None:
+    rng = random.Random(7)
+    engine = Engine()
+    try:
+        image = build_image(engine)
+        with tempfile.TemporaryDirectory(prefix="sandlot-docker-bench-") as tmp:
+            async with serving(engine, image, Path(tmp)) as h:
+                await table(h, engine, image, args, rng)
+    finally:
+        engine.stop()
+
+
+async def table(
+    h: Harness, engine: Engine, image: str, args: argparse.Namespace, rng: random.Random
+) -> None:
+    # create → ready, interleaved with docker run (both from this process's client).
+    sandbox: list[float] = []
+    direct: list[float] = []
+    bare: list[float] = []
+    counter = iter(range(1_000_000))
+
+    async def one_sandbox() -> None:
+        sandbox.append(await create_ready(h, next(counter)))
+
+    async def one_run() -> None:
+        direct.append(await asyncio.to_thread(docker_run, engine, image))
+
+    async def one_python() -> None:
+        bare.append(await asyncio.to_thread(python_bare, engine, image))
+
+    await one_sandbox()  # warm: the image's layers in the page cache
+    await one_run()
+    sandbox.clear()
+    direct.clear()
+    for _ in range(args.creates):
+        round_ = [one_sandbox, one_run, one_python]
+        rng.shuffle(round_)
+        for op in round_:
+            await op()
+
+    # exec true: the SDK through the relay, against docker exec on the same container.
+    await h.create("sb_exec")
+    container: Any = h.container("sb_exec")
+    via_sandlot: list[float] = []
+    via_docker: list[float] = []
+    async with h.sandbox("sb_exec") as sb:
+
+        async def sandlot_exec() -> None:
+            await sb.run("true")
+
+        async def docker_exec() -> None:
+            result = await asyncio.to_thread(container.exec_run, ["true"], user="1000:1000")
+            assert result.exit_code == 0
+
+        await ainterleave(
+            [(via_sandlot, sandlot_exec, 1), (via_docker, docker_exec, 1)], args.execs, rng
+        )
+    await h.provider.delete("sb_exec")
+    imports, heaviest = await asyncio.to_thread(import_profile, engine, image)
+
+    c50, d50 = statistics.median(sandbox), statistics.median(direct)
+    p50 = statistics.median(bare)
+    e50, _ = stats(via_sandlot)
+    x50, _ = stats(via_docker)
+    print("| operation | docker provider | engine directly | ratio |")
+    print("|---|---|---|---|")
+    print(
+        f"| create → ready (median of {len(sandbox)}) | {ms(c50 * 1000)} | "
+        f"{ms(d50 * 1000)} (`docker run … true`) | {ratio(c50, d50)} |"
+    )
+    print(
+        f"| `exec true` (median of {len(via_sandlot)}) | {ms(e50)} | {ms(x50)} (`docker exec`)"
+        f" | {ratio(e50, x50)} |"
+    )
+    print()
+    print(
+        f"`docker run … python3 -c pass` (the interpreter alone): {ms(p50 * 1000)}. "
+        f"The dataplane's imports in the container (`python -X importtime`): {ms(imports)}; "
+        "heaviest: " + ", ".join(f"`{name}` {ms(v)}" for name, v in heaviest) + "."
+    )
+    start_up = c50 - d50
+    report(
+        "docker",
+        "create → ready ≤ 1.2x docker run of the same image",
+        f"{ms(c50 * 1000)} vs {ms(d50 * 1000)} ({ratio(c50, d50)})",
+        c50 <= 1.2 * d50,
+        f"the dataplane's Python start-up in the container: imports {ms(imports)}, "
+        f"{ms(start_up * 1000)} over `docker run` in all",
+    )
+    report(
+        "docker",
+        "exec true through the dataplane ≤ 0.3x docker exec",
+        f"{ms(e50)} vs {ms(x50)} ({ratio(e50, x50)})",
+        e50 <= 0.3 * x50,
+        "the relay's extra hop over the dataplane's own time",
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer repetitions")
+    ap.add_argument("--creates", type=int, default=None, help="create → ready rounds")
+    ap.add_argument("--execs", type=int, default=None, help="exec samples per contender")
+    args = ap.parse_args()
+    if args.creates is None:
+        args.creates = 5 if args.quick else 20
+    if args.execs is None:
+        args.execs = 30 if args.quick else 200
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()
