@@ -260,3 +260,50 @@ async def test_exec_stream_survives_its_replica_killed(
         f"{TOTAL // 3:,} of {TOTAL:,} bytes, restart: every byte once (identical SHA-256), "
         f"{cmd.reconnects} reconnects; the other replica answered the control plane meanwhile",
     )
+
+
+async def _post_both(
+    urls: list[str], headers: dict[str, str], body: dict[str, str]
+) -> list[httpx.Response]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await asyncio.gather(
+            *(client.post(f"{u}/v1/sandbox/sessions", json=body, headers=headers) for u in urls)
+        )
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(120)
+def test_idempotency_key_across_replicas(cluster: Cluster, record_property: RecordProperty) -> None:
+    a, b = (srv.url for srv in cluster.replicas.values())
+    headers = cluster.headers("idem")
+    body = {"thread_id": "thr_idem", "mode": "ensure"}
+
+    # A retry that lands on the other replica gets the first answer, replayed.
+    keyed = {**headers, "Idempotency-Key": f"k-{uuid.uuid4().hex}"}
+    first = httpx.post(f"{a}/v1/sandbox/sessions", json=body, headers=keyed, timeout=60)
+    assert first.status_code == 200, first.text
+    again = httpx.post(f"{b}/v1/sandbox/sessions", json=body, headers=keyed, timeout=60)
+    assert again.status_code == 200, again.text
+    assert again.headers.get("idempotent-replayed") == "true"
+    assert again.json() == first.json()
+
+    # The same key with another body, at the other replica: refused.
+    other = {"thread_id": "thr_idem_other", "mode": "ensure"}
+    reused = httpx.post(f"{b}/v1/sandbox/sessions", json=other, headers=keyed, timeout=60)
+    assert reused.status_code == 422, reused.text
+    assert reused.json()["error"]["code"] == "IDEMPOTENCY_KEY_REUSED"
+
+    # The same key at both replicas at once: one runs, the other gets its answer.
+    for n in range(5):
+        keyed = {**headers, "Idempotency-Key": f"both-{n}-{uuid.uuid4().hex}"}
+        body = {"thread_id": f"thr_idem_{n}", "mode": "ensure"}
+        r1, r2 = asyncio.run(_post_both([a, b], keyed, body))
+        assert r1.status_code == r2.status_code == 200, (r1.text, r2.text)
+        assert r1.json() == r2.json()
+        replayed = [r.headers.get("idempotent-replayed") for r in (r1, r2)]
+        assert replayed.count("true") == 1, replayed
+    report(
+        record_property,
+        "Idempotency-Key across 2 replicas: a retry at the other replica replays the first "
+        "answer; the same key at both at once (5 times): one ran, the other got its answer",
+    )
