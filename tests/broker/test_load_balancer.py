@@ -18,12 +18,15 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy.engine import make_url
 
 from sandlot.sdk import AsyncSandlot
 from tests.broker.test_e2e import FAST_REAPER
+from tests.faultproxy import serving
 from tests.figures import RecordProperty, report
 from tests.haproxy import REPLICA_HEADER, haproxy
 from tests.pg import postgres_cluster
@@ -306,4 +309,74 @@ def test_idempotency_key_across_replicas(cluster: Cluster, record_property: Reco
         record_property,
         "Idempotency-Key across 2 replicas: a retry at the other replica replays the first "
         "answer; the same key at both at once (5 times): one ran, the other got its answer",
+    )
+
+
+@pytest.mark.reliability
+@pytest.mark.timeout(180)
+def test_replica_losing_the_database_answers_503_and_recovers(
+    cluster: Cluster, tmp_path: Path, record_property: RecordProperty
+) -> None:
+    """A third replica reaches the database through a proxy that is then cut for a while."""
+    store = make_url(cluster.store_url)
+    with serving(seed=7) as proxy:
+        proxy.upstream = ("127.0.0.1", int(store.port or 5432))
+        through = store.set(port=proxy.port).render_as_string(hide_password=False)
+        config = FAST_REAPER + f'\n[server]\nstore_url = "{through}"\n'
+        port = free_port()
+        env = {
+            "SANDLOT_PUBLIC_URL": cluster.lb,
+            "SANDLOT_DATAPLANE_URL": f"http://127.0.0.1:{port}",
+        }
+        srv = _start(SandlotServer(tmp_path / "c", config=config, env=env), port)
+        try:
+            headers = srv.headers("dbloss")
+            body = {"thread_id": "thr_dbloss", "mode": "ensure"}
+            r = httpx.post(f"{srv.url}/v1/sandbox/sessions", json=body, headers=headers, timeout=30)
+            assert r.status_code == 200, r.text
+            sid = r.json()["session_id"]
+
+            outage = 8.0
+            proxy.outage(outage)
+            cut = time.monotonic()
+            statuses: collections.Counter[str] = collections.Counter()
+            while time.monotonic() - cut < outage - 1:
+                for method, path, payload in (
+                    ("GET", f"/v1/sandbox/sessions/{sid}", None),
+                    ("POST", "/v1/sandbox/sessions", body),
+                ):
+                    r = httpx.request(
+                        method, f"{srv.url}{path}", json=payload, headers=headers, timeout=30
+                    )
+                    if r.status_code == 200:
+                        statuses["200"] += 1
+                        continue
+                    error = r.json()["error"]
+                    statuses[f"{r.status_code} {error['code']}"] += 1
+                    assert r.status_code == 503, r.text
+                    assert error["code"] == "BACKEND_UNAVAILABLE" and error["retryable"], r.text
+                time.sleep(0.1)
+            assert statuses["503 BACKEND_UNAVAILABLE"] > 0, statuses
+            assert httpx.get(f"{srv.url}/readyz", timeout=10).status_code == 503
+
+            # Back by itself once the database is: no restart.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                r = httpx.post(
+                    f"{srv.url}/v1/sandbox/sessions", json=body, headers=headers, timeout=30
+                )
+                if r.status_code == 200:
+                    break
+                time.sleep(0.2)
+            assert r.status_code == 200, r.text
+            recovered = time.monotonic() - cut - outage
+            assert r.json()["session_id"] == sid
+            assert httpx.get(f"{srv.url}/readyz", timeout=10).status_code == 200
+        finally:
+            srv.stop()
+            srv.cleanup()
+    report(
+        record_property,
+        f"a replica's database cut for {outage:.0f} s: answers {dict(statuses)}, never a 500; "
+        f"serving again {max(recovered, 0):.1f} s after the database came back, no restart",
     )
