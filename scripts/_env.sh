@@ -10,6 +10,8 @@ ensure_system_packages() {
   # mkfs.ext4 formats the sandboxes' size-limited disks (often outside a user's PATH).
   command -v mkfs.ext4 >/dev/null 2>&1 || [ -x /usr/sbin/mkfs.ext4 ] || [ -x /sbin/mkfs.ext4 ] \
     || missing+=(e2fsprogs)
+  # The load balancer in front of broker replicas in tests/broker/test_load_balancer.py.
+  command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
   # The workspace page's toolchain (frontend/), for the gate that rebuilds it.
   command -v node >/dev/null 2>&1 || missing+=(nodejs)
   command -v npm >/dev/null 2>&1 || missing+=(npm)

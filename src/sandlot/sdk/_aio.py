@@ -68,6 +68,10 @@ class Background:
             self._task.cancel()
 
 
+#: Statuses of a proxy that could not reach the server behind it.
+GATEWAY_STATUSES = (502, 503, 504)
+
+
 async def ws_connect(
     url: str, headers: dict[str, str], timeout: float, keepalive: float | None
 ) -> ClientConnection:
@@ -78,7 +82,7 @@ async def ws_connect(
     connection that breaks during the upgrade raises ``SocketClosed`` too.
     """
     from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed, InvalidMessage
+    from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
 
     try:
         return await connect(
@@ -93,6 +97,12 @@ async def ws_connect(
         )
     except (ConnectionClosed, InvalidMessage) as exc:
         raise SocketClosed(f"connection broken during the upgrade ({exc})") from exc
+    except InvalidStatus as exc:
+        # A load balancer or proxy answering for a server it cannot reach (a replica
+        # restarting): the server was not reached, so trying again is safe.
+        if exc.response.status_code in GATEWAY_STATUSES:
+            raise ConnectError(f"cannot open a WebSocket to {url}: {exc}") from exc
+        raise
     except TimeoutError as exc:
         raise RequestTimeout(f"opening a WebSocket to {url}: timed out") from exc
     except OSError as exc:

@@ -73,6 +73,10 @@ class Background:
             self._thread.join(timeout)
 
 
+#: Statuses of a proxy that could not reach the server behind it.
+GATEWAY_STATUSES = (502, 503, 504)
+
+
 def ws_connect(
     url: str, headers: dict[str, str], timeout: float, keepalive: float | None
 ) -> ClientConnection:
@@ -82,7 +86,7 @@ def ws_connect(
     ``recv`` raises ``SocketClosed``): a silently dead connection is noticed. A
     connection that breaks during the upgrade raises ``SocketClosed`` too.
     """
-    from websockets.exceptions import ConnectionClosed, InvalidMessage
+    from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
     from websockets.sync.client import connect
 
     try:
@@ -98,6 +102,12 @@ def ws_connect(
         )
     except (ConnectionClosed, InvalidMessage) as exc:
         raise SocketClosed(f"connection broken during the upgrade ({exc})") from exc
+    except InvalidStatus as exc:
+        # A load balancer or proxy answering for a server it cannot reach (a replica
+        # restarting): the server was not reached, so trying again is safe.
+        if exc.response.status_code in GATEWAY_STATUSES:
+            raise ConnectError(f"cannot open a WebSocket to {url}: {exc}") from exc
+        raise
     except TimeoutError as exc:
         raise RequestTimeout(f"opening a WebSocket to {url}: timed out") from exc
     except OSError as exc:

@@ -21,11 +21,29 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from sandlot.protocol.errors import ProviderUnavailable
 
 MIGRATIONS = str(Path(__file__).with_name("migrations"))
+
+#: Seconds a new PostgreSQL connection may take: a database that stopped answering fails
+#: a request with 503 BACKEND_UNAVAILABLE instead of holding it.
+CONNECT_TIMEOUT = 5
+
+
+def _unreachable(exc: Exception) -> bool:
+    """Whether ``exc`` says the database is out of reach (rather than a bug or a conflict)."""
+    if isinstance(exc, OperationalError | InterfaceError | PoolTimeout):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def backend_unavailable() -> ProviderUnavailable:
+    """What a request meets while the store is out of reach (retryable; PROTOCOL.md's
+    ``BACKEND_UNAVAILABLE``, an alias of ``PROVIDER_UNAVAILABLE``)."""
+    return ProviderUnavailable("the store is unavailable, retry", code="BACKEND_UNAVAILABLE")
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -108,7 +126,10 @@ class Store:
         else:
             if self.dialect == "postgresql" and parsed.drivername == "postgresql":
                 parsed = parsed.set(drivername="postgresql+psycopg")
-            self.engine = create_engine(parsed, pool_size=8, max_overflow=24, pool_pre_ping=True)
+            timeout = {"connect_timeout": CONNECT_TIMEOUT} if self.dialect == "postgresql" else {}
+            self.engine = create_engine(
+                parsed, pool_size=8, max_overflow=24, pool_pre_ping=True, connect_args=timeout
+            )
 
     def migrate(self) -> None:
         """Bring the schema to the newest revision (idempotent)."""
@@ -136,8 +157,10 @@ class Store:
                         yield conn
                 finally:
                     conn.info["immediate"] = False
-        except OperationalError as exc:
-            raise ProviderUnavailable("the store is unavailable, retry") from exc
+        except (DBAPIError, PoolTimeout) as exc:
+            if _unreachable(exc):
+                raise backend_unavailable() from exc
+            raise
 
     def serialize(self, conn: Connection, name: str) -> None:
         """Hold the lock called ``name`` until the write transaction ``conn`` ends.
@@ -155,8 +178,10 @@ class Store:
         try:
             with self.engine.connect() as conn, conn.begin():
                 yield conn
-        except OperationalError as exc:
-            raise ProviderUnavailable("the store is unavailable, retry") from exc
+        except (DBAPIError, PoolTimeout) as exc:
+            if _unreachable(exc):
+                raise backend_unavailable() from exc
+            raise
 
     def ping(self) -> bool:
         try:

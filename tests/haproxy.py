@@ -1,0 +1,108 @@
+"""A real HAProxy (Debian's package) in front of ``sandlot serve`` replicas, for tests.
+
+One frontend on a loopback port:
+
+- ``/replicas/NAME/…`` goes to replica ``NAME`` alone, with the prefix taken off: a
+  replica's ``dataplane_url`` is ``{balancer}/replicas/NAME``, so a sandbox's dataplane
+  traffic (HTTP, WebSockets) crosses the balancer and reaches the host that runs it;
+- everything else is balanced round robin over the replicas that pass the health check
+  (``GET /readyz``), request by request (keep-alive connections included).
+
+HTTP mode throughout: WebSocket upgrades become tunnels (``timeout tunnel``), SSE
+responses stream unbuffered. Each response says which replica answered
+(``X-Sandlot-Replica``), for the tests to see the spread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+
+#: The response header naming the replica that answered.
+REPLICA_HEADER = "X-Sandlot-Replica"
+
+
+def haproxy_config(port: int, replicas: Mapping[str, int]) -> str:
+    """The configuration of a balancer on ``port`` over ``replicas`` (name → port)."""
+    lines = [
+        "global",
+        "    maxconn 4096",
+        "defaults",
+        "    mode http",
+        "    option httplog",
+        "    timeout connect 2s",
+        "    timeout client 120s",
+        "    timeout server 120s",
+        # Once upgraded, a WebSocket (an exec stream, a shell) idles as long as it likes.
+        "    timeout tunnel 1h",
+        "    timeout http-keep-alive 10s",
+        # A request whose replica refused the connection (killed) goes to another one.
+        "    retries 2",
+        "    option redispatch",
+        "frontend sandlot",
+        f"    bind 127.0.0.1:{port}",
+    ]
+    for name in replicas:
+        lines.append(f"    use_backend host_{name} if {{ path_beg /replicas/{name}/ }}")
+    lines += [
+        "    default_backend replicas",
+        "backend replicas",
+        "    balance roundrobin",
+        "    option httpchk GET /readyz",
+        "    http-check expect status 200",
+        "    default-server check inter 300ms fall 2 rise 1",
+        f"    http-response set-header {REPLICA_HEADER} %[srv_name]",
+    ]
+    lines += [f"    server {name} 127.0.0.1:{p}" for name, p in replicas.items()]
+    for name, p in replicas.items():
+        lines += [
+            f"backend host_{name}",
+            f"    http-request replace-path /replicas/{name}(/.*) \\1",
+            f"    http-response set-header {REPLICA_HEADER} {name}",
+            f"    server {name} 127.0.0.1:{p}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def haproxy(port: int, replicas: Mapping[str, int]) -> Iterator[str]:
+    """Run HAProxy on ``127.0.0.1:port`` in front of ``replicas``; yield its URL."""
+    binary = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/sbin")
+    if binary is None:
+        pytest.fail("HAProxy is not installed (apt-get install haproxy; scripts/test does)")
+    base = Path(tempfile.mkdtemp(prefix="sandlot-haproxy-"))
+    config = base / "haproxy.cfg"
+    config.write_text(haproxy_config(port, replicas))
+    subprocess.run([binary, "-c", "-q", "-f", str(config)], check=True)
+    log = (base / "log").open("wb")
+    proc = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"haproxy did not start:\n{(base / 'log').read_text()}"
+                    ) from None
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(base, ignore_errors=True)
