@@ -63,6 +63,13 @@ BENCHES = [
         ["--quick"],
         "browser workspace: /ws/pty echo, /api/tree, 200 browsers attached, 1,000 reattaches",
     ),
+    (
+        "page_bench",
+        [],
+        ["--quick"],
+        "the workspace page in headless Chromium: load, script size, echo on screen, "
+        "agent writes in the tree, a 10,000-file folder, 10 MB to the terminal",
+    ),
 ]
 
 

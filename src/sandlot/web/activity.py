@@ -172,13 +172,30 @@ class ActivityStream:
         self.after = after
         self._stack = contextlib.AsyncExitStack()
         self._chunks: AsyncIterator[bytes] | None = None
+        self._expired = False
 
     async def open(self) -> None:
-        """Opens the upstream stream (its failures are the request's errors)."""
+        """Opens the upstream stream (its failures are the request's errors).
+
+        A log keeps its latest events only. A page opening the stream from the start
+        (``after=0``) gets what the log still holds, from its oldest event: refusing it
+        left a workspace with more changes than the log keeps without a live page. A
+        later cursor older than the log gets ``expired`` as the stream's first frame,
+        as when a reader falls behind, and the page starts again from the start."""
+        try:
+            await self._open(self.after)
+        except SequenceExpired as exc:
+            oldest = exc.metadata.get("oldest_sequence")
+            if self.after == 0 and isinstance(oldest, int) and oldest > 0:
+                await self._open(oldest - 1)
+            else:
+                self._expired = True
+
+    async def _open(self, after: int) -> None:
         answer = await self._stack.enter_async_context(
             self.calls.stream(
                 "/events",
-                params={"after": self.after},
+                params={"after": after},
                 accept="text/event-stream",
                 max_bytes=STREAM_BYTES,
             )
@@ -187,6 +204,9 @@ class ActivityStream:
 
     async def frames(self, encode: Callable[[Any], str]) -> AsyncGenerator[bytes]:
         """The browser's frames (``encode`` writes an event as escaped JSON)."""
+        if self._expired:
+            yield sse_frame("expired", "{}")
+            return
         assert self._chunks is not None, "open() first"
         frames = _frames(self._chunks)
         ready = False
