@@ -190,6 +190,12 @@ class Tab {
 
   private write(data: string): void {
     if (!data) return;
+    if (!this.scheduled && data.length <= 1024 && !document.hidden) {
+      // Interactive output (an echo, a prompt): straight to xterm, which parses it now and
+      // paints it at the next frame. A flood is gathered per frame below.
+      this.term.write(data);
+      return;
+    }
     this.pending.push(data);
     if (this.scheduled) return;
     this.scheduled = true;
