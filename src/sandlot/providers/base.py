@@ -22,17 +22,21 @@ entry point names a :class:`Provider` subclass built with ``cls(config)``.
 from __future__ import annotations
 
 import abc
+import inspect
+import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any, ClassVar
 
-from sandlot.protocol.errors import InvalidRequest
+from sandlot.protocol.errors import InvalidRequest, SandboxNotFound
 from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 
 PROVIDER_ENTRY_POINT_GROUP = "sandlot.providers"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,20 @@ class Provider(abc.ABC):
     def readiness(self) -> dict[str, Any]:
         """What ``/readyz`` reports for this provider."""
         return {"ok": True}
+
+    async def report_status(self, listener: StatusListener | None, sandbox_id: str) -> None:
+        """Give ``listener`` the sandbox's status now (one that is gone is not news; a
+        listener that fails is logged, never raised into the provider's own work)."""
+        if listener is None:
+            return
+        try:
+            result = listener(sandbox_id, await self.status(sandbox_id))
+            if inspect.isawaitable(result):
+                await result
+        except SandboxNotFound:
+            pass
+        except Exception:
+            log.exception("status listener failed for %s", sandbox_id)
 
 
 def provider_class(name: str) -> type[Provider]:

@@ -54,7 +54,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -207,16 +206,7 @@ class DockerProvider(Provider):
         }
 
     async def _notify(self, sandbox_id: str) -> None:
-        if self._listener is None:
-            return
-        try:
-            result = self._listener(sandbox_id, await self.status(sandbox_id))
-            if inspect.isawaitable(result):
-                await result
-        except SandboxNotFound:
-            pass
-        except Exception:
-            log.exception("status listener failed for %s", sandbox_id)
+        await self.report_status(self._listener, sandbox_id)
 
     async def _docker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One blocking SDK call, off the event loop."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -108,16 +107,7 @@ class LocalProvider(Provider):
         return {"ok": True, "mode": self.mode, "sandboxes": len(self._runtimes)}
 
     async def _notify(self, sandbox_id: str) -> None:
-        if self._listener is None:
-            return
-        try:
-            result = self._listener(sandbox_id, await self.status(sandbox_id))
-            if inspect.isawaitable(result):
-                await result
-        except SandboxNotFound:
-            pass
-        except Exception:
-            log.exception("status listener failed for %s", sandbox_id)
+        await self.report_status(self._listener, sandbox_id)
 
     # --- the contract -----------------------------------------------------------------
 
