@@ -35,6 +35,9 @@ export interface WorkspaceEvent {
 /** ``live`` is false for the events the log held when the stream opened. */
 export type Listener = (events: WorkspaceEvent[], live: boolean) => void;
 
+/** Events of the log's past a page starts with. */
+const BACKLOG = 200;
+
 export class EventHub {
   private source: EventSource | null = null;
   private listeners: Listener[] = [];
@@ -55,7 +58,10 @@ export class EventHub {
 
   private open(after: number): void {
     this.source?.close();
-    const source = new EventSource(url("/api/v1/activity/stream", { after }));
+    // The first open asks for the log's recent past only (the tree and the editor read
+    // the files themselves; the feed shows its latest); a reconnection gets all it missed.
+    const query = after ? { after } : { after, tail: BACKLOG };
+    const source = new EventSource(url("/api/v1/activity/stream", query));
     this.source = source;
     // Connected once the log's backlog is through (``ready``): from then on every event is
     // live, and marked as such in the tree and the editor.

@@ -60,10 +60,11 @@ def put(http: httpx.Client, csrf: str, path: str) -> None:
     assert r.status_code in (200, 201), r.text
 
 
-def frames(http: httpx.Client, after: int, until: str) -> list[tuple[str, Any]]:
+def frames(http: httpx.Client, after: int, until: str, **params: Any) -> list[tuple[str, Any]]:
     """``(event, data)`` of the stream until a frame whose data holds ``until``."""
     seen: list[tuple[str, Any]] = []
-    with http.stream("GET", "/api/v1/activity/stream", params={"after": after}) as r:
+    params = {"after": after, **params}
+    with http.stream("GET", "/api/v1/activity/stream", params=params) as r:
         assert r.status_code == 200, r.read()
         buffer = ""
         for chunk in r.iter_text():
@@ -107,3 +108,26 @@ def test_a_cursor_older_than_the_log_gets_expired(client: tuple[httpx.Client, st
     for i in range(12):
         put(http, csrf, f"old-{i:02d}.txt")
     assert frames(http, 1, "never") == [("expired", "{}")]
+
+
+def test_a_tail_sends_only_the_latest_of_the_backlog(client: tuple[httpx.Client, str]) -> None:
+    http, csrf = client
+    for i in range(4):
+        put(http, csrf, f"old-{i:02d}.txt")
+    later = threading.Timer(0.6, lambda: put(http, csrf, "live.txt"))
+    later.start()
+    try:
+        got = frames(http, 0, "live.txt", tail=2)
+    finally:
+        later.join()
+    names = [e for e, _ in got]
+    held = [json.loads(d)["path"] for e, d in got[: names.index("ready")] if e == "message"]
+    # The log's last two events only (of the last writes), in order; then live events.
+    assert len(held) <= 2 and held[-1] == "old-03.txt", held
+    assert "old-00.txt" not in held and "old-01.txt" not in held, held
+    assert json.loads(got[-1][1])["path"] == "live.txt"
+    # Nothing of the backlog with tail=0; a tail out of bounds is the browser's mistake.
+    got = frames(http, 0, "", tail=0)
+    assert got[0][0] == "ready", got
+    r = http.get("/api/v1/activity/stream", params={"after": 0, "tail": 10_001})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_REQUEST", r.text

@@ -670,6 +670,8 @@ def test_the_page_is_served_with_a_strict_policy(browser: Browser) -> None:
     again = browser.client.get("/assets/app.js", headers={"If-None-Match": script.headers["etag"]})
     assert again.status_code == 304
     assert browser.client.get("/assets/nothing.js").status_code == 404
+    # Browsers ask for an icon beside JSON answers: nothing, without an error.
+    assert browser.client.get("/favicon.ico").status_code == 204
 
 
 # --- hostile names, errors, CSRF ------------------------------------------------------

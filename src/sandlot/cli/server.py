@@ -109,7 +109,7 @@ class WebDispatch:
 
     @staticmethod
     def is_web(path: str) -> bool:
-        return path in ("/", "/login", "/api", "/ws") or path.startswith(
+        return path in ("/", "/login", "/api", "/ws", "/favicon.ico") or path.startswith(
             ("/api/", "/ws/", "/assets/")
         )
 

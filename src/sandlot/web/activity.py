@@ -15,6 +15,7 @@ past them).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import time
@@ -25,6 +26,8 @@ from sandlot.protocol.errors import InvalidRequest, SandlotError, SequenceExpire
 from sandlot.web import paths
 from sandlot.web.calls import DataplaneCalls
 
+#: The most events of the backlog a stream opened with ``tail`` sends.
+MAX_TAIL = 10_000
 #: How long a quiet stream is waited on before the page is complete.
 SETTLE_SECONDS = 0.15
 #: The longest a page is read.
@@ -165,11 +168,15 @@ class ActivityStream:
     cursor is older than the log keeps). The dataplane's keep-alive comments pass
     through, so a quiet stream stays open."""
 
-    def __init__(self, calls: DataplaneCalls, after: int) -> None:
+    def __init__(self, calls: DataplaneCalls, after: int, tail: int | None = None) -> None:
         if after < 0:
             raise InvalidRequest("after must be 0 or more")
+        if tail is not None and not 0 <= tail <= MAX_TAIL:
+            raise InvalidRequest(f"tail must be between 0 and {MAX_TAIL}")
         self.calls = calls
         self.after = after
+        #: Of the log's backlog, only the last ``tail`` events are sent (``None``: all).
+        self.tail = tail
         self._stack = contextlib.AsyncExitStack()
         self._chunks: AsyncIterator[bytes] | None = None
         self._expired = False
@@ -202,6 +209,17 @@ class ActivityStream:
         )
         self._chunks = answer.aiter_bytes()
 
+    @staticmethod
+    def _message(data: str, encode: Callable[[Any], str]) -> bytes:
+        """The browser's frame of one dataplane event (``b""`` for none of its business)."""
+        try:
+            event = json.loads(data)
+        except ValueError:
+            return b""
+        if not isinstance(event, dict) or own_command(event):
+            return b""
+        return sse_frame("message", encode(browser_event(event)), event.get("sequence"))
+
     async def frames(self, encode: Callable[[Any], str]) -> AsyncGenerator[bytes]:
         """The browser's frames (``encode`` writes an event as escaped JSON)."""
         if self._expired:
@@ -210,6 +228,10 @@ class ActivityStream:
         assert self._chunks is not None, "open() first"
         frames = _frames(self._chunks)
         ready = False
+        #: The backlog held back until ``ready`` when only its tail is wanted.
+        held: collections.deque[str] | None = (
+            collections.deque(maxlen=self.tail) if self.tail is not None else None
+        )
         next_frame: asyncio.Future[tuple[str, str]] | None = None
         try:
             while True:
@@ -220,6 +242,10 @@ class ActivityStream:
                     done, _ = await asyncio.wait({next_frame}, timeout=SETTLE_SECONDS)
                     if not done:
                         ready = True
+                        for backlog in held or ():
+                            if frame := self._message(backlog, encode):
+                                yield frame
+                        held = None
                         yield sse_frame("ready", "{}")
                         continue
                 try:
@@ -228,19 +254,18 @@ class ActivityStream:
                     return
                 finally:
                     next_frame = None
+                if held is not None and name not in ("comment", "error") and data:
+                    held.append(data)
+                    continue
                 if name == "error":
                     yield sse_frame("expired", "{}")
                     return
                 if name == "comment":
                     yield b": keep-alive\n\n"
                     continue
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    continue
-                if not isinstance(event, dict) or own_command(event):
-                    continue
-                yield sse_frame("message", encode(browser_event(event)), event.get("sequence"))
+                frame = self._message(data, encode)
+                if frame:
+                    yield frame
         except SandlotError:
             # The upstream ended badly (over its byte cap, the sandbox gone): the browser
             # reconnects from its last event id.

@@ -96,7 +96,15 @@ class Page:
         return [
             Route("/", self.page, methods=["GET", "HEAD"]),
             Route("/assets/{name}", self.asset, methods=["GET", "HEAD"]),
+            Route("/favicon.ico", self.favicon, methods=["GET", "HEAD"]),
         ]
+
+    async def favicon(self, request: Request) -> Response:
+        """No icon (the page names none: ``data:,``); browsers still ask for one when they
+        show something else of this origin, such as a JSON error. Said without an error."""
+        return Response(
+            status_code=204, headers={**COMMON_HEADERS, "Cache-Control": "max-age=86400"}
+        )
 
     async def page(self, request: Request) -> Response:
         nonce = secrets.token_urlsafe(18)

@@ -370,10 +370,12 @@ class WorkspaceRoutes:
         """``GET /api/v1/activity/stream``: the log after ``after`` (or the browser's
         ``Last-Event-ID`` when it reconnects), then live, as Server-Sent Events."""
         after = query_int(request, "after", 0)
+        tail = query_int(request, "tail", 0) if request.query_params.get("tail") else None
         last_id = request.headers.get("last-event-id", "").strip()
         if last_id.isdigit():
-            after = int(last_id)
-        stream = ActivityStream(calls, after)
+            # A reconnection: everything it missed, whatever the first open asked.
+            after, tail = int(last_id), None
+        stream = ActivityStream(calls, after, tail)
         await stream.open()
         return StreamingResponse(
             stream.frames(lambda event: json_text(event).decode("ascii")),
