@@ -10,6 +10,7 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,11 +22,11 @@ from tests.pg import postgres_cluster
 from tests.servers import SandlotServer, free_port
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SandlotServer]]:
-    base = tmp_path_factory.mktemp("replicas")
+@contextlib.contextmanager
+def running_replicas(base: Path, settings: str = FAST_REAPER) -> Iterator[list[SandlotServer]]:
+    """Two ``sandlot serve`` replicas on a fresh PostgreSQL, configured with ``settings``."""
     with postgres_cluster() as url:
-        config = FAST_REAPER + f'\n[server]\nstore_url = "{url}"\n'
+        config = settings + f'\n[server]\nstore_url = "{url}"\n'
         ports = [free_port(), free_port()]
         # Replicas share one issuer (the address clients are given, here the first
         # replica's) and each names its own dataplane: only it runs its sandboxes.
@@ -45,6 +46,12 @@ def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SandlotS
             for srv in servers:
                 srv.stop()
                 srv.cleanup()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[SandlotServer]]:
+    with running_replicas(tmp_path_factory.mktemp("replicas")) as servers:
+        yield servers
 
 
 def _wait_ready(url: str) -> None:
@@ -228,3 +235,28 @@ def test_binding_events_reach_the_other_replica(
         f"{statistics.median(latencies) * 1000:.0f} ms, max {max(latencies) * 1000:.0f} ms "
         f"over {len(latencies)}",
     )
+
+
+@pytest.mark.timeout(240)
+def test_the_negotiation_rate_holds_across_replicas(tmp_path: Path) -> None:
+    # A burst of 6 and next to no refill: each replica on its own would let 6 through.
+    settings = FAST_REAPER.replace("negotiation_rate_per_second = 100000", "").replace(
+        "negotiation_burst = 100000", "negotiation_rate_per_second = 0.01\nnegotiation_burst = 6"
+    )
+    with running_replicas(tmp_path, settings) as (a, b):
+        headers = a.headers("rate")
+        answers = [
+            httpx.post(
+                f"{(a, b)[i % 2].url}/v1/sandbox/sessions",
+                json={"thread_id": "thr_rate", "mode": "ensure"},
+                headers=headers,
+                timeout=30,
+            )
+            for i in range(16)
+        ]
+    codes = [r.status_code for r in answers]
+    assert codes.count(200) == 6, codes
+    refused = [r for r in answers if r.status_code == 429]
+    assert len(refused) == 10, codes
+    assert {r.json()["error"]["code"] for r in refused} == {"RATE_LIMITED"}
+    assert all(float(r.headers["Retry-After"]) > 0 for r in refused)

@@ -15,7 +15,7 @@ from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.keys import KeyService
 from sandlot.broker.leases import LeaseService
 from sandlot.broker.pools import PoolService
-from sandlot.broker.ratelimit import RateLimiter
+from sandlot.broker.ratelimit import RateLimiter, SharedRateLimiter
 from sandlot.broker.reaper import Reaper
 from sandlot.broker.revocations import RevocationWatcher
 from sandlot.broker.sandboxes import SandboxService
@@ -68,8 +68,12 @@ class Broker:
         )
         self.audit = AuditLog(self.store)
         self.idempotency = IdempotencyStore(self.store, settings.idempotency_ttl_seconds)
-        self.ratelimit = RateLimiter(
-            settings.negotiation_rate_per_second, settings.negotiation_burst
+        rate, burst = settings.negotiation_rate_per_second, settings.negotiation_burst
+        # Replicas on PostgreSQL share their buckets; one server's (SQLite) are its own.
+        self.ratelimit = (
+            SharedRateLimiter(self.store, rate, burst)
+            if self.store.dialect == "postgresql"
+            else RateLimiter(rate, burst)
         )
         self.sandboxes = SandboxService(
             store=self.store,

@@ -56,7 +56,7 @@ router = APIRouter()
 )
 async def acquire(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(AcquireRequest, await read_body(request))
-    broker.ratelimit.check(principal.lease_holder)
+    await broker.ratelimit.check(principal.lease_holder)
     grant = await broker.sessions.negotiate(
         audit_context(request, principal),
         principal,
@@ -170,7 +170,7 @@ async def _wait_ready(broker: Broker, sandbox_id: str, timeout: float) -> Sandbo
 )
 async def create_box(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(BoxCreate, await read_body(request), empty_ok=True)
-    broker.ratelimit.check(principal.lease_holder)
+    await broker.ratelimit.check(principal.lease_holder)
     named = {n for n in (req.template_name, req.snapshot, req.snapshot_name, req.snapshot_id) if n}
     if len(named) > 1:
         raise InvalidRequest(

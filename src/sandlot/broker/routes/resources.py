@@ -194,7 +194,7 @@ async def list_sandboxes(
 )
 async def create_sandbox(request: Request, broker: BrokerDep, principal: PrincipalDep) -> Any:
     req = parse_model(SandboxCreate, await read_body(request), empty_ok=True)
-    broker.ratelimit.check(principal.lease_holder)
+    await broker.ratelimit.check(principal.lease_holder)
     template = await anyio.to_thread.run_sync(broker.templates.get, req.template)
     ctx = audit_context(request, principal)
 

@@ -127,7 +127,7 @@ async def negotiate(
 ) -> Response:
     body = await read_body(request)
     req = parse_model(SessionRequest, body)
-    broker.ratelimit.check(principal.lease_holder)
+    await broker.ratelimit.check(principal.lease_holder)
     ctx = audit_context(request, principal)
 
     async def run(claim: Claim | None) -> tuple[int, Any]:

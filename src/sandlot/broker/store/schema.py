@@ -201,6 +201,15 @@ pools = Table(
     Column("source", String(16), nullable=False),
 )
 
+#: Negotiation rate buckets shared by replicas (PostgreSQL; SQLite keeps them in memory).
+rate_buckets = Table(
+    "rate_buckets",
+    metadata,
+    Column("who", String(200), primary_key=True),
+    Column("tokens", Float, nullable=False),
+    Column("stamp", Float, nullable=False),
+)
+
 signing_keys = Table(
     "signing_keys",
     metadata,
@@ -221,6 +230,7 @@ __all__ = [
     "leases",
     "metadata",
     "pools",
+    "rate_buckets",
     "sandboxes",
     "scope_members",
     "scopes",
