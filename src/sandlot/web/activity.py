@@ -15,7 +15,6 @@ past them).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import time
@@ -175,7 +174,8 @@ class ActivityStream:
             raise InvalidRequest(f"tail must be between 0 and {MAX_TAIL}")
         self.calls = calls
         self.after = after
-        #: Of the log's backlog, only the last ``tail`` events are sent (``None``: all).
+        #: Of the log's backlog, only its latest ``tail`` events (``None``: all); the
+        #: dataplane skips the rest, so a long log costs nothing to a page opening.
         self.tail = tail
         self._stack = contextlib.AsyncExitStack()
         self._chunks: AsyncIterator[bytes] | None = None
@@ -199,10 +199,11 @@ class ActivityStream:
                 self._expired = True
 
     async def _open(self, after: int) -> None:
+        params = {"after": after} if self.tail is None else {"after": after, "tail": self.tail}
         answer = await self._stack.enter_async_context(
             self.calls.stream(
                 "/events",
-                params={"after": after},
+                params=params,
                 accept="text/event-stream",
                 max_bytes=STREAM_BYTES,
             )
@@ -228,10 +229,6 @@ class ActivityStream:
         assert self._chunks is not None, "open() first"
         frames = _frames(self._chunks)
         ready = False
-        #: The backlog held back until ``ready`` when only its tail is wanted.
-        held: collections.deque[str] | None = (
-            collections.deque(maxlen=self.tail) if self.tail is not None else None
-        )
         next_frame: asyncio.Future[tuple[str, str]] | None = None
         try:
             while True:
@@ -242,10 +239,6 @@ class ActivityStream:
                     done, _ = await asyncio.wait({next_frame}, timeout=SETTLE_SECONDS)
                     if not done:
                         ready = True
-                        for backlog in held or ():
-                            if frame := self._message(backlog, encode):
-                                yield frame
-                        held = None
                         yield sse_frame("ready", "{}")
                         continue
                 try:
@@ -254,9 +247,6 @@ class ActivityStream:
                     return
                 finally:
                     next_frame = None
-                if held is not None and name not in ("comment", "error") and data:
-                    held.append(data)
-                    continue
                 if name == "error":
                     yield sse_frame("expired", "{}")
                     return

@@ -363,20 +363,24 @@ async def fs_move(request: Request) -> Response:
     ok=event_stream("Events as Server-Sent Events")["200"],
     params=(
         Param("after", {"type": "integer", "minimum": 0}),
+        Param("tail", {"type": "integer", "minimum": 0}),
         Param("Last-Event-ID", {"type": "string"}, where="header"),
     ),
 )
 async def events_sse(request: Request) -> Response:
-    """The sandbox's events after the cursor, then live."""
+    """The sandbox's events after the cursor (at most its latest ``tail``), then live."""
     entry, ctx = await authorize(request, Capability.FS_READ)
     host = host_of(request)
     raw = request.query_params.get("after") or request.headers.get("last-event-id") or "0"
     try:
         after = int(raw)
+        tail = int(request.query_params.get("tail") or -1)
     except ValueError:
-        raise InvalidRequest("after must be an integer") from None
+        raise InvalidRequest("after and tail must be integers") from None
     if after < 0:
         raise InvalidRequest("after must be >= 0")
+    if tail >= 0:
+        after = max(after, entry.events.last_sequence - tail)
     entry.events.since(after)  # 410 now, before the stream starts
     # An open event stream counts like a WebSocket (429 beyond the limits).
     place = host.sockets.admit(entry.sandbox_id, "/events", authenticated=True)
