@@ -26,6 +26,7 @@ from sqlalchemy.engine import make_url
 
 from sandlot.sdk import AsyncSandlot
 from tests.broker.test_e2e import FAST_REAPER
+from tests.broker.test_replicas import ensure_storm
 from tests.faultproxy import serving
 from tests.figures import RecordProperty, report
 from tests.haproxy import REPLICA_HEADER, haproxy
@@ -116,28 +117,11 @@ def _wait_balanced(lb: str, names: set[str], timeout: float = 30) -> None:
     raise AssertionError(f"the balancer never sent requests to all of {names}: {seen}")
 
 
-async def _ensure_storm(
-    lb: str, headers: dict[str, str], thread: str, n: int
-) -> list[httpx.Response]:
-    limits = httpx.Limits(max_connections=16, max_keepalive_connections=16)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
-        return await asyncio.gather(
-            *(
-                client.post(
-                    f"{lb}/v1/sandbox/sessions",
-                    json={"thread_id": thread, "mode": "ensure"},
-                    headers=headers,
-                )
-                for _ in range(n)
-            )
-        )
-
-
 @pytest.mark.reliability
 @pytest.mark.timeout(240)
 def test_ensures_through_the_balancer(cluster: Cluster, record_property: RecordProperty) -> None:
     headers = cluster.headers("lb")
-    results = asyncio.run(_ensure_storm(cluster.lb, headers, "thr_lb1", 60))
+    results = asyncio.run(ensure_storm([cluster.lb], headers, "thr_lb1", 60, connections=16))
     assert {r.status_code for r in results} == {200}, [r.text for r in results][:3]
     served = collections.Counter(r.headers[REPLICA_HEADER] for r in results)
     assert set(served) == set(cluster.replicas), served

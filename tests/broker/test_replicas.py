@@ -73,10 +73,13 @@ def _count(url: str, sql: str, **params: str) -> int:
         engine.dispose()
 
 
-async def _split_storm(
-    urls: list[str], headers: dict[str, str], thread: str, n: int
+async def ensure_storm(
+    urls: list[str], headers: dict[str, str], thread: str, n: int, connections: int = 0
 ) -> list[httpx.Response]:
-    limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+    """``n`` concurrent ensures of ``thread``, spread over ``urls`` in turn, on at most
+    ``connections`` connections (0: one each)."""
+    connections = connections or n
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
     async with httpx.AsyncClient(limits=limits, timeout=60) as client:
         return await asyncio.gather(
             *(
@@ -99,7 +102,7 @@ def test_concurrent_ensure_across_replicas(
     headers = a.headers("rep")
     store_url = _store_url(a)
     for thread in ("thr_r1", "thr_r2"):
-        results = asyncio.run(_split_storm([a.url, b.url], headers, thread, 120))
+        results = asyncio.run(ensure_storm([a.url, b.url], headers, thread, 120))
         assert {r.status_code for r in results} == {200}, [r.text for r in results][:3]
         grants = [r.json() for r in results]
         assert len({g["session_id"] for g in grants}) == 1
