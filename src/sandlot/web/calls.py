@@ -29,7 +29,7 @@ class DataplaneCalls:
         self.workspace = workspace
         self.request_id = request_id
 
-    def _url(self, dataplane: Dataplane, path: str, params: Mapping[str, Any] | None) -> str:
+    def url(self, dataplane: Dataplane, path: str, params: Mapping[str, Any] | None) -> str:
         url = dataplane.http_base_url + path
         if params:
             try:
@@ -62,7 +62,7 @@ class DataplaneCalls:
             try:
                 return await self.gateway.request(
                     method,
-                    self._url(dataplane, path, params),
+                    self.url(dataplane, path, params),
                     token=dataplane.token,
                     headers=headers,
                     content=content,
@@ -99,7 +99,7 @@ class DataplaneCalls:
                     answer = await stack.enter_async_context(
                         self.gateway.stream(
                             "GET",
-                            self._url(dataplane, path, params),
+                            self.url(dataplane, path, params),
                             token=dataplane.token,
                             headers=headers,
                             max_bytes=max_bytes,

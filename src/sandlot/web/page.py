@@ -14,6 +14,7 @@ with their gzip form, and revalidated by etag (their names do not change between
 
 from __future__ import annotations
 
+import functools
 import gzip
 import hashlib
 import secrets
@@ -61,7 +62,9 @@ class Asset:
     etag: str
 
 
+@functools.cache
 def _load(directory: Path) -> dict[str, Asset]:
+    """The built files of ``directory``, read and compressed once per process."""
     assets: dict[str, Asset] = {}
     if not directory.is_dir():
         return assets

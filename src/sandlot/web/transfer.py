@@ -116,7 +116,7 @@ class WorkspaceTransfer:
         # A streamed body is sent once: the token is renewed before, never retried after.
         answer = await self.calls.gateway.request(
             "POST",
-            self.calls._url(dataplane, "/files/upload", {"path": paths.to_sandbox(path)}),
+            self.calls.url(dataplane, "/files/upload", {"path": paths.to_sandbox(path)}),
             token=dataplane.token,
             headers={
                 "X-Request-Id": self.calls.request_id,
