@@ -10,6 +10,7 @@ from collections.abc import Callable
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditLog
 from sandlot.broker.events import EventHub, StoreListener
+from sandlot.broker.fleet import FleetProvider, HostHeartbeat, HostRegistry, Registration
 from sandlot.broker.hosts import host_id
 from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.keys import KeyService
@@ -21,7 +22,7 @@ from sandlot.broker.revocations import RevocationWatcher
 from sandlot.broker.sandboxes import SandboxService
 from sandlot.broker.scopes import MemberService
 from sandlot.broker.sessions import SessionService
-from sandlot.broker.settings import BrokerSettings
+from sandlot.broker.settings import BrokerSettings, ConfigError
 from sandlot.broker.store import Store
 from sandlot.broker.templates import TemplateService, VolumeService
 from sandlot.broker.tokens import KeyRing
@@ -49,14 +50,18 @@ class Broker:
     def __init__(
         self,
         settings: BrokerSettings,
-        provider: Provider,
+        provider: Provider | None,
         *,
         store: Store | None = None,
         clock: Callable[[], float] = time.time,
         run_reaper: bool = True,
+        provider_api: tuple[str, str] | None = None,
     ) -> None:
+        """``provider``: None with ``hosts.mode = "registered"`` (the registered hosts'
+        providers, reached through :class:`FleetProvider`). ``provider_api``: where brokers
+        reach this process's provider and the credential it asks for (a ``sandlot host``),
+        registered with its host."""
         self.settings = settings
-        self.provider = provider
         self.store = store or Store(settings.resolved_store_url)
         self.hub = EventHub()
         self.templates = TemplateService(self.store)
@@ -75,6 +80,25 @@ class Broker:
             if self.store.dialect == "postgresql"
             else RateLimiter(rate, burst)
         )
+        #: Sandbox hosts register and beat in a server store (one SQLite store is one machine).
+        self.hosts = (
+            None
+            if self.store.dialect == "sqlite"
+            else HostRegistry(
+                self.store,
+                heartbeat_seconds=settings.host_heartbeat_seconds,
+                lost_after_seconds=settings.host_lost_after_seconds,
+                clock=clock,
+            )
+        )
+        registered = settings.sandbox_hosts == "registered"
+        if registered and self.hosts is None:
+            raise ConfigError("hosts.mode = 'registered' needs a server store (PostgreSQL)")
+        if provider is None:
+            if self.hosts is None or not registered:
+                raise ConfigError("a broker without registered hosts needs a provider")
+            provider = FleetProvider(self.hosts)
+        self.provider: Provider = provider
         self.sandboxes = SandboxService(
             store=self.store,
             provider=provider,
@@ -84,6 +108,7 @@ class Broker:
             clock=clock,
             # One SQLite store is one machine's; replicas share a server database.
             host=None if self.store.dialect == "sqlite" else host_id(settings.data_dir),
+            fleet=self.hosts if registered else None,
         )
         self.sessions = SessionService(
             store=self.store,
@@ -108,7 +133,22 @@ class Broker:
             pools=self.pools,
             idempotency=self.idempotency,
             hub=self.hub,
+            registry=self.hosts,
         )
+        #: This process's own host, registered while it serves (it runs sandboxes).
+        self.heartbeat: HostHeartbeat | None = None
+        if self.hosts is not None and self.sandboxes.host is not None and not registered:
+            self.heartbeat = HostHeartbeat(
+                self.hosts,
+                Registration(
+                    host_id=self.sandboxes.host,
+                    provider=provider.name,
+                    dataplane_url=settings.dataplane_url or settings.base_url,
+                    capacity=settings.host_capacity,
+                    provider_url=provider_api[0] if provider_api else None,
+                    credential=provider_api[1] if provider_api else None,
+                ),
+            )
         self.revocations = RevocationWatcher(self.store, provider, clock)
         #: Other processes' events, on a store that can tell (PostgreSQL).
         self.listener = (
@@ -128,6 +168,12 @@ class Broker:
         else:
             await asyncio.to_thread(self.keyring.reload)
         await self.provider.start(self.sandboxes.on_provider_status)
+        if recover and self.heartbeat is not None:
+            await self.heartbeat.register()
+            self.heartbeat.start()
+        if recover and self.sandboxes.fleet is not None:
+            # The hosts run, re-adopt and revoke for their own sandboxes.
+            recover = False
         if recover:
             await self.reaper.recover()
             # The process that serves the sandboxes pushes every revocation to them,
@@ -147,6 +193,8 @@ class Broker:
     async def stop(self) -> None:
         if self.listener is not None:
             await asyncio.to_thread(self.listener.stop)
+        if self.heartbeat is not None:
+            await self.heartbeat.stop()
         await self.revocations.stop()
         await self.reaper.stop()
         await self.sandboxes.drain()

@@ -1,4 +1,5 @@
-"""The reaper: idleness, suspension, hard TTL, orphans, stuck provisioning and teardowns, pools.
+"""The reaper: idleness, suspension, hard TTL, orphans, stuck provisioning and teardowns, pools,
+lost sandbox hosts (:mod:`sandlot.broker.fleet`).
 
 One pass (:meth:`Reaper.run_once`) is a pure function of the store, the
 provider and the clock, so tests drive it with an injected clock. The loop
@@ -17,12 +18,14 @@ import anyio
 from sqlalchemy import delete, select, update
 
 from sandlot.broker.events import EventHub
+from sandlot.broker.fleet import HostRegistry
 from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.pools import PoolService
 from sandlot.broker.sandboxes import SandboxRow, SandboxService
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import bindings, leases, sandboxes, tokens
+from sandlot.protocol.errors import ProviderUnavailable
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import AdoptionRecord
@@ -41,6 +44,8 @@ class ReaperReport:
     failed: list[str] = field(default_factory=list)
     orphans_removed: list[str] = field(default_factory=list)
     pool_created: list[str] = field(default_factory=list)
+    #: Sandboxes failed (or teardowns finished) because their host was lost.
+    host_lost: list[str] = field(default_factory=list)
 
 
 class Reaper:
@@ -56,13 +61,18 @@ class Reaper:
         pools: PoolService,
         idempotency: IdempotencyStore,
         hub: EventHub,
+        registry: HostRegistry | None = None,
     ) -> None:
+        #: The hosts' registry (a server store): each pass sweeps lost hosts.
+        self.registry = registry
         self.store = store
         self.settings = settings
         self.sandboxes = sandboxes
         self.pools = pools
         self.idempotency = idempotency
         self.hub = hub
+        #: Whether passes refill pools (a ``sandlot host`` leaves that to the brokers).
+        self.refill_pools = True
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -133,7 +143,10 @@ class Reaper:
                 await self._visit(row, held, report)
             report.terminated += await self.sandboxes.finish_terminating()
             await self._remove_orphans(live, report)
-            await self._refill_pools(report)
+            if self.registry is not None:
+                report.host_lost += await self._sweep_lost_hosts(self.registry)
+            if self.refill_pools:
+                await self._refill_pools(report)
             await anyio.to_thread.run_sync(self._purge)
             return report
 
@@ -246,12 +259,29 @@ class Reaper:
             await self.sandboxes.terminate(row.id, reason="sandbox vanished")
             report.orphans_removed.append(row.id)
 
+    async def _sweep_lost_hosts(self, registry: HostRegistry) -> list[str]:
+        """Declare lapsed hosts lost and fail their sandboxes (:mod:`sandlot.broker.fleet`);
+        the sandboxes this pass changed."""
+        declared = await anyio.to_thread.run_sync(registry.declare_lost)
+        for host in declared:
+            log.warning("sandbox host %s missed its heartbeats: declared lost", host)
+        pending = await anyio.to_thread.run_sync(registry.sandboxes_of_lost_hosts)
+        changed = []
+        for sandbox_id, state in pending:
+            if await self.sandboxes.fail_with_host(sandbox_id, state):
+                changed.append(sandbox_id)
+        return changed
+
     async def _refill_pools(self, report: ReaperReport) -> None:
         deficits = await anyio.to_thread.run_sync(self.pools.deficits)
         for pool, missing in deficits:
             template = self.sandboxes.templates.get(pool.template)
             for _ in range(missing):
-                row = await anyio.to_thread.run_sync(self._insert_pooled, template, pool.name)
+                try:
+                    row = await anyio.to_thread.run_sync(self._insert_pooled, template, pool.name)
+                except ProviderUnavailable as exc:
+                    log.info("pool %s not refilled: %s", pool.name, exc.message)
+                    return
                 report.pool_created.append(row.id)
                 self.sandboxes.spawn(self.sandboxes.provision(row, template))
 

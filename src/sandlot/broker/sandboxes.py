@@ -18,11 +18,12 @@ from functools import partial
 from typing import Any
 
 import anyio
-from sqlalchemy import Connection, bindparam, func, or_, select, true, update
+from sqlalchemy import Connection, bindparam, false, func, or_, select, true, update
 
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.events import EventHub, append_event
+from sandlot.broker.fleet import HOST_LOST_REASON, HostRegistry
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import bindings, leases, sandboxes, tokens
@@ -39,6 +40,7 @@ from sandlot.protocol.sessions import DataplaneCoordinates, SandboxSnapshot, Tem
 from sandlot.protocol.states import SandboxState, can_transition
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import Provider, ProviderStatus, SandboxSpec
+from sandlot.providers.remote import dataplane_coordinates
 
 log = logging.getLogger("sandlot.broker.sandboxes")
 
@@ -121,11 +123,15 @@ class SandboxService:
         hub: EventHub,
         clock: Clock = time.time,
         host: str | None = None,
+        fleet: HostRegistry | None = None,
     ) -> None:
         self.store = store
         self.provider = provider
         #: The sandbox host this process is, for a provider bound to one (else None).
         self.host = host if provider.host_bound else None
+        #: With registered hosts (``hosts.mode = "registered"``): new sandboxes are placed
+        #: on them, and this process runs none itself.
+        self.fleet = fleet
         self.settings = settings
         self.templates = templates
         self.hub = hub
@@ -144,8 +150,14 @@ class SandboxService:
         name: str | None = None,
         scope_key: str | None = None,
         pool: str | None = None,
+        provider: str | None = None,
     ) -> SandboxRow:
-        """Insert a new sandbox row in ``provisioning`` (the caller's transaction)."""
+        """Insert a new sandbox row in ``provisioning`` (the caller's transaction).
+
+        With registered hosts, the row names the host placed on (``provider``: only hosts
+        that run it) and that host's dataplane; the provider is asked to create it after
+        the transaction commits (:meth:`provision`).
+        """
         now = self.clock()
         if owner_user_id is not None and pool is None:
             self.check_quota(conn, owner_user_id)
@@ -159,14 +171,21 @@ class SandboxService:
             ).first()
             if taken is not None:
                 raise ResourceConflict(f"a live sandbox named {name!r} already exists")
-        coords = self.provider.dataplane(sandbox_id)
+        host: str | None
+        if self.fleet is not None:
+            placed = self.fleet.place(conn, provider=provider)
+            host, provider_name = placed.id, placed.provider
+            coords = dataplane_coordinates(placed.dataplane_url, sandbox_id)
+        else:
+            host, provider_name = self.host, self.provider.name
+            coords = self.provider.dataplane(sandbox_id)
         conn.execute(
             sandboxes.insert().values(
                 id=sandbox_id,
                 name=name,
                 owner_user_id=owner_user_id,
                 template=template.name,
-                provider=self.provider.name,
+                provider=provider_name,
                 state=SandboxState.PROVISIONING.value,
                 generation=1,
                 scope_key=scope_key,
@@ -178,7 +197,7 @@ class SandboxService:
                 idle_timeout=idle,
                 live_name=live_name,
                 event_seq=0,
-                host=self.host,
+                host=host,
                 dataplane_http=coords.http_base_url,
                 dataplane_ws=coords.ws_base_url,
             )
@@ -197,6 +216,10 @@ class SandboxService:
         return row
 
     def check_quota(self, conn: Connection, user_id: str) -> None:
+        """Refuse a new sandbox past the user's quota. The check holds the user's lock to
+        the end of the caller's transaction (which inserts the sandbox), so creations at
+        several replicas are counted one after the other."""
+        self.store.serialize(conn, f"sandlot:quota:{user_id}")
         live = conn.execute(
             select(func.count())
             .select_from(sandboxes)
@@ -261,10 +284,19 @@ class SandboxService:
 
     def is_hosted_here(self, row: SandboxRow) -> bool:
         """Whether this process's provider runs the sandbox (see :mod:`sandlot.broker.hosts`)."""
+        if self.fleet is not None:
+            return False
         return row.host is None or self.host is None or row.host == self.host
+
+    def reaches(self, row: SandboxRow) -> bool:
+        """Whether this process's provider can act on the sandbox (its own, or any
+        registered host's through the fleet)."""
+        return self.fleet is not None or self.is_hosted_here(row)
 
     def _hosted_here(self) -> Any:
         """The SQL form of :meth:`is_hosted_here`."""
+        if self.fleet is not None:
+            return false()
         if self.host is None:
             return true()
         return or_(sandboxes.c.host.is_(None), sandboxes.c.host == self.host)
@@ -477,7 +509,7 @@ class SandboxService:
             if binding_id:
                 self.hub.notify(binding_id)
         await self.push_revocations(sandbox_id, revoked)
-        if not self.is_hosted_here(row):
+        if not self.reaches(row):
             # Its host's reaper deletes it (finish_terminating); its dataplane already
             # refuses the revoked tokens, pushed there by its host's RevocationWatcher.
             return row
@@ -563,7 +595,7 @@ class SandboxService:
 
     async def resume(self, sandbox_id: str, *, reason: str) -> SandboxState:
         row = await anyio.to_thread.run_sync(self.get, sandbox_id)
-        if not self.is_hosted_here(row):
+        if not self.reaches(row):
             raise ProviderUnavailable(
                 f"sandbox {sandbox_id} is suspended on another host; retry there",
                 metadata={"sandbox_id": sandbox_id, "host": row.host},
@@ -579,6 +611,31 @@ class SandboxService:
             raise ProviderUnavailable("the provider could not resume the sandbox") from exc
         await self.apply_state(sandbox_id, status.state, reason=reason)
         return status.state
+
+    async def fail_with_host(self, sandbox_id: str, state: SandboxState) -> bool:
+        """A sandbox whose host was declared lost: a live one fails (``host_lost``: tokens
+        revoked, its binding ended, phase events on both logs); a teardown under way is
+        recorded as finished (nothing is left to delete that anyone can reach). Once: the
+        transition is conditional, so of several reapers one changes it."""
+
+        def tx() -> tuple[bool, str | None]:
+            with self.store.write() as conn:
+                if state is SandboxState.TERMINATING:
+                    return self.apply_state_in(
+                        conn, sandbox_id, SandboxState.TERMINATED, reason=HOST_LOST_REASON
+                    )
+                self.revoke_tokens_in(conn, sandbox_id=sandbox_id)
+                return self.apply_state_in(
+                    conn, sandbox_id, SandboxState.FAILED, reason=HOST_LOST_REASON
+                )
+
+        changed, binding_id = await anyio.to_thread.run_sync(tx)
+        if changed:
+            log.warning("sandbox %s failed: its host was lost", sandbox_id)
+            self.hub.notify(sandbox_id)
+            if binding_id:
+                self.hub.notify(binding_id)
+        return changed
 
     # --- queries --------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.bindings import BindingRow
 from sandlot.broker.events import EventHub, append_event
+from sandlot.broker.fleet import HOST_LOST_REASON
 from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.principals import Principal
@@ -318,6 +319,8 @@ class SessionService:
         else:
             if not req.mode.creates:
                 raise SessionNotFound(f"no live session for scope {key}", metadata={"scope": key})
+            if req.mode is SessionMode.ENSURE:
+                self._refuse_if_lost_with_host(conn, key)
             assert template is not None
             if owner is None:
                 conn.execute(
@@ -489,8 +492,40 @@ class SessionService:
         claimed = self._claim_from_pool(conn, template, user, key)
         if claimed is not None:
             return claimed, None
-        new = self.sandboxes.insert(conn, template=template, owner_user_id=user, scope_key=key)
+        preference = None if req.provider_preference == "auto" else req.provider_preference
+        new = self.sandboxes.insert(
+            conn, template=template, owner_user_id=user, scope_key=key, provider=preference
+        )
         return new, new
+
+    @staticmethod
+    def _refuse_if_lost_with_host(conn: Connection, key: str) -> None:
+        """An ``ensure`` never replaces, unasked, a sandbox lost with its host: its files
+        are gone, and a fresh sandbox under the same scope would hide that. The scope's
+        last binding ended with the loss; ``create_only`` starts a new one knowingly."""
+        last = conn.execute(
+            select(bindings.c.id, bindings.c.sandbox_id, sandboxes.c.state, sandboxes.c.reason)
+            .join(sandboxes, sandboxes.c.id == bindings.c.sandbox_id)
+            .where(bindings.c.scope_key == key)
+            .order_by(bindings.c.created_at.desc())
+            .limit(1)
+        ).first()
+        if (
+            last is None
+            or last.state != SandboxState.FAILED.value
+            or last.reason != HOST_LOST_REASON
+        ):
+            return
+        raise SessionExpired(
+            f"the sandbox of scope {key} was lost with its host; its files are gone. "
+            "Ensure with mode create_only to start a new sandbox",
+            metadata={
+                "scope": key,
+                "session_id": last.id,
+                "sandbox_id": last.sandbox_id,
+                "reason": HOST_LOST_REASON,
+            },
+        )
 
     def _claim_from_pool(
         self, conn: Connection, template: Template, user: str, key: str

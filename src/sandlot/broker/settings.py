@@ -11,11 +11,12 @@ Environment variables: ``SANDLOT_HOST``, ``SANDLOT_PORT``,
 ``http://HOST:PORT``), ``SANDLOT_PROVIDER_MODE`` (``isolated``|``unisolated``),
 ``SANDLOT_LOG_FORMAT`` (``text``|``json``), ``SANDLOT_CONFIG`` (a config file),
 ``SANDLOT_FAILPOINTS`` (crash points for recovery tests), ``SANDLOT_DATAPLANE_PORT``,
-``SANDLOT_DATAPLANE_URL`` (this host's dataplane, for a replica behind a load balancer).
+``SANDLOT_DATAPLANE_URL`` (this host's dataplane, for a replica behind a load balancer),
+``SANDLOT_SANDBOX_HOSTS`` (``embedded``|``registered``), ``SANDLOT_HOST_CAPACITY``.
 
 Config file keys (see ``default_config.toml`` for every one with its default):
 ``[policy]`` TTLs and capability policy per actor type, ``[quotas]``,
-``[promotion]``, ``[provider]``, ``[templates.NAME]``, ``[pools.NAME]``,
+``[promotion]``, ``[hosts]``, ``[provider]``, ``[templates.NAME]``, ``[pools.NAME]``,
 ``admins = ["user", …]`` (users allowed to read the audit log and manage
 templates, pools and everyone's sandboxes).
 """
@@ -80,6 +81,12 @@ class BrokerSettings:
     pools: Mapping[str, Pool] = field(default_factory=dict)
     admins: frozenset[str] = frozenset()
     default_template: str = "default"
+    #: ``embedded``: sandboxes run in this process's provider; ``registered``: on the sandbox
+    #: hosts registered in the store (:mod:`sandlot.broker.fleet`).
+    sandbox_hosts: str = "embedded"
+    host_heartbeat_seconds: float = 2.0
+    host_lost_after_seconds: float = 20.0
+    host_capacity: int = 100
     #: Crash points armed for recovery tests (``SANDLOT_FAILPOINTS``; see ``failpoints.py``).
     failpoints: frozenset[str] = frozenset()
 
@@ -182,6 +189,15 @@ def load_settings(
     values["provider_name"] = provider.pop("name", "local")
     values["provider_mode"] = provider.pop("mode", "isolated")
     values["provider_config"] = provider
+    hosts = raw.get("hosts", {})
+    for key, name in (
+        ("mode", "sandbox_hosts"),
+        ("heartbeat_seconds", "host_heartbeat_seconds"),
+        ("lost_after_seconds", "host_lost_after_seconds"),
+        ("capacity", "host_capacity"),
+    ):
+        if key in hosts:
+            values[name] = hosts[key]
     values["admins"] = frozenset(raw.get("admins", []))
     values["default_template"] = raw.get("default_template", "default")
     try:
@@ -219,6 +235,8 @@ def load_settings(
         "SANDLOT_LOG_FORMAT": "log_format",
         "SANDLOT_DATAPLANE_PORT": "dataplane_port",
         "SANDLOT_DATAPLANE_URL": "dataplane_url",
+        "SANDLOT_SANDBOX_HOSTS": "sandbox_hosts",
+        "SANDLOT_HOST_CAPACITY": "host_capacity",
     }
     for var, key in env_map.items():
         if env.get(var):
@@ -236,6 +254,18 @@ def load_settings(
             values["dataplane_port"] = int(values["dataplane_port"])
     except ValueError as exc:
         raise ConfigError(f"port and workers must be integers: {exc}") from exc
+    try:
+        values["host_capacity"] = int(values.get("host_capacity", 100))
+        values["host_heartbeat_seconds"] = float(values.get("host_heartbeat_seconds", 2.0))
+        values["host_lost_after_seconds"] = float(values.get("host_lost_after_seconds", 20.0))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"hosts.capacity and the hosts' delays must be numbers: {exc}") from exc
+    if values.get("sandbox_hosts", "embedded") not in ("embedded", "registered"):
+        raise ConfigError("hosts.mode must be 'embedded' or 'registered'")
+    if values["host_capacity"] < 1:
+        raise ConfigError("hosts.capacity must be at least 1")
+    if not 0 < values["host_heartbeat_seconds"] < values["host_lost_after_seconds"]:
+        raise ConfigError("hosts.heartbeat_seconds must be positive and under lost_after_seconds")
     values["data_dir"] = Path(values.get("data_dir", ".sandlot")).expanduser()
     if values["provider_mode"] not in ("isolated", "unisolated"):
         raise ConfigError("provider.mode must be 'isolated' or 'unisolated'")

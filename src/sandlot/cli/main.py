@@ -7,7 +7,7 @@ import sys
 import typer
 
 from sandlot import __version__
-from sandlot.cli import keys, live, mcp, resources, serve, sync, web
+from sandlot.cli import host, keys, live, mcp, resources, serve, sync, web
 
 app = typer.Typer(
     name="sandlot",
@@ -18,6 +18,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("serve", help=serve.HELP, epilog=serve.EPILOG)(serve.serve_command)
+app.command("host", help=host.HELP, epilog=host.EPILOG)(host.host_command)
 app.command("web", help=web.WEB_HELP, epilog=web.WEB_EPILOG)(web.web_command)
 app.command("open", help=web.OPEN_HELP, epilog=web.OPEN_EPILOG)(web.open_command)
 app.add_typer(keys.app, name="keys")

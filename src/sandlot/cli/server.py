@@ -55,9 +55,15 @@ def build_app(
     processes (see :mod:`sandlot.providers.remote`).
     """
     ref: list[Broker] = []
-    provider = build_provider(settings, ref, dataplane_url=dataplane_url)
+    # With registered sandbox hosts the broker runs no provider of its own.
+    provider = (
+        None
+        if settings.sandbox_hosts == "registered"
+        else build_provider(settings, ref, dataplane_url=dataplane_url)
+    )
     broker = Broker(settings, provider, run_reaper=run_reaper)
     ref.append(broker)
+    provider = broker.provider
     app = create_app(broker)
     host = getattr(provider, "host", None)
     if isinstance(host, DataplaneHost):

@@ -58,8 +58,18 @@ def _run_host(
 def _run_worker(
     settings: BrokerSettings, sock: socket.socket, uds_path: str, secret: str, dp_url: str
 ) -> None:
-    provider = RemoteProvider(
-        {"uds": uds_path, "secret": secret, "dataplane_url": dp_url, "name": settings.provider_name}
+    # With registered sandbox hosts, workers reach those hosts as the broker does.
+    provider = (
+        None
+        if settings.sandbox_hosts == "registered"
+        else RemoteProvider(
+            {
+                "uds": uds_path,
+                "secret": secret,
+                "dataplane_url": dp_url,
+                "name": settings.provider_name,
+            }
+        )
     )
     broker = Broker(settings, provider, run_reaper=False)
     app = create_app(broker)

@@ -4,9 +4,11 @@
 sandboxes (with their dataplane) in one *sandbox host* process: sandboxes,
 shared shells and reattach buffers must live in exactly one place. The host
 exposes its provider with :func:`provider_router` on a private Unix socket
-(guarded by a secret kept in the data directory, mode 0600) and the workers
-reach it through :class:`RemoteProvider`. The same pair is the way to put
-sandboxes on another machine than the broker.
+(guarded by a secret, mode 0600) and the workers reach it through
+:class:`RemoteProvider`. The same pair puts sandboxes on other machines than the
+brokers: ``sandlot host`` serves the router over TCP next to its dataplane, guarded
+by its credential, and brokers reach it through :class:`RemoteProvider` too
+(:class:`sandlot.broker.fleet.FleetProvider` keeps one per registered host).
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ def _status_json(status: ProviderStatus) -> dict[str, Any]:
     }
 
 
+def dataplane_coordinates(dataplane_url: str, sandbox_id: str) -> DataplaneCoordinates:
+    """Where the dataplane of a host whose public URL is ``dataplane_url`` serves a sandbox."""
+    http = f"{dataplane_url.rstrip('/')}/dp/{sandbox_id}/v1"
+    ws = "ws" + http[4:] if http.startswith("http") else http
+    return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
+
+
 def provider_router(provider: Provider, secret: str) -> APIRouter:
-    """Expose ``provider`` over HTTP (mount on a private socket only)."""
+    """Expose ``provider`` over HTTP to callers that present ``secret`` (a private Unix
+    socket, or a host's port where brokers hold the credential)."""
     from sandlot.protocol.errors import Unauthenticated
 
     router = APIRouter(prefix="/internal/provider")
@@ -164,8 +174,7 @@ class RemoteProvider(Provider):
         await self._call("DELETE", f"/sandboxes/{sandbox_id}")
 
     def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
-        http = f"{self.dataplane_url}/dp/{sandbox_id}/v1"
-        return DataplaneCoordinates(http_base_url=http, ws_base_url="ws" + http[4:])
+        return dataplane_coordinates(self.dataplane_url, sandbox_id)
 
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
         body = {"tokens": [{"jti": t.jti, "expires_at": t.expires_at} for t in tokens]}

@@ -210,6 +210,28 @@ rate_buckets = Table(
     Column("stamp", Float, nullable=False),
 )
 
+#: Sandbox hosts (:mod:`sandlot.broker.fleet`): each process that runs sandboxes on a
+#: server store registers here and stamps ``heartbeat_at``; brokers place new sandboxes on
+#: the hosts with a ``provider_url`` and declare ``lost`` the ones whose heartbeat lapses.
+hosts = Table(
+    "hosts",
+    metadata,
+    Column("id", String(80), primary_key=True),
+    Column("provider", String(40), nullable=False),
+    #: Where brokers reach its provider API (NULL: only its own process does, embedded).
+    Column("provider_url", String(400)),
+    #: The secret its provider API asks for (read by brokers, never sent to clients).
+    Column("credential", String(200)),
+    Column("dataplane_url", String(400), nullable=False),
+    #: How many sandboxes it runs at most (live and terminating count).
+    Column("capacity", Integer, nullable=False),
+    #: ``up`` or ``lost``.
+    Column("state", String(16), nullable=False),
+    Column("started_at", Float, nullable=False),
+    Column("heartbeat_at", Float, nullable=False),
+    Column("lost_at", Float),
+)
+
 signing_keys = Table(
     "signing_keys",
     metadata,
@@ -226,6 +248,7 @@ __all__ = [
     "audit",
     "bindings",
     "events",
+    "hosts",
     "idempotency",
     "leases",
     "metadata",

@@ -1,0 +1,230 @@
+"""``sandlot host``: a sandbox host for brokers on other machines.
+
+One process runs a provider (``local`` by default, or the configured one, e.g.
+``docker``), the dataplane of its sandboxes at ``/dp``, and its provider API
+(:func:`sandlot.providers.remote.provider_router`, the one ``--workers`` uses) at
+``/internal/provider``, guarded by its credential. It registers in the brokers' store
+(:mod:`sandlot.broker.fleet`): its provider URL, credential, public dataplane URL and
+capacity, then a heartbeat every ``hosts.heartbeat_seconds``. Like the sandbox host of
+``--workers`` it re-adopts its sandboxes at start, reaps them (idleness, TTLs,
+teardowns, orphans) and pushes token revocations to its dataplane, all from the store.
+
+It serves no broker API: clients negotiate with the brokers (``hosts.mode =
+"registered"``), which place sandboxes here and grant tokens for this dataplane.
+
+Every flag has an environment variable, for units and scripted topologies:
+
+- ``--store`` / ``SANDLOT_STORE``: the brokers' PostgreSQL (required).
+- ``--broker-url`` / ``SANDLOT_PUBLIC_URL``: the brokers' public URL, the issuer of
+  the tokens its dataplane verifies (required).
+- ``--listen`` / ``SANDLOT_HOST_LISTEN``: ``ADDRESS:PORT`` for the dataplane and the
+  provider API (default ``127.0.0.1:8766``; port 0 picks one).
+- ``--public-url`` / ``SANDLOT_DATAPLANE_URL``: where clients reach this dataplane
+  (default ``http://LISTEN``).
+- ``--provider-url`` / ``SANDLOT_HOST_PROVIDER_URL``: where brokers reach the provider
+  API (default ``http://LISTEN``).
+- ``--credential-file`` / ``SANDLOT_HOST_CREDENTIAL``: the provider API's secret (a file
+  holding it, or the value in the variable); default: made once and kept in
+  ``DATA_DIR/host-credential`` (mode 0600).
+- ``--capacity`` / ``SANDLOT_HOST_CAPACITY``: the most sandboxes it runs (default 100).
+- ``--data-dir`` / ``SANDLOT_DATA_DIR``: its sandboxes, workspaces and host id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import typer
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from sandlot.cli.errors import fail, friendly_errors
+
+HELP = "Run sandboxes and their dataplane for brokers elsewhere (registered in their store)."
+EPILOG = (
+    "Example: sandlot host --store postgresql://sandlot@db/sandlot "
+    "--broker-url https://sandlot.example --listen 0.0.0.0:8766 "
+    "--public-url https://sandlot.example/hosts/h1 --capacity 50 --data-dir /var/lib/sandlot-host"
+)
+
+CREDENTIAL_FILE = "host-credential"
+DEFAULT_LISTEN = "127.0.0.1:8766"
+
+
+def host_command(
+    store: str = typer.Option(None, help="The brokers' store URL (env SANDLOT_STORE)."),
+    broker_url: str = typer.Option(
+        None, help="The brokers' public URL: the tokens' issuer (env SANDLOT_PUBLIC_URL)."
+    ),
+    listen: str = typer.Option(
+        None, help="ADDRESS:PORT to serve on (env SANDLOT_HOST_LISTEN; default 127.0.0.1:8766)."
+    ),
+    public_url: str = typer.Option(
+        None, help="Where clients reach this dataplane (env SANDLOT_DATAPLANE_URL)."
+    ),
+    provider_url: str = typer.Option(
+        None, help="Where brokers reach its provider API (env SANDLOT_HOST_PROVIDER_URL)."
+    ),
+    credential_file: Path = typer.Option(
+        None, help="A file holding the provider API's secret (env SANDLOT_HOST_CREDENTIAL)."
+    ),
+    capacity: int = typer.Option(
+        None, help="The most sandboxes it runs (env SANDLOT_HOST_CAPACITY; default 100)."
+    ),
+    data_dir: Path = typer.Option(
+        None, help="Where its sandboxes and workspaces live (default: .sandlot-host)."
+    ),
+    config: Path = typer.Option(None, help="A TOML config file ([provider], [hosts])."),
+    unisolated: bool = typer.Option(
+        False, "--unisolated", help="Run sandboxes as plain processes (no isolation)."
+    ),
+    log_format: str = typer.Option(None, help="text or json (default: text)."),
+) -> None:
+    from sandlot.broker.logs import configure_logging
+    from sandlot.broker.settings import ConfigError, load_settings
+
+    env = os.environ
+    with friendly_errors():
+        address = listen or env.get("SANDLOT_HOST_LISTEN") or DEFAULT_LISTEN
+        host, _, port_text = address.rpartition(":")
+        host = host.strip("[]")
+        if not host or not port_text.isdigit():
+            raise ConfigError(f"--listen must be ADDRESS:PORT, not {address!r}")
+        settings = load_settings(
+            config_file=config,
+            host=host,
+            port=int(port_text),
+            data_dir=data_dir or (None if env.get("SANDLOT_DATA_DIR") else Path(".sandlot-host")),
+            store_url=store,
+            public_url=broker_url,
+            dataplane_url=public_url,
+            host_capacity=capacity,
+            provider_mode="unisolated" if unisolated else None,
+            log_format=log_format,
+            sandbox_hosts="embedded",
+        )
+        if not settings.store_url or settings.resolved_store_url.startswith("sqlite"):
+            raise ConfigError("sandlot host needs the brokers' store: --store postgresql://…")
+        if not settings.public_url:
+            raise ConfigError("sandlot host needs the brokers' public URL: --broker-url")
+        configure_logging(settings.log_format)
+        credential = _credential(settings.data_dir, credential_file)
+        from sandlot.cli.server import bind_socket
+
+        try:
+            sock = bind_socket(settings.host, settings.port)
+        except OSError as exc:
+            if exc.errno == 98:
+                raise fail(f"{address} is already in use") from None
+            raise
+        settings = replace(settings, port=sock.getsockname()[1])
+        listen_url = replace(settings, public_url=None).base_url
+        settings = replace(settings, dataplane_url=settings.dataplane_url or listen_url)
+        api_url = provider_url or env.get("SANDLOT_HOST_PROVIDER_URL") or listen_url
+        run_host(settings, sock, api_url, credential)
+
+
+def _credential(data_dir: Path, given: Path | None) -> str:
+    """The provider API's secret: the file given, the variable, or one kept in the data dir."""
+    if given is not None:
+        value = given.read_text().strip()
+        if len(value) < 16:
+            raise typer.BadParameter("the credential must be at least 16 characters")
+        return value
+    if os.environ.get("SANDLOT_HOST_CREDENTIAL"):
+        return os.environ["SANDLOT_HOST_CREDENTIAL"]
+    path = data_dir / CREDENTIAL_FILE
+    with contextlib.suppress(FileNotFoundError):
+        kept = path.read_text().strip()
+        if kept:
+            return kept
+    data_dir.mkdir(parents=True, exist_ok=True)
+    made = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+    return made
+
+
+def host_app(settings: Any, provider_url: str, credential: str) -> tuple[Any, Any]:
+    """The host's ASGI app (provider API, health, dataplane at ``/dp``) and its broker."""
+    from sandlot.broker.app import MountDispatch, RequestIdMiddleware
+    from sandlot.broker.assembly import build_provider
+    from sandlot.broker.core import Broker
+    from sandlot.broker.routes.errors import error_response
+    from sandlot.protocol.errors import InternalError, SandlotError
+    from sandlot.providers.remote import provider_router
+
+    ref: list[Broker] = []
+    provider = build_provider(settings, ref, dataplane_url=settings.dataplane_url)
+    broker = Broker(settings, provider, provider_api=(provider_url, credential))
+    broker.reaper.refill_pools = False
+    ref.append(broker)
+    app = FastAPI(title="sandlot host", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(SandlotError)
+    async def _sandlot_error(request: Request, exc: SandlotError) -> JSONResponse:
+        return error_response(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(request, InternalError("internal error"))
+
+    @app.get("/healthz")
+    async def healthz() -> Any:
+        return {"ok": True}
+
+    @app.get("/readyz")
+    async def readyz() -> Any:
+        store_ok = await anyio.to_thread.run_sync(broker.store.ping)
+        ready = store_ok and bool(provider.readiness().get("ok")) and broker.started
+        body = {
+            "ready": ready,
+            "host": broker.sandboxes.host,
+            "store": {"ok": store_ok},
+            "provider": {"name": provider.name},
+        }
+        return JSONResponse(body, status_code=200 if ready else 503)
+
+    app.include_router(provider_router(provider, credential))
+    app.add_middleware(RequestIdMiddleware)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # The brokers migrate the store and write templates and signing keys.
+        await anyio.to_thread.run_sync(broker.store.migrate)
+        await broker.start(migrate=False)
+        try:
+            yield
+        finally:
+            await broker.stop()
+
+    app.router.lifespan_context = lifespan
+    dataplane = getattr(provider, "app", None)
+    return (MountDispatch(app, {"/dp": dataplane}) if dataplane else app), broker
+
+
+def run_host(settings: Any, sock: Any, provider_url: str, credential: str) -> None:
+    from sandlot.broker.hosts import host_id
+    from sandlot.cli.server import make_server, run_until_signalled
+
+    app, _broker = host_app(settings, provider_url, credential)
+    sys.stdout.write(
+        f"sandlot host {host_id(settings.data_dir)} listening on "
+        f"{replace(settings, public_url=None).base_url}\n"
+        f"  dataplane: {settings.dataplane_url}\n"
+        f"  provider API: {provider_url}/internal/provider\n"
+        f"  provider: {settings.provider_name} ({settings.provider_mode}); "
+        f"capacity {settings.host_capacity}\n"
+        f"  data directory: {settings.data_dir.absolute()}\n"
+    )
+    sys.stdout.flush()
+    run_until_signalled(make_server(app), [sock])
