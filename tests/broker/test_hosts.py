@@ -32,7 +32,8 @@ from tests.servers import SandlotServer, free_port
 
 QUOTA = 3
 CAPACITY = 3
-LOST_AFTER = 3.0
+#: Long enough for a killed host to start again in time (its restart takes seconds).
+LOST_AFTER = 12.0
 
 FLEET = f"""
 [policy]
@@ -156,8 +157,9 @@ def test_placement_spreads_by_free_slots_within_capacity(fleet: Fleet) -> None:
         assert grant["sandbox"]["id"] in fleet.host_of(grant).provider_ids()
 
     # The fleet is full: a clear, retryable answer at either replica, never a 500.
+    third = a.headers("place3")
     for srv in (a, b):
-        r = _ensure(srv.url, a.headers("place3"), "thr_place_full")
+        r = _ensure(srv.url, third, "thr_place_full")
         assert r.status_code == 503, r.text
         err = r.json()["error"]
         assert err["code"] == "PROVIDER_UNAVAILABLE" and err["retryable"] is True, err
@@ -165,10 +167,10 @@ def test_placement_spreads_by_free_slots_within_capacity(fleet: Fleet) -> None:
 
     # Freed slots are placed on again.
     _terminate_all(fleet, grants[:1])
-    r = _ensure(b.url, a.headers("place3"), "thr_place_full")
+    r = _ensure(b.url, third, "thr_place_full")
     assert r.status_code == 200, r.text
     assert fleet.host_of(r.json()).host_id == placed[0]
-    _terminate_all(fleet, [*grants[1:], (a.headers("place3"), r.json())])
+    _terminate_all(fleet, [*grants[1:], (third, r.json())])
 
 
 @pytest.mark.timeout(240)
