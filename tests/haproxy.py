@@ -30,9 +30,7 @@ import pytest
 REPLICA_HEADER = "X-Sandlot-Replica"
 
 
-def haproxy_config(
-    port: int, replicas: Mapping[str, int | str], bind: str = "127.0.0.1"
-) -> str:
+def haproxy_config(port: int, replicas: Mapping[str, int | str], bind: str = "127.0.0.1") -> str:
     """The configuration of a balancer on ``bind:port`` over ``replicas`` (name → port on
     loopback, or ``address:port``)."""
     where = {n: p if isinstance(p, str) else f"127.0.0.1:{p}" for n, p in replicas.items()}

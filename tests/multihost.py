@@ -105,16 +105,34 @@ class Postgres:
             "-c max_connections=400"
         )
         log = os.path.join(self.base, "log")
-        self.node.run(_as_postgres([self.pg_ctl, "-D", self.data, "-o", opts, "-l", log, "-w", "start"]))  # type: ignore[list-item]
+        self.node.run(
+            _as_postgres([self.pg_ctl, "-D", self.data, "-o", opts, "-l", log, "-w", "start"])
+        )  # type: ignore[list-item]
 
     def stop(self, mode: str = "fast") -> None:
-        self.node.run(_as_postgres([self.pg_ctl, "-D", self.data, "-m", mode, "-w", "stop"]), check=False)  # type: ignore[list-item]
+        self.node.run(
+            _as_postgres([self.pg_ctl, "-D", self.data, "-m", mode, "-w", "stop"]), check=False
+        )  # type: ignore[list-item]
 
     def query(self, sql: str) -> list[list[str]]:
         """Rows of ``sql`` (psql through the cluster's socket)."""
         psql = _bin("psql") or "psql"
         out = self.node.run(
-            _as_postgres([psql, "-h", self.base, "-p", str(PG_PORT), "-U", "postgres", "-AtF", "\t", "-c", sql])
+            _as_postgres(
+                [
+                    psql,
+                    "-h",
+                    self.base,
+                    "-p",
+                    str(PG_PORT),
+                    "-U",
+                    "postgres",
+                    "-AtF",
+                    "\t",
+                    "-c",
+                    sql,
+                ]
+            )
         ).stdout.decode()
         return [line.split("\t") for line in out.splitlines() if line]
 
@@ -150,7 +168,10 @@ class MultiHost:
         self.pg.start()
         config = settings + f'\n[server]\nstore_url = "{self.pg.url}"\n'
         for name in self.names:
-            env = {"SANDLOT_PUBLIC_URL": self.lb, "SANDLOT_DATAPLANE_URL": f"{self.lb}/replicas/{name}"}
+            env = {
+                "SANDLOT_PUBLIC_URL": self.lb,
+                "SANDLOT_DATAPLANE_URL": f"{self.lb}/replicas/{name}",
+            }
             self.replicas[name] = NodeServer(
                 self.topo.nodes[name], self.driver, self.base / name, config=config, env=env
             )
@@ -178,7 +199,9 @@ class MultiHost:
     def _start_haproxy(self) -> None:
         binary = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/sbin")
         if binary is None:
-            raise RuntimeError("HAProxy is not installed (apt-get install haproxy; scripts/test does)")
+            raise RuntimeError(
+                "HAProxy is not installed (apt-get install haproxy; scripts/test does)"
+            )
         where: dict[str, int | str] = {
             n: f"{self.topo.nodes[n].addresses['front']}:{PORT}" for n in self.names
         }
@@ -186,7 +209,9 @@ class MultiHost:
         config.write_text(haproxy_config(LB_PORT, where, bind=self.lb_node.addresses["front"]))
         subprocess.run([binary, "-c", "-q", "-f", str(config)], check=True)
         log = (self.base / "haproxy.log").open("wb")
-        self.haproxy = self.lb_node.popen([binary, "-db", "-f", str(config)], stdout=log, stderr=log)
+        self.haproxy = self.lb_node.popen(
+            [binary, "-db", "-f", str(config)], stdout=log, stderr=log
+        )
         log.close()
 
     def wait_balanced(self, names: set[str], timeout: float = 60) -> None:
@@ -207,6 +232,19 @@ class MultiHost:
             time.sleep(0.05)
         raise AssertionError(f"the balancer never sent requests to all of {names}: {seen}")
 
+    def wait_unbalanced(self, name: str, timeout: float = 60) -> None:
+        """Until the balancer's health checks took replica ``name`` out: 2 rounds of
+        answers from the others alone."""
+        from tests.haproxy import REPLICA_HEADER
+
+        streak = 0
+        deadline = time.monotonic() + timeout
+        while streak < 2 * len(self.names):
+            assert time.monotonic() < deadline, f"the balancer still sends requests to {name}"
+            r = self.driver.call("request", wait=30, method="GET", url=f"{self.lb}/readyz")
+            streak = streak + 1 if r["headers"].get(REPLICA_HEADER.lower()) != name else 0
+            time.sleep(0.05)
+
     def url(self, name: str) -> str:
         """Replica ``name``'s own address (front network)."""
         return f"http://{self.topo.nodes[name].addresses['front']}:{PORT}"
@@ -225,12 +263,15 @@ class MultiHost:
         self.wait_balanced({name})
 
     def host_ids(self) -> dict[str, str]:
-        return {n: (srv.data_dir / "host-id").read_text().strip() for n, srv in self.replicas.items()}
+        return {
+            n: (srv.data_dir / "host-id").read_text().strip() for n, srv in self.replicas.items()
+        }
 
     def counts(self, table: str, like: str) -> dict[str, int]:
         """Rows of ``table`` per scope whose key is like ``like``."""
         rows = self.pg.query(
-            f"SELECT scope_key, count(*) FROM {table} WHERE scope_key LIKE '{like}' GROUP BY scope_key"
+            f"SELECT scope_key, count(*) FROM {table} WHERE scope_key LIKE '{like}' "
+            "GROUP BY scope_key"
         )
         return {k: int(n) for k, n in rows}
 
@@ -258,9 +299,11 @@ class MultiHost:
             time.sleep(0.3)
 
     def close(self) -> None:
-        for srv in self.replicas.values():
-            with contextlib.suppress(Exception):
-                srv.stop()
+        stoppers = [threading.Thread(target=srv.stop) for srv in self.replicas.values()]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
         if self.haproxy is not None and self.haproxy.poll() is None:
             self.haproxy.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -283,4 +326,3 @@ def multihost(base: Path, replicas: int = 3, settings: str = FAST_REAPER) -> Ite
             yield cluster
         finally:
             cluster.close()
-

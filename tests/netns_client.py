@@ -194,7 +194,13 @@ async def op_stream(
     out_of_order: list[tuple[int, int]] = []
     async with AsyncSandlot(base, key) as client:
         sandbox = await client.ensure(thread)
-        emit({"event": "dataplane", "url": sandbox.grant.http_base_url})
+        emit(
+            {
+                "event": "dataplane",
+                "url": sandbox.grant.http_base_url,
+                "session": sandbox.grant.session_id,
+            }
+        )
         cmd = await sandbox.stream(["python3", "-c", producer, str(total)])
         told = False
         async for chunk in cmd:
@@ -378,6 +384,9 @@ class Driver:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self._reader.join(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 if __name__ == "__main__":
