@@ -250,7 +250,10 @@ def main() -> None:
         f"(1 replica on SQLite: {single_cpu / single_done * 1000:.2f} ms, its store "
         "included);\n"
         f"- PostgreSQL CPU: {per[1] * 1000:.2f} ms;\n"
-        f"- PostgreSQL statements: {per[2]:.1f}.\n"
+        f"- PostgreSQL statements: {per[2]:.1f}.\n\n"
+        f"Idle (3 replicas, nothing asked, {args.seconds:.0f} s): {idle[2] / args.seconds:.0f} "
+        f"PostgreSQL statements/s, brokers' CPU {idle[0] / args.seconds * 100:.1f}% of a core, "
+        f"PostgreSQL's {idle[1] / args.seconds * 100:.1f}%.\n"
     )
     if args.statements:
         for calls, query in statements[:25]:
