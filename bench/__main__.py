@@ -58,6 +58,12 @@ BENCHES = [
         "docker provider: create → ready vs docker run, exec vs docker exec",
     ),
     (
+        "replicas_bench",
+        [],
+        ["--n", "200", "--seconds", "4"],
+        "broker replicas: ensure through HAProxy to 3 replicas on PostgreSQL vs 1 on SQLite",
+    ),
+    (
         "web_bench",
         [],
         ["--quick"],

@@ -12,6 +12,9 @@ ensure_system_packages() {
     || missing+=(e2fsprogs)
   # The load balancer in front of broker replicas in tests/broker/test_load_balancer.py.
   command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || missing+=(haproxy)
+  # Network namespaces for the multi-host run (tests/netns.py, tests/multihost.py).
+  command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || [ -x /sbin/ip ] || missing+=(iproute2)
+  command -v nsenter >/dev/null 2>&1 || missing+=(util-linux)
   # The workspace page's toolchain (frontend/), for the gate that rebuilds it.
   command -v node >/dev/null 2>&1 || missing+=(nodejs)
   command -v npm >/dev/null 2>&1 || missing+=(npm)

@@ -30,8 +30,10 @@ import pytest
 REPLICA_HEADER = "X-Sandlot-Replica"
 
 
-def haproxy_config(port: int, replicas: Mapping[str, int]) -> str:
-    """The configuration of a balancer on ``port`` over ``replicas`` (name → port)."""
+def haproxy_config(port: int, replicas: Mapping[str, int | str], bind: str = "127.0.0.1") -> str:
+    """The configuration of a balancer on ``bind:port`` over ``replicas`` (name → port on
+    loopback, or ``address:port``)."""
+    where = {n: p if isinstance(p, str) else f"127.0.0.1:{p}" for n, p in replicas.items()}
     lines = [
         "global",
         "    maxconn 4096",
@@ -48,7 +50,7 @@ def haproxy_config(port: int, replicas: Mapping[str, int]) -> str:
         "    retries 2",
         "    option redispatch",
         "frontend sandlot",
-        f"    bind 127.0.0.1:{port}",
+        f"    bind {bind}:{port}",
     ]
     for name in replicas:
         lines.append(f"    use_backend host_{name} if {{ path_beg /replicas/{name}/ }}")
@@ -61,13 +63,13 @@ def haproxy_config(port: int, replicas: Mapping[str, int]) -> str:
         "    default-server check inter 300ms fall 2 rise 1",
         f"    http-response set-header {REPLICA_HEADER} %[srv_name]",
     ]
-    lines += [f"    server {name} 127.0.0.1:{p}" for name, p in replicas.items()]
-    for name, p in replicas.items():
+    lines += [f"    server {name} {a}" for name, a in where.items()]
+    for name, a in where.items():
         lines += [
             f"backend host_{name}",
             f"    http-request replace-path /replicas/{name}(/.*) \\1",
             f"    http-response set-header {REPLICA_HEADER} {name}",
-            f"    server {name} 127.0.0.1:{p}",
+            f"    server {name} {a}",
         ]
     return "\n".join(lines) + "\n"
 

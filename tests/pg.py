@@ -27,8 +27,9 @@ def _as_postgres(argv: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def postgres_cluster() -> Iterator[str]:
-    """Yield a SQLAlchemy URL of a fresh database; fails in CI if PostgreSQL is missing."""
+def postgres_cluster(options: str = "") -> Iterator[str]:
+    """Yield a SQLAlchemy URL of a fresh database; fails in CI if PostgreSQL is missing.
+    ``options``: more server settings (``-c name=value …``)."""
     initdb, pg_ctl = _bin("initdb"), _bin("pg_ctl")
     if initdb is None or pg_ctl is None:
         if os.environ.get("CI"):
@@ -47,7 +48,10 @@ def postgres_cluster() -> Iterator[str]:
         check=True,
         capture_output=True,
     )
-    opts = f"-c listen_addresses=127.0.0.1 -p {port} -k {base} -c fsync=off -c max_connections=300"
+    opts = (
+        f"-c listen_addresses=127.0.0.1 -p {port} -k {base} -c fsync=off "
+        f"-c max_connections=300 {options}"
+    )
     subprocess.run(
         _as_postgres(
             [pg_ctl, "-D", data, "-o", opts, "-l", os.path.join(base, "log"), "-w", "start"]

@@ -90,10 +90,15 @@ class SandlotServer:
             argv += ["--config", str(self.config_path)]
         return argv
 
+    def command(self, argv: list[str]) -> list[str]:
+        """How ``argv`` (the server, or a command on its data) is run: as is here; in a
+        network namespace for multi-host tests (``tests/multihost.py``)."""
+        return argv
+
     def start(self, timeout: float = 30.0) -> SandlotServer:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
-            self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
+            self.command(self.argv()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
         )
         assert self.proc.stdout is not None
         deadline = time.monotonic() + timeout
@@ -166,7 +171,7 @@ class SandlotServer:
             argv += ["--principal", principal]
         if self.config_path is not None:
             argv += ["--config", str(self.config_path)]
-        out = subprocess.run(argv, capture_output=True, check=True, timeout=60)
+        out = subprocess.run(self.command(argv), capture_output=True, check=True, timeout=60)
         return str(json.loads(out.stdout)["key"])
 
     def headers(self, user: str, actor: str = "human") -> dict[str, str]:
@@ -326,7 +331,7 @@ class LangGraphDev:
         argv += ["--actor", actor, "--data-dir", str(self.data_dir), "--json"]
         if "SANDLOT_CONFIG" in self.env:
             argv += ["--config", self.env["SANDLOT_CONFIG"]]
-        out = subprocess.run(argv, capture_output=True, check=True, timeout=60)
+        out = subprocess.run(self.command(argv), capture_output=True, check=True, timeout=60)
         return str(json.loads(out.stdout)["key"])
 
     def stop(self) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, bindparam, delete, select, text, update
 from sqlalchemy.engine import make_url
 
+from sandlot.broker.store.database import POSTGRES_CONNECT_ARGS
 from sandlot.broker.store.schema import bindings, events, sandboxes
 from sandlot.protocol.common import Actor, rfc3339
 
@@ -181,6 +182,13 @@ class EventHub:
             self._wake(stream_id)
 
 
+#: The listener's connection: the store's settings (a partition found in seconds: it then
+#: reconnects and every subscriber re-reads), without the server-side option.
+LISTEN_CONNECT_ARGS: dict[str, Any] = {
+    k: v for k, v in POSTGRES_CONNECT_ARGS.items() if k != "options"
+}
+
+
 class StoreListener:
     """Feeds an :class:`EventHub` with PostgreSQL notifications of every process's events.
 
@@ -215,7 +223,7 @@ class StoreListener:
 
         while not self._stopping.is_set():
             try:
-                with psycopg.connect(self.conninfo, autocommit=True, connect_timeout=5) as conn:
+                with psycopg.connect(self.conninfo, autocommit=True, **LISTEN_CONNECT_ARGS) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.connected.set()
                     self.hub.notify_all()

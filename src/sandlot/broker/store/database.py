@@ -32,6 +32,23 @@ MIGRATIONS = str(Path(__file__).with_name("migrations"))
 #: a request with 503 BACKEND_UNAVAILABLE instead of holding it.
 CONNECT_TIMEOUT = 5
 
+#: libpq settings of every PostgreSQL connection, for a database cut off by the network
+#: (its packets dropped, nothing reset): a connection whose sent data goes unacknowledged
+#: for 5 s is closed (``tcp_user_timeout``), so a request on it fails with 503 instead of
+#: waiting minutes for TCP to give up; an idle one is probed by keepalives and found dead
+#: in about 11 s. On the server's side, a transaction left open by a replica that was cut
+#: off is ended after 30 s idle (``idle_in_transaction_session_timeout``), releasing its
+#: locks for the other replicas (sandlot never keeps a transaction idle that long).
+POSTGRES_CONNECT_ARGS: dict[str, object] = {
+    "connect_timeout": CONNECT_TIMEOUT,
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 5000,
+    "options": "-c idle_in_transaction_session_timeout=30000",
+}
+
 
 def _unreachable(exc: Exception) -> bool:
     """Whether ``exc`` says the database is out of reach (rather than a bug or a conflict)."""
@@ -126,9 +143,9 @@ class Store:
         else:
             if self.dialect == "postgresql" and parsed.drivername == "postgresql":
                 parsed = parsed.set(drivername="postgresql+psycopg")
-            timeout = {"connect_timeout": CONNECT_TIMEOUT} if self.dialect == "postgresql" else {}
+            args = POSTGRES_CONNECT_ARGS if self.dialect == "postgresql" else {}
             self.engine = create_engine(
-                parsed, pool_size=8, max_overflow=24, pool_pre_ping=True, connect_args=timeout
+                parsed, pool_size=8, max_overflow=24, pool_pre_ping=True, connect_args=args
             )
 
     def migrate(self) -> None:

@@ -1,0 +1,398 @@
+"""The multi-host run: 3 replicas on PostgreSQL behind HAProxy, each its own host, clients
+in their own namespace (``tests/multihost.py``), and faults: kill -9 of a replica in the
+middle of ensures, a replica cut from the database, PostgreSQL restarted, a replica that
+hosts sandboxes cut from the balancer and the clients.
+
+Each fault runs during an ensure storm whose clients retry what is retryable (a
+balancer's 502/503/504, ``503 BACKEND_UNAVAILABLE``) with the request's Idempotency-Key;
+after it: one binding and one sandbox per thread, 0 server errors, every retried request
+answered again alike (replayed), and after a reaper pass every replica's host runs
+exactly the live sandboxes the store gives it (0 orphans either way).
+
+CI size by default; ``SANDLOT_RELIABILITY_FULL=1`` (``./scripts/bench --reliability
+--full``) for 100 threads x 200 concurrent ensures.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.figures import FULL, RecordProperty, report
+from tests.multihost import MultiHost, multihost
+from tests.sdk.test_server_crash import PRODUCER, expected_digest
+
+#: The clean storm: threads x concurrent ensures each.
+THREADS, PER_THREAD = (100, 200) if FULL else (10, 20)
+#: A storm under a fault.
+FAULT_THREADS, FAULT_PER_THREAD = (20, 200) if FULL else (4, 20)
+#: Bytes of the exec stream that outlives its replica.
+TOTAL = 32_000_000 if FULL else 8_000_000
+
+pytestmark = [pytest.mark.reliability]
+
+
+class Run:
+    def __init__(self, cluster: MultiHost) -> None:
+        self.cluster = cluster
+        self.key = cluster.key("multihost", "agent")
+        self.headers = {"Authorization": f"Bearer {self.key}"}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    with multihost(tmp_path_factory.mktemp("multihost")) as cluster:
+        yield Run(cluster)
+    # Nothing of the run is left: namespaces, links, the route, processes.
+    assert cluster.topo.leftovers() == []
+
+
+def storm(
+    run: Run, prefix: str, threads: int, per_thread: int, fault: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """An ensure storm through the balancer; ``fault`` runs once the first thread is done,
+    while the second thread's ensures are in flight."""
+    names = [f"{prefix}_{i}_{uuid.uuid4().hex[:6]}" for i in range(threads)]
+    call = run.cluster.driver.start(
+        "storm", base=run.cluster.lb, headers=run.headers, threads=names, per_thread=per_thread
+    )
+    if fault is not None:
+        call.wait_event("thread", timeout=600)
+        fault()
+    result: dict[str, Any] = call.result(1800)
+    result["names"] = names
+    return result
+
+
+def assert_exactly_once(run: Run, result: dict[str, Any]) -> str:
+    """One binding and one sandbox per thread (clients' view and store's), 0 server errors,
+    every retried request replayed alike; the figure's words."""
+    names = result["names"]
+    assert result["server_errors"] == [], result["server_errors"][:5]
+    assert result["gave_up"] == 0, result
+    assert result["answers"] == {"200": len(names) * result["per_thread"]}, result["answers"]
+    for name in names:
+        got = result["threads"][name]
+        assert len(got["sessions"]) == 1 and len(got["sandboxes"]) == 1, (name, got)
+    like = f"thread:{names[0].rsplit('_', 2)[0]}_%"
+    bindings, sandboxes = (
+        run.cluster.counts("bindings", like),
+        run.cluster.counts("sandboxes", like),
+    )
+    assert bindings == {f"thread:{n}": 1 for n in names}, bindings
+    assert sandboxes == {f"thread:{n}": 1 for n in names}, sandboxes
+    assert result["replays_mismatched"] == [], result["replays_mismatched"][:3]
+    assert run.cluster.orphans() == {}
+    retried = ", ".join(f"{n} {k}" for k, n in sorted(result["retried"].items())) or "none"
+    return (
+        f"{len(names)} bindings, {len(names)} sandboxes, 0 server errors, 0 orphans after a "
+        f"reaper pass; retried: {retried}; {result['replays_checked']} retried requests sent "
+        f"again: same binding, replayed ({result['seconds']:.0f} s)"
+    )
+
+
+def hosts_of(result: dict[str, Any]) -> dict[str, int]:
+    """How many of the storm's sandboxes each replica hosts (from their dataplane routes)."""
+    spread: dict[str, int] = {}
+    for got in result["threads"].values():
+        host = got["dataplanes"][0].split("/replicas/", 1)[1].split("/", 1)[0]
+        spread[host] = spread.get(host, 0) + 1
+    return dict(sorted(spread.items()))
+
+
+@pytest.mark.timeout(1800 if FULL else 300)
+def test_ensure_storm_over_three_replicas(run: Run, record_property: RecordProperty) -> None:
+    result = storm(run, "clean", THREADS, PER_THREAD)
+    result["per_thread"] = PER_THREAD
+    figure = assert_exactly_once(run, result)
+    spread = hosts_of(result)
+    assert result["retries"] == 0, result["retried"]
+    assert set(spread) == set(run.cluster.names), spread
+    report(
+        record_property,
+        f"multi-host (namespaces: HAProxy, 3 replicas, PostgreSQL, clients): {PER_THREAD} "
+        f"concurrent ensure for each of {THREADS} threads through the balancer: {figure}; "
+        f"sandboxes on {spread}",
+    )
+
+
+@pytest.mark.timeout(180)
+def test_revocation_at_one_replica_reaches_every_dataplane(
+    run: Run, record_property: RecordProperty
+) -> None:
+    c = run.cluster
+    releases = []
+    for name in c.names:
+        # Ensured at the replica itself: the sandbox is on that host.
+        r = c.driver.call(
+            "request",
+            method="POST",
+            url=f"{c.url(name)}/v1/sandbox/sessions",
+            json={"thread_id": f"revoke_{name}_{uuid.uuid4().hex[:6]}", "mode": "ensure"},
+            headers=run.headers,
+            timeout=60,
+        )
+        assert r["status"] == 200, r
+        grant = r["body"]
+        through_lb = grant["dataplane"]["http_base_url"]
+        assert f"/replicas/{name}/" in through_lb, through_lb
+        direct = through_lb.replace(f"{c.lb}/replicas/{name}", c.url(name))
+        releases.append(
+            {
+                # Every release at the first replica, whichever host runs the sandbox.
+                "url": f"{c.url(c.names[0])}/v1/sandbox/sessions/{grant['session_id']}",
+                "headers": run.headers,
+                "token": grant["token"],
+                "dataplanes": [through_lb, direct],
+            }
+        )
+    latencies = c.driver.call("revoke", releases=releases)["latencies"]
+    assert len(latencies) == 2 * len(c.names), latencies
+    assert max(latencies.values()) < 1.0, latencies
+    report(
+        record_property,
+        f"tokens of sandboxes on each of 3 hosts, revoked at one replica: refused (401) by "
+        f"every dataplane (through the balancer and directly) within "
+        f"{max(latencies.values()) * 1000:.0f} ms (median "
+        f"{sorted(latencies.values())[len(latencies) // 2] * 1000:.0f} ms)",
+    )
+
+
+@pytest.mark.timeout(600)
+def test_exec_stream_survives_its_replica_killed(run: Run, record_property: RecordProperty) -> None:
+    c = run.cluster
+    call = c.driver.start(
+        "stream",
+        base=c.lb,
+        key=run.key,
+        thread=f"stream_{uuid.uuid4().hex[:6]}",
+        producer=PRODUCER,
+        total=TOTAL,
+    )
+    granted = call.wait_event("dataplane", timeout=120)
+    dataplane, session = granted["url"], granted["session"]
+    host = dataplane.split("/replicas/", 1)[1].split("/", 1)[0]
+    call.wait_event("third", timeout=300)
+    c.replicas[host].kill9()
+    # Meanwhile the others answer the control plane; then the host comes back.
+    meanwhile = [
+        c.driver.call(
+            "request",
+            method="GET",
+            url=f"{c.lb}/v1/sandbox/sessions/{session}",
+            headers=run.headers,
+        )["status"]
+        for _ in range(5)
+    ]
+    c.restart(host)
+    result = call.result(300)
+    assert meanwhile == [200] * 5, meanwhile
+    assert result["out_of_order"] == [], result
+    assert result["exit_code"] == 5, result
+    assert result["received"] == TOTAL, result
+    assert result["sha256"] == expected_digest(TOTAL)
+    assert result["reconnects"] >= 1, result
+    assert c.orphans() == {}
+    report(
+        record_property,
+        f"multi-host: exec stream through the balancer, kill -9 of the replica it came "
+        f"through after {TOTAL // 3:,} of {TOTAL:,} bytes, restart: every byte once "
+        f"(identical SHA-256), {result['reconnects']} reconnects, 0 orphans",
+    )
+
+
+def _later(
+    seconds: float, action: Callable[[], None], problems: list[BaseException]
+) -> threading.Thread:
+    def run() -> None:
+        try:
+            time.sleep(seconds)
+            action()
+        except BaseException as exc:  # reported by the test
+            problems.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+def faulted(
+    run: Run,
+    record_property: RecordProperty,
+    name: str,
+    fault: Callable[[], None],
+    repair: Callable[[], None],
+    after: float,
+    what: str,
+    notes: Callable[[], str] | None = None,
+) -> None:
+    """A storm; ``fault`` while its ensures are in flight, ``repair`` ``after`` seconds
+    later (the storm goes on meanwhile); then every check."""
+    problems: list[BaseException] = []
+    repairs: list[threading.Thread] = []
+
+    def inject() -> None:
+        fault()
+        repairs.append(_later(after, repair, problems))
+
+    result = storm(run, name, FAULT_THREADS, FAULT_PER_THREAD, inject)
+    for t in repairs:
+        t.join()
+    assert not problems, problems
+    assert repairs, "the fault never ran"
+    result["per_thread"] = FAULT_PER_THREAD
+    figure = assert_exactly_once(run, result)
+    report(
+        record_property,
+        f"multi-host, {what}, during {FAULT_PER_THREAD} concurrent ensure for each of "
+        f"{FAULT_THREADS} threads through the balancer: {figure}"
+        + (f"; {notes()}" if notes is not None else ""),
+    )
+
+
+@pytest.mark.timeout(1800 if FULL else 300)
+def test_kill9_of_a_replica_mid_ensure(run: Run, record_property: RecordProperty) -> None:
+    c = run.cluster
+    faulted(
+        run,
+        record_property,
+        "kill9",
+        lambda: c.replicas["r2"].kill9(),
+        lambda: c.restart("r2"),
+        after=1.0,
+        what="kill -9 of a replica mid-ensure (restarted 1 s later)",
+    )
+
+
+@pytest.mark.timeout(1800 if FULL else 300)
+def test_replica_cut_from_the_database(run: Run, record_property: RecordProperty) -> None:
+    c = run.cluster
+    direct: list[str] = []
+
+    def probe_then_heal() -> None:
+        # Asked directly meanwhile, the cut replica answers (its connections to the
+        # database time out in seconds), and says the store is unavailable.
+        for n in range(2):
+            r = c.driver.call(
+                "request",
+                method="POST",
+                url=f"{c.url('r3')}/v1/sandbox/sessions",
+                json={"thread_id": f"dbcut_direct_{n}", "mode": "ensure"},
+                headers=run.headers,
+                timeout=20,
+            )
+            body = r["body"] if isinstance(r["body"], dict) else {}
+            direct.append(f"{r['status']} {body.get('error', {}).get('code', '')}".strip())
+        c.topo.heal("r3", "back")
+        # Back by itself: the balancer's health checks pass again, no restart.
+        c.wait_balanced({"r3"})
+
+    faulted(
+        run,
+        record_property,
+        "dbcut",
+        lambda: c.topo.partition("r3", "back"),
+        probe_then_heal,
+        after=1.0,
+        what="a replica cut from the database (link down), back by itself",
+        notes=lambda: f"asked directly while cut, the replica answered {direct}",
+    )
+    assert direct == ["503 BACKEND_UNAVAILABLE"] * 2, direct
+
+
+@pytest.mark.timeout(1800 if FULL else 300)
+def test_postgresql_restarted(run: Run, record_property: RecordProperty) -> None:
+    c = run.cluster
+    faulted(
+        run,
+        record_property,
+        "pgrestart",
+        lambda: c.pg.stop("fast"),
+        c.pg.start,
+        after=3.0,
+        what="PostgreSQL stopped mid-ensure and started 3 s later",
+    )
+
+
+@pytest.mark.timeout(600)
+def test_replica_hosting_sandboxes_cut_from_clients(
+    run: Run, record_property: RecordProperty
+) -> None:
+    """The sandboxes of a replica the balancer and clients cannot reach: their threads are
+    still negotiated (by the other replicas) to the same binding and sandbox, never a new
+    one; their dataplane answers 503 meanwhile; healed, the same sandbox, its files kept."""
+    c = run.cluster
+    result = storm(run, "cut", 6, 10)
+    on_r1 = [n for n, got in result["threads"].items() if "/replicas/r1/" in got["dataplanes"][0]]
+    if not on_r1:
+        # Round robin placed none there: one made at r1 itself.
+        name = f"cut_r1_{uuid.uuid4().hex[:6]}"
+        r = c.driver.call(
+            "request",
+            method="POST",
+            url=f"{c.url('r1')}/v1/sandbox/sessions",
+            json={"thread_id": name, "mode": "ensure"},
+            headers=run.headers,
+        )
+        assert r["status"] == 200, r
+        on_r1 = [name]
+    thread = on_r1[0]
+    before = _ensure(run, thread)
+    dataplane = before["dataplane"]["http_base_url"]
+    written = _exec(run, dataplane, before["token"], "echo kept > /workspace/kept && echo ok")
+    assert written == (200, "ok\n"), written
+
+    c.topo.partition("r1", "front")
+    try:
+        c.wait_unbalanced("r1")
+        during = [_ensure(run, thread) for _ in range(10)]
+        assert {g["session_id"] for g in during} == {before["session_id"]}
+        assert {g["sandbox"]["id"] for g in during} == {before["sandbox"]["id"]}
+        status, _ = _exec(run, dataplane, during[-1]["token"], "true")
+        assert status == 503, status
+    finally:
+        c.topo.heal("r1", "front")
+    c.wait_balanced({"r1"})
+    after = _ensure(run, thread)
+    assert after["sandbox"]["id"] == before["sandbox"]["id"]
+    assert _exec(run, dataplane, after["token"], "cat /workspace/kept") == (200, "kept\n")
+    assert c.counts("sandboxes", f"thread:{thread}") == {f"thread:{thread}": 1}
+    assert c.orphans() == {}
+    report(
+        record_property,
+        "multi-host: a replica hosting sandboxes cut from the balancer and clients (link "
+        "down): its threads negotiated by the others to the same binding and sandbox (10 of "
+        "10), its dataplane 503 (retryable) meanwhile; healed: the same sandbox, its files "
+        "kept, 0 duplicates, 0 orphans",
+    )
+
+
+def _ensure(run: Run, thread: str) -> dict[str, Any]:
+    r = run.cluster.driver.call(
+        "request",
+        method="POST",
+        url=f"{run.cluster.lb}/v1/sandbox/sessions",
+        json={"thread_id": thread, "mode": "ensure"},
+        headers={**run.headers, "Idempotency-Key": str(uuid.uuid4())},
+        timeout=60,
+    )
+    assert r["status"] == 200, r
+    return dict(r["body"])
+
+
+def _exec(run: Run, dataplane: str, token: str, command: str) -> tuple[int, str]:
+    r = run.cluster.driver.call(
+        "request",
+        method="POST",
+        url=f"{dataplane}/exec",
+        json={"command": command},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    )
+    body = r["body"]
+    return r["status"], body.get("stdout", "") if isinstance(body, dict) else ""
