@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import threading
 import time
 from collections import Counter
@@ -388,3 +389,48 @@ def test_registered_mode_needs_a_server_store(tmp_path: Path) -> None:
     settings = load_settings(environ={}, data_dir=tmp_path, sandbox_hosts="registered")
     with pytest.raises(ConfigError, match="server store"):
         Broker(settings, None)
+
+
+def test_hosts_settings_are_checked(tmp_path: Path) -> None:
+    from sandlot.broker.settings import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match=r"hosts\.mode"):
+        load_settings(environ={"SANDLOT_SANDBOX_HOSTS": "elsewhere"}, data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="capacity"):
+        load_settings(environ={"SANDLOT_HOST_CAPACITY": "0"}, data_dir=tmp_path)
+    config = tmp_path / "c.toml"
+    config.write_text("[hosts]\nheartbeat_seconds = 30\nlost_after_seconds = 20\n")
+    with pytest.raises(ConfigError, match="heartbeat_seconds"):
+        load_settings(environ={}, config_file=config, data_dir=tmp_path)
+
+
+def test_sandlot_host_says_what_it_needs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SANDLOT_")}
+    env["COLUMNS"] = "200"
+    base = [sys.executable, "-m", "sandlot.cli.main", "host", "--data-dir", str(tmp_path)]
+    out = subprocess.run(
+        [*base, "--broker-url", "http://b"], capture_output=True, env=env, timeout=60
+    )
+    assert out.returncode == 2 and b"store" in out.stderr, out.stderr
+    out = subprocess.run(
+        [*base, "--store", "postgresql://u@127.0.0.1:1/x"], capture_output=True, env=env, timeout=60
+    )
+    assert out.returncode == 2 and b"public URL" in out.stderr, out.stderr
+    out = subprocess.run(
+        [
+            *base,
+            "--store",
+            "postgresql://u@127.0.0.1:1/x",
+            "--broker-url",
+            "http://b",
+            "--listen",
+            "nowhere",
+        ],
+        capture_output=True,
+        env=env,
+        timeout=60,
+    )
+    assert out.returncode == 2 and b"ADDRESS:PORT" in out.stderr.replace(b"\n", b""), out.stderr
