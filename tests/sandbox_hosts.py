@@ -5,11 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import select
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -44,8 +42,7 @@ class SandlotHost:
         self.url = f"http://127.0.0.1:{self.port}"
         self.host_id = ""
         self.proc: subprocess.Popen[bytes] | None = None
-        self.output: list[str] = []
-        self._reader: threading.Thread | None = None
+        self.log = data_dir.parent / f"{data_dir.name}.log"
 
     def argv(self) -> list[str]:
         argv = [
@@ -71,45 +68,36 @@ class SandlotHost:
         return argv
 
     def start(self, timeout: float = 60.0) -> SandlotHost:
+        # Its output goes to a file, not a pipe: the sandboxes it starts outlive a kill -9
+        # and would hold a pipe open.
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            self.argv(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env
-        )
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            start = out.tell()
+            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
-        buf = b""
         while time.monotonic() < deadline and not self.host_id:
-            ready, _, _ = select.select([fd], [], [], 0.1)
-            if ready:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                buf += chunk
-                m = re.search(rb"sandlot host (\S+) listening on", buf)
-                if m:
-                    self.host_id = m.group(1).decode()
+            said = self.log.read_bytes()[start:]
+            m = re.search(rb"sandlot host (\S+) listening on", said)
+            if m:
+                self.host_id = m.group(1).decode()
             elif self.proc.poll() is not None:
                 break
-        self.output.append(buf.decode(errors="replace"))
+            else:
+                time.sleep(0.05)
         if not self.host_id:
             self.stop()
-            raise RuntimeError(f"host did not start:\n{buf.decode(errors='replace')}")
-        self._reader = threading.Thread(target=self._read, args=(fd,), daemon=True)
-        self._reader.start()
+            raise RuntimeError(f"host did not start:\n{self.output}")
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
                     return self
             time.sleep(0.05)
-        raise RuntimeError(f"host never became ready:\n{''.join(self.output)[-4000:]}")
+        raise RuntimeError(f"host never became ready:\n{self.output[-4000:]}")
 
-    def _read(self, fd: int) -> None:
-        try:
-            while chunk := os.read(fd, 65536):
-                self.output.append(chunk.decode(errors="replace"))
-        except OSError:
-            return
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
     @property
     def credential(self) -> str:
@@ -125,19 +113,11 @@ class SandlotHost:
         r.raise_for_status()
         return set(r.json()["ids"])
 
-    def _reap(self) -> None:
-        if self._reader is not None:
-            self._reader.join(10)
-            self._reader = None
-        if self.proc is not None and self.proc.stdout is not None:
-            self.proc.stdout.close()
-
     def kill9(self) -> None:
         assert self.proc is not None
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self._reap()
 
     def stop(self, timeout: float = 20.0) -> None:
         if self.proc is None:
@@ -149,7 +129,6 @@ class SandlotHost:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        self._reap()
 
     def restart(self) -> SandlotHost:
         self.stop()

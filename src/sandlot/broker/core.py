@@ -88,7 +88,6 @@ class Broker:
                 self.store,
                 heartbeat_seconds=settings.host_heartbeat_seconds,
                 lost_after_seconds=settings.host_lost_after_seconds,
-                clock=clock,
             )
         )
         registered = settings.sandbox_hosts == "registered"

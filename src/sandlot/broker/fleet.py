@@ -15,6 +15,9 @@ the smallest host id. No such host: ``503 PROVIDER_UNAVAILABLE`` (retryable, ``m
 .reason = "no_capacity"``). Placements are serialized by a transaction-level advisory
 lock, so two replicas never both fill a host's last slot.
 
+Heartbeats and their ages are read on the database's clock, so the clocks of hosts and
+brokers need not agree.
+
 Loss: a host whose heartbeat is older than ``hosts.lost_after_seconds`` is declared
 ``lost`` by one conditional update (whichever replica's reaper gets there first; the
 others' updates change nothing). Every reaper pass then fails the live sandboxes of
@@ -35,7 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
-from sqlalchemy import Connection, func, select, update
+from sqlalchemy import Connection, Float, cast, func, select, update
 from sqlalchemy.exc import IntegrityError
 
 from sandlot.broker.store import Store
@@ -59,6 +62,8 @@ HOST_LOST_REASON = "host_lost"
 #: Sandboxes that take a slot on their host.
 _OCCUPYING = [s.value for s in SandboxState if s.live] + [SandboxState.TERMINATING.value]
 _LIVE = [s.value for s in SandboxState if s.live]
+#: The database's time (PostgreSQL), in seconds since the epoch.
+_DB_NOW = select(cast(func.extract("epoch", func.now()), Float))
 #: A host is placed on while its last heartbeat is at most this many heartbeats old.
 PLACEABLE_HEARTBEATS = 3.0
 
@@ -114,31 +119,38 @@ class HostRegistry:
         *,
         heartbeat_seconds: float,
         lost_after_seconds: float,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock``: a fixed clock for tests; else the database's (its transaction time)."""
         self.store = store
         self.heartbeat_seconds = heartbeat_seconds
         self.lost_after_seconds = lost_after_seconds
         self.clock = clock
 
+    def _now(self, conn: Connection) -> float:
+        if self.clock is not None:
+            return self.clock()
+        if self.store.dialect == "postgresql":
+            return float(conn.execute(_DB_NOW).scalar_one())
+        return time.time()
+
     # --- a host's own side ---------------------------------------------------------
 
     def register(self, reg: Registration) -> bool:
         """Record the host as ``up`` now; True if it had been declared lost."""
-        now = self.clock()
-        values = {
+        values: dict[str, Any] = {
             "provider": reg.provider,
             "provider_url": reg.provider_url,
             "credential": reg.credential,
             "dataplane_url": reg.dataplane_url,
             "capacity": reg.capacity,
             "state": HOST_UP,
-            "started_at": now,
-            "heartbeat_at": now,
             "lost_at": None,
         }
         for _ in range(3):
             with self.store.write() as conn:
+                now = self._now(conn)
+                values.update(started_at=now, heartbeat_at=now)
                 was = conn.execute(select(hosts.c.state).where(hosts.c.id == reg.host_id)).first()
                 if was is not None:
                     conn.execute(update(hosts).where(hosts.c.id == reg.host_id).values(**values))
@@ -153,8 +165,8 @@ class HostRegistry:
 
     def heartbeat(self, host_id: str) -> str | None:
         """Stamp the host's heartbeat (and mark it ``up``); its state before (None: unknown)."""
-        now = self.clock()
         with self.store.write() as conn:
+            now = self._now(conn)
             was = conn.execute(select(hosts.c.state).where(hosts.c.id == host_id)).first()
             if was is None:
                 return None
@@ -184,7 +196,7 @@ class HostRegistry:
         sandbox row: the next placement counts it.
         """
         self.store.serialize(conn, "sandlot:placement")
-        now = self.clock()
+        now = self._now(conn)
         fresh = now - PLACEABLE_HEARTBEATS * self.heartbeat_seconds
         query = select(hosts).where(
             hosts.c.state == HOST_UP,
@@ -224,9 +236,10 @@ class HostRegistry:
 
     def declare_lost(self) -> list[str]:
         """Declare ``lost`` the hosts whose heartbeat lapsed; the ids this call declared."""
-        cutoff = self.clock() - self.lost_after_seconds
         declared = []
         with self.store.write() as conn:
+            now = self._now(conn)
+            cutoff = now - self.lost_after_seconds
             lapsed = conn.execute(
                 select(hosts.c.id).where(hosts.c.state == HOST_UP, hosts.c.heartbeat_at < cutoff)
             ).all()
@@ -238,7 +251,7 @@ class HostRegistry:
                         hosts.c.state == HOST_UP,
                         hosts.c.heartbeat_at < cutoff,
                     )
-                    .values(state=HOST_LOST, lost_at=self.clock())
+                    .values(state=HOST_LOST, lost_at=now)
                 ).rowcount
                 if changed:
                     declared.append(str(row.id))
