@@ -144,8 +144,11 @@ class SandboxService:
         name: str | None = None,
         scope_key: str | None = None,
         pool: str | None = None,
+        provider_preference: str = "auto",
     ) -> SandboxRow:
-        """Insert a new sandbox row in ``provisioning`` (the caller's transaction)."""
+        """Insert a new sandbox row in ``provisioning`` (the caller's transaction), for the
+        provider its template pins, else the one preferred, else the default."""
+        provider = self.provider.choose(template, provider_preference)
         now = self.clock()
         if owner_user_id is not None and pool is None:
             self.check_quota(conn, owner_user_id)
@@ -159,14 +162,14 @@ class SandboxService:
             ).first()
             if taken is not None:
                 raise ResourceConflict(f"a live sandbox named {name!r} already exists")
-        coords = self.provider.dataplane(sandbox_id)
+        coords = self.provider.assign(sandbox_id, provider).dataplane(sandbox_id)
         conn.execute(
             sandboxes.insert().values(
                 id=sandbox_id,
                 name=name,
                 owner_user_id=owner_user_id,
                 template=template.name,
-                provider=self.provider.name,
+                provider=provider,
                 state=SandboxState.PROVISIONING.value,
                 generation=1,
                 scope_key=scope_key,
@@ -220,6 +223,7 @@ class SandboxService:
             template=template or self.templates.get(row.template),
             owner_user_id=row.owner_user_id,
             name=row.name,
+            provider=row.provider,
         )
 
     def snapshot(self, row: SandboxRow) -> SandboxSnapshot:
@@ -244,7 +248,7 @@ class SandboxService:
             return DataplaneCoordinates(
                 http_base_url=row.dataplane_http, ws_base_url=row.dataplane_ws
             )
-        return self.provider.dataplane(row.id)
+        return self.provider.assign(row.id, row.provider).dataplane(row.id)
 
     def record_coordinates(self, sandbox_ids: list[str]) -> None:
         """Record where this host's sandboxes answer now (after a restart re-adopts them)."""
@@ -252,6 +256,7 @@ class SandboxService:
             return
         with self.store.write() as conn:
             for sandbox_id in sandbox_ids:
+                # The provider knows its own sandboxes again (load_state).
                 coords = self.provider.dataplane(sandbox_id)
                 conn.execute(
                     update(sandboxes)
@@ -551,7 +556,7 @@ class SandboxService:
         return done
 
     async def suspend(self, sandbox_id: str, *, reason: str) -> None:
-        if not self.provider.supports_suspend:
+        if not self.provider.can_suspend(sandbox_id):
             await self.terminate(sandbox_id, reason=reason)
             return
         try:

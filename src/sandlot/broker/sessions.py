@@ -486,20 +486,28 @@ class SessionService:
                 )
             conn.execute(update(sandboxes).where(sandboxes.c.id == hinted.id).values(scope_key=key))
             return hinted, None
-        claimed = self._claim_from_pool(conn, template, user, key)
+        provider = self.sandboxes.provider.choose(template, req.provider_preference)
+        claimed = self._claim_from_pool(conn, template, user, key, provider)
         if claimed is not None:
             return claimed, None
-        new = self.sandboxes.insert(conn, template=template, owner_user_id=user, scope_key=key)
+        new = self.sandboxes.insert(
+            conn,
+            template=template,
+            owner_user_id=user,
+            scope_key=key,
+            provider_preference=provider,
+        )
         return new, new
 
     def _claim_from_pool(
-        self, conn: Connection, template: Template, user: str, key: str
+        self, conn: Connection, template: Template, user: str, key: str, provider: str
     ) -> SandboxRow | None:
         pooled = conn.execute(
             select(sandboxes.c.id)
             .where(
                 sandboxes.c.pool.is_not(None),
                 sandboxes.c.template == template.name,
+                sandboxes.c.provider == provider,
                 sandboxes.c.state == SandboxState.ACTIVE.value,
             )
             .order_by(sandboxes.c.created_at)
