@@ -83,6 +83,12 @@ def pair(tmp_path: Path, *, with_local: bool = False) -> Iterator[Pair]:
             tmp_path / "broker", config=broker_config(service.url, key_file, with_local=with_local)
         ).start()
         yield Pair(service, broker, key)
+    except BaseException:
+        # What the servers said, for the failure to be understood.
+        for srv in (broker, service):
+            if srv is not None:
+                print("".join(srv.output)[-6000:])
+        raise
     finally:
         # Cleaning up runs an event loop of its own: not in the test's.
         with ThreadPoolExecutor(1) as pool:

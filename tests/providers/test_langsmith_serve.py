@@ -45,7 +45,8 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
         seen: list[str] = []  # every answer a client of the broker sees
         client = AsyncSandlot(p.broker.url, key, auto_refresh=False)
         try:
-            sb = await client.ensure("thr_hosted")
+            caps = ["fs_read", "fs_write", "exec", "shell", "shell_observe"]
+            sb = await client.ensure("thr_hosted", capabilities=caps)
             seen.append(json.dumps(sb.grant.raw))
             assert sb.grant.raw["sandbox"]["provider"] == "langsmith"
             assert sb.grant.http_base_url == f"{p.broker.url}/dp/{sb.id}/v1"
@@ -86,7 +87,7 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
             await sb.mkdir("made/deeper")
             await sb.move("notes/a.txt", "made/deeper/b.txt")
             assert not await sb.exists("notes/a.txt")
-            await sb.delete("made")
+            await sb.delete("made", recursive=True)
             assert not await sb.exists("made/deeper/b.txt")
             # A path that looks like an option, or holds shell syntax, is only a name.
             await sb.write("-rf $(touch pwned); x", "odd\n")
@@ -176,15 +177,19 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
 
 
 async def _events(http: httpx.AsyncClient, base: str, token: str) -> list[dict[str, object]]:
-    events: list[dict[str, object]] = []
+    """The log up to the sequence a snapshot reports (read first: no race)."""
     headers = {"Authorization": f"Bearer {token}"}
+    execs = (await http.get(f"{base}/execs", headers=headers)).json()["execs"]
+    last = max(int(e["last_event_sequence"]) for e in execs)
+    events: list[dict[str, object]] = []
     async with http.stream("GET", f"{base}/events", headers=headers, timeout=10) as resp:
         assert resp.status_code == 200
         async for line in resp.aiter_lines():
             if line.startswith("data: "):
                 events.append(json.loads(line[6:]))
-            elif line.startswith(": keep-alive") or (events and line == ""):
-                break
+                if int(str(events[-1]["sequence"])) >= last:
+                    break
+    assert [e["sequence"] for e in events] == list(range(1, last + 1))
     return events
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import errno
+import os
 import json
 import shlex
 import time
@@ -58,6 +60,7 @@ from sandlot.dataplane.http.web import (
 from sandlot.dataplane.services.auth import AuthContext, TokenVerifier
 from sandlot.dataplane.services.events import EventLog
 from sandlot.dataplane.services.fsops import etag_of
+from sandlot.dataplane.services.paths import os_error
 from sandlot.protocol.common import PROTOCOL_VERSION, Actor, Capability, new_id, rfc3339
 from sandlot.protocol.dataplane import (
     EditRequest,
@@ -302,17 +305,34 @@ def command_text(command: str | list[str]) -> str:
     return command if isinstance(command, str) else shlex.join(command)
 
 
+#: The messages of the box's tools (coreutils, findutils) → errno, for :func:`os_error`.
+_STRERRORS = {
+    os.strerror(code): code
+    for code in (
+        errno.ENOENT,
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTEMPTY,
+        errno.EEXIST,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.ENOSPC,
+        errno.ELOOP,
+        errno.ENAMETOOLONG,
+    )
+}
+
+
 def _check(result: dict[str, Any], what: str) -> str:
-    """The stdout of a helper command that must succeed; its failure as the right error."""
+    """The stdout of a helper command that must succeed; its failure as the dataplane's
+    error for the same errno (read from the tool's message)."""
     if result.get("exit_code") == 0:
         return str(result.get("stdout", ""))
     err = str(result.get("stderr", "")).strip()
-    if "No such file" in err or "cannot stat" in err:
-        raise FileNotFound(f"{what}: no such file or directory")
-    if "Permission denied" in err:
-        from sandlot.protocol.errors import PermissionDenied
-
-        raise PermissionDenied(f"{what}: permission denied")
+    for text, code in _STRERRORS.items():
+        if text in err:
+            raise os_error(OSError(code, text), what)
     raise InvalidRequest(f"{what} failed: {err.splitlines()[-1][:200] if err else 'error'}")
 
 
@@ -596,10 +616,11 @@ async def fs_list(request: Request) -> Response:
     depth = query_int(request, "depth", 1, 1, 64)
     out = _check(
         await box.run(
-            f"test -d {q(path)} || {{ ls -d -- {q(path)} >/dev/null && exit 20; }} && "
+            f"test -d {q(path)} || ls -d -- {q(path)} >/dev/null || exit 2; "
+            f"test -d {q(path)} || {{ echo {q(os.strerror(errno.ENOTDIR))} >&2; exit 20; }}; "
             f"find {q(path)} -mindepth 1 -maxdepth {depth} -printf '{_FIND_FORMAT}'"
         ),
-        f"list {path}",
+        path,
     )
     return json_response({"entries": _entries(out), "truncated": False})
 
@@ -608,7 +629,7 @@ async def fs_list(request: Request) -> Response:
 async def fs_stat(request: Request) -> Response:
     _, _, box = await authorize(request, Capability.FS_READ)
     path = box.resolve(query_path(request))
-    out = _check(await box.run(f"stat -c '%F\t%s\t%a\t%Y' -- {q(path)}"), f"stat {path}")
+    out = _check(await box.run(f"stat -c '%F\t%s\t%a\t%Y' -- {q(path)}"), path)
     kind, size, mode, mtime = out.strip().split("\t")
     types = {"directory": "directory", "symbolic link": "symlink"}
     type_ = "file" if kind.startswith("regular") else types.get(kind, "other")
@@ -632,7 +653,7 @@ async def fs_delete(request: Request) -> Response:
         raise InvalidRequest("refusing to delete the sandbox's root or workspace")
     recursive = request.query_params.get("recursive", "true").lower() not in ("false", "0")
     cmd = f"rm -r -- {q(path)}" if recursive else f"rm -d -- {q(path)}"
-    _check(await box.run(f"ls -d -- {q(path)} >/dev/null && {cmd}"), f"delete {path}")
+    _check(await box.run(f"ls -d -- {q(path)} >/dev/null && {cmd}"), path)
     hosted.changed(path, "deleted", ctx.actor)
     return json_response({"path": path})
 
@@ -645,13 +666,10 @@ async def fs_mkdir(request: Request) -> Response:
     flags = "-p" if body.parents else ""
     script = f"if test -d {q(path)}; then echo exists; else mkdir {flags} -- {q(path)}; fi"
     if not body.exist_ok:
-        script = f"test -e {q(path)} && {{ echo 'File exists' >&2; exit 17; }}; {script}"
+        exists = q(os.strerror(errno.EEXIST))
+        script = f"test -e {q(path)} && {{ echo {exists} >&2; exit 17; }}; {script}"
     out = await box.run(script)
-    if out.get("exit_code") == 17:
-        from sandlot.protocol.errors import ResourceConflict
-
-        raise ResourceConflict(f"{path} exists")
-    existed = _check(out, f"mkdir {path}").strip() == "exists"
+    existed = _check(out, path).strip() == "exists"
     if not existed:
         hosted.changed(path, "created", ctx.actor)
     return json_response({"path": path}, 200 if existed else 201)
@@ -665,7 +683,7 @@ async def fs_move(request: Request) -> Response:
     flag = "-f" if body.overwrite else "-n"
     _check(
         await box.run(f"ls -d -- {q(src)} >/dev/null && mv -T {flag} -- {q(src)} {q(dst)}"),
-        f"move {src}",
+        src,
     )
     hosted.changed(dst, "moved", ctx.actor)
     return json_response({"path": dst})

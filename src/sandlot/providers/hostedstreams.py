@@ -208,7 +208,7 @@ def _execute_body(frame: Any, ex: RelayExec, box: Box) -> dict[str, Any]:
         "shell": frame.shell,
         "env": dict(frame.env),
         "command_id": ex.command_id,
-        "pty": bool(frame.pty),
+        "pty": bool(getattr(frame, "pty", False)),
     }
     if frame.cwd:
         body["cwd"] = box.resolve(frame.cwd)
@@ -586,6 +586,7 @@ async def shells(request: Request) -> Response:
                     "clients": len(s.clients),
                     "created_at": rfc3339(s.created_at),
                     "offset": s.offset,
+                    "state": "exited" if s.done.is_set() else "running",
                 }
                 for s in hosted.shells.values()
             ]
