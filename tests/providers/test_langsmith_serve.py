@@ -132,9 +132,9 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
                 "main", role="observer"
             ) as observer:
                 await driver.send("echo shell-$((6*7)); tty\n")
-                await driver.read_until("shell-42")
-                await observer.read_until("shell-42")
-                await driver.read_until("/dev/pts/")
+                typed = await driver.read_until("/dev/pts/", timeout=30)
+                watched = await observer.read_until("/dev/pts/", timeout=30)
+                assert "shell-42" in typed and "shell-42" in watched
             assert [s.name for s in await sb.list_shells()] == ["main"]
 
             # The relay's event log saw the API's changes and the commands.
