@@ -26,7 +26,15 @@ pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(300)]
 SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
 
 #: Prints ``N`` numbered lines, a few at a time, then exits 5.
-PRODUCER = "for i in $(seq 1 {n}); do echo line-$i; if [ $((i % 50)) = 0 ]; then sleep 0.02; fi; done; exit 5"
+PRODUCER = (
+    "for i in $(seq 1 {n}); do echo line-$i; if [ $((i % 50)) = 0 ]; then sleep 0.02; fi; done;"
+    " exit 5"
+)
+
+
+async def http_call(method: str, url: str, **kw: object) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=30) as http:
+        return await http.request(method, url, **kw)  # type: ignore[arg-type]
 
 
 def _jwt_payload(token: str) -> dict[str, object]:
@@ -98,7 +106,8 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
             blob = os.urandom(300_000)
             await sb.upload("bin/blob", blob)
             assert await sb.download("bin/blob") == blob
-            r2 = httpx.get(
+            r2 = await http_call(
+                "GET",
                 f"{sb.grant.http_base_url}/files/download",
                 params={"path": "bin/blob"},
                 headers={"Authorization": f"Bearer {sb.grant.token}", "Range": "bytes=10-19"},
@@ -128,9 +137,10 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
             assert snapshot.state == "exited" and snapshot.exit_code == 5
 
             # A shared shell: two clients see the same bytes.
-            async with await sb.shell("main") as driver, await sb.shell(
-                "main", role="observer"
-            ) as observer:
+            async with (
+                await sb.shell("main") as driver,
+                await sb.shell("main", role="observer") as observer,
+            ):
                 await driver.send("echo shell-$((6*7)); tty\n")
                 typed = await driver.read_until("/dev/pts/", timeout=30)
                 watched = await observer.read_until("/dev/pts/", timeout=30)
@@ -166,7 +176,7 @@ async def test_a_thread_is_a_hosted_box_reached_through_the_relay(tmp_path: Path
         finally:
             await client.aclose()
         for url in ("/readyz", "/metrics"):
-            seen.append(httpx.get(f"{p.broker.url}{url}", timeout=10).text)
+            seen.append((await http_call("GET", f"{p.broker.url}{url}")).text)
         seen.append(json.dumps(_jwt_payload(sb.grant.token)))
         seen.append(sb.grant.token)
     # The provider's key reached no client and no log line of the broker.
@@ -255,7 +265,8 @@ async def test_the_relay_checks_every_token_itself(tmp_path: Path) -> None:
             await client.release(a.grant.session_id, terminate=False)
             async with asyncio.timeout(5):
                 while True:
-                    r = httpx.get(
+                    r = await http_call(
+                        "GET",
                         f"{a.grant.http_base_url}/fs/list",
                         headers={"Authorization": f"Bearer {token}"},
                     )
@@ -288,16 +299,16 @@ async def test_provider_preference_chooses_and_a_template_pin_wins(tmp_path: Pat
             assert _box_named_for(p, pinned.id)
             assert not _box_named_for(p, plain.id)
             assert (await plain.exec("echo local")).stdout == "local\n"
-            r = httpx.post(
+            r = await http_call(
+                "POST",
                 f"{p.broker.url}/v1/sandbox/sessions",
                 json={"thread_id": "thr_x", "mode": "ensure", "provider_preference": "elsewhere"},
                 headers=p.broker.headers("alice", "agent"),
-                timeout=30,
             )
             assert r.status_code == 400
             assert r.json()["error"]["metadata"]["configured"] == ["hosted", "local"]
             # Both providers report at /readyz.
-            ready = httpx.get(f"{p.broker.url}/readyz", timeout=10).json()
+            ready = (await http_call("GET", f"{p.broker.url}/readyz")).json()
             assert set(ready["provider"]["providers"]) == {"hosted", "local"}
             for sb in (hosted, pinned):
                 assert sb.grant.session_id is not None

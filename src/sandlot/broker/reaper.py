@@ -85,7 +85,9 @@ class Reaper:
                     row.id, SandboxState.FAILED, reason="template gone"
                 )
                 continue
-            records.append(AdoptionRecord(row.id, row.generation, template, row.state, provider=row.provider))
+            records.append(
+                AdoptionRecord(row.id, row.generation, template, row.state, provider=row.provider)
+            )
         lost = set(await self.provider.load_state(records))
         adopted = [r.sandbox_id for r in records if r.sandbox_id not in lost]
         await anyio.to_thread.run_sync(self.sandboxes.record_coordinates, adopted)

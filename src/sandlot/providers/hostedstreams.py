@@ -36,9 +36,9 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed
 
-from sandlot.dataplane.http.web import bearer_from_header, endpoint, json_response
+from sandlot.dataplane.http.web import endpoint, json_response
 from sandlot.dataplane.http.websockets import close_code_for, receive_frame
-from sandlot.dataplane.services.auth import AuthContext
+from sandlot.dataplane.services.auth import AuthContext, bearer_from_header
 from sandlot.protocol import frames as F
 from sandlot.protocol.common import Capability, new_id, rfc3339
 from sandlot.protocol.dataplane import ExecRequest
@@ -54,9 +54,9 @@ from sandlot.protocol.errors import (
     Unauthenticated,
 )
 from sandlot.providers.hostedbox import Box
-from sandlot.providers.hostedrelay import (
+from sandlot.providers.hostedstate import (
     Hosted,
-    HostedRelay,
+    RelayCore,
     RelayExec,
     authorize,
     command_text,
@@ -68,8 +68,8 @@ RECONNECTS = 5
 SHELL_HISTORY_BYTES = 256 << 10
 
 
-def _relay(ws: Any) -> HostedRelay:
-    relay: HostedRelay = ws.app.state.relay
+def _relay(ws: Any) -> RelayCore:
+    relay: RelayCore = ws.app.state.relay
     return relay
 
 
@@ -558,8 +558,8 @@ async def _shell_in(ws: WebSocket, shell: RelayShell, role: str, ctx: AuthContex
             continue
         if isinstance(frame, F.StdinFrame):
             if role != "driver" or Capability.SHELL not in ctx.caps:
-                err = CapabilityDenied("observers cannot type", metadata={"capability": "shell"})
-                await _send(ws, F.error_frame(err.wire_code, err.message))
+                denied = CapabilityDenied("observers cannot type", metadata={"capability": "shell"})
+                await _send(ws, F.error_frame(denied.wire_code, denied.message))
                 continue
             await shell.up.send({"type": "input", "data": frame.data})
         elif isinstance(frame, F.PingFrame):

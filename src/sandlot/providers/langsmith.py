@@ -57,7 +57,8 @@ from sandlot.providers.base import (
     StatusListener,
 )
 from sandlot.providers.hostedbox import Box, box_error
-from sandlot.providers.hostedrelay import Hosted, HostedRelay
+from sandlot.providers.hostedrelay import HostedRelay
+from sandlot.providers.hostedstate import Hosted
 
 log = logging.getLogger("sandlot.providers.langsmith")
 
@@ -315,7 +316,7 @@ class LangSmithProvider(Provider):
         resp = await self._control("GET", "/boxes")
         assert resp is not None
         doc = resp.json()
-        boxes = doc.get("sandboxes", doc.get("boxes", [])) if isinstance(doc, dict) else doc
+        boxes = doc.get("sandboxes") or doc.get("boxes") or [] if isinstance(doc, dict) else doc
         found = {self._sandbox_of(str(b.get("name", ""))) for b in boxes if isinstance(b, dict)}
         return set(self._sandboxes) | {s for s in found if s}
 

@@ -53,9 +53,8 @@ class MultiProvider(Provider):
         #: The ASGI app the embedded server mounts at ``/dp`` (None: no provider serves one).
         self.app: DataplaneDispatch | None = DataplaneDispatch(self) if self.apps else None
         #: The in-process dataplane host, if a provider has one (its figures go to /metrics).
-        self.host = next(
-            (getattr(m, "host") for m in self.members.values() if hasattr(m, "host")), None
-        )
+        hosts = (getattr(m, "host", None) for m in self.members.values())
+        self.host = next((h for h in hosts if h is not None), None)
 
     @property
     def host_bound(self) -> bool:  # type: ignore[override]
