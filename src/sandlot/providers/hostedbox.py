@@ -127,9 +127,13 @@ class Box:
         env: Mapping[str, str] | None = None,
         cwd: str | None = None,
         shell: str = "/bin/bash",
+        command_id: str | None = None,
     ) -> dict[str, Any]:
-        """``POST /execute``: ``{stdout, stderr, exit_code, …}``."""
+        """``POST /execute``: ``{stdout, stderr, exit_code, …}`` (``command_id``: what a
+        later ``reconnect`` on ``/execute/ws`` names it by)."""
         body: dict[str, Any] = {"command": command, "shell": shell}
+        if command_id is not None:
+            body["command_id"] = command_id
         if timeout is not None:
             body["timeout"] = timeout
         if env:
@@ -150,6 +154,14 @@ class Box:
     async def download(self, path: str) -> bytes:
         resp = await self.request("GET", "/download", params={"path": path}, timeout=120.0)
         return resp.content
+
+    async def exists(self, path: str) -> bool:
+        """Whether ``path`` is a file in the box (``HEAD /download``)."""
+        try:
+            await self.request("HEAD", "/download", params={"path": path}, timeout=30.0)
+        except FileNotFound:
+            return False
+        return True
 
     async def upload(self, path: str, data: bytes | AsyncIterator[bytes]) -> None:
         if not isinstance(data, bytes):

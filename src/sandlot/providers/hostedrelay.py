@@ -207,6 +207,7 @@ async def exec_once(request: Request) -> Response:
                 env=body.env,
                 cwd=box.resolve(body.cwd) if body.cwd else None,
                 shell=body.shell,
+                command_id=ex.command_id,
             )
         except BaseException:
             hosted.ended(ex, None, state="failed")
@@ -273,9 +274,10 @@ async def upload(request: Request) -> Response:
         await form.close()
     else:
         data = await read_body(request, 1 << 34)
+    created = not await box.exists(path)
     await box.upload(path, data)
-    hosted.changed(path, "modified", ctx.actor)
-    return json_response({"path": path, "size": len(data)})
+    hosted.changed(path, "created" if created else "modified", ctx.actor)
+    return json_response({"path": path, "size": len(data)}, 201)
 
 
 @endpoint()
@@ -370,7 +372,9 @@ async def fs_write(request: Request) -> Response:
     except ValueError:
         raise InvalidRequest("content is not valid base64") from None
     created = False
-    if body.if_match is not None or body.if_none_match is not None:
+    if body.if_match is None and body.if_none_match is None:
+        created = not await box.exists(path)
+    else:
         # Checked, then written: another writer in between is not seen (documented).
         current = await _read_whole(box, path)
         if body.if_none_match == "*" and current is not None:
@@ -382,7 +386,8 @@ async def fs_write(request: Request) -> Response:
         created = current is None
     await box.upload(path, data)
     hosted.changed(path, "created" if created else "modified", ctx.actor)
-    return json_response({"path": path, "etag": etag_of(data), "created": created})
+    answer = {"path": path, "etag": etag_of(data), "created": created}
+    return json_response(answer, 201 if created else 200)
 
 
 @endpoint()

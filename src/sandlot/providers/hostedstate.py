@@ -44,6 +44,9 @@ class RelayExec:
     stdout_offset: int = 0
     stderr_offset: int = 0
     result: dict[str, Any] | None = None
+    kill_on_disconnect: bool = False
+    #: Clients attached through the relay right now.
+    clients: int = 0
 
     def snapshot(self, last_event_sequence: int) -> dict[str, Any]:
         return {
@@ -83,6 +86,18 @@ class Hosted:
         self.running = 0
         self.clients = 0
         self.settled = asyncio.Event()
+        #: Commands followed by the relay while no client watches them.
+        self.watchers: set[asyncio.Task[None]] = set()
+
+    def watch(self, ex: RelayExec, follow: Any) -> None:
+        """Follow ``ex`` with ``follow`` (a coroutine) until it ends, unless a client does."""
+        task = asyncio.get_running_loop().create_task(follow)
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
+
+    def close(self) -> None:
+        for task in list(self.watchers):
+            task.cancel()
 
     def ready(self) -> Box:
         if self.state is SandboxState.PROVISIONING or self.box is None:

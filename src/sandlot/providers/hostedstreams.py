@@ -209,6 +209,7 @@ def _execute_body(frame: Any, ex: RelayExec, box: Box) -> dict[str, Any]:
         "env": dict(frame.env),
         "command_id": ex.command_id,
         "pty": bool(getattr(frame, "pty", False)),
+        "kill_on_disconnect": bool(getattr(frame, "kill_on_disconnect", False)),
     }
     if frame.cwd:
         body["cwd"] = box.resolve(frame.cwd)
@@ -261,6 +262,7 @@ async def exec_ws(ws: WebSocket) -> None:
     relay.track(ctx.jti, close_revoked)
     hosted.clients += 1
     up: _Upstream | None = None
+    attached: RelayExec | None = None
     try:
         first: Any = None
         while first is None:
@@ -284,6 +286,7 @@ async def exec_ws(ws: WebSocket) -> None:
         )
         if isinstance(first, F.StartFrame) and known is None:
             ex = hosted.new_exec(first.command, first.command_id, ctx.actor, first.pty)
+            ex.kill_on_disconnect = first.kill_on_disconnect
             up = _Upstream(box, ex)
             try:
                 await up.start(_execute_body(first, ex, box))
@@ -302,6 +305,8 @@ async def exec_ws(ws: WebSocket) -> None:
             up = _Upstream(box, ex)
             up.offsets = offsets
             await up.reconnect()
+        ex.clients += 1
+        attached = ex
         await _send(
             ws, {"type": "ready", "exec_id": ex.exec_id, "command_id": ex.command_id, "pid": ex.pid}
         )
@@ -315,8 +320,39 @@ async def exec_ws(ws: WebSocket) -> None:
     finally:
         hosted.clients -= 1
         relay.untrack(ctx.jti, close_revoked)
+        if attached is not None:
+            attached.clients -= 1
         if up is not None:
             await up.close()
+            # Killed by the box as its last client left: followed to its end, so its
+            # snapshot says so. (Others are left alone: reading a detached command's
+            # output would lift the box's backpressure on it; their state is brought up
+            # to date when a client attaches again.)
+            ex = up.ex
+            if ex.state == "running" and ex.clients == 0 and ex.kill_on_disconnect:
+                hosted.watch(ex, _watch(box, hosted, ex))
+
+
+async def _watch(box: Box, hosted: Hosted, ex: RelayExec) -> None:
+    """Follow a command no client watches until it exits, so its snapshot and the event
+    log say how it ended."""
+    up = _Upstream(box, ex)
+    up.offsets = [ex.stdout_offset, ex.stderr_offset]
+    try:
+        await up.reconnect()
+        async for frame in up.frames():
+            if frame.get("type") == "exit":
+                code = frame.get("exit_code")
+                killed = ex.kill_on_disconnect and ex.clients == 0
+                hosted.ended(
+                    ex,
+                    code if isinstance(code, int) else None,
+                    state="killed" if killed else "exited",
+                )
+    except (SandlotError, ConnectionClosed, OSError):
+        pass
+    finally:
+        await up.close()
 
 
 async def _bridge(

@@ -266,6 +266,7 @@ class LangSmithProvider(Provider):
         if hosted is not None:
             hosted.state = SandboxState.TERMINATED
             hosted.settled.set()
+            hosted.close()
             for shell in list(hosted.shells.values()):
                 await shell.kill()
         await self._control("DELETE", f"/boxes/{self.box_name(sandbox_id)}", missing_ok=True)
