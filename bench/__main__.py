@@ -58,6 +58,12 @@ BENCHES = [
         "docker provider: create → ready vs docker run, exec vs docker exec",
     ),
     (
+        "relay_bench",
+        [],
+        ["--quick"],
+        "the broker's relay for hosted boxes: exec true and a 4 KiB read vs the box directly",
+    ),
+    (
         "web_bench",
         [],
         ["--quick"],

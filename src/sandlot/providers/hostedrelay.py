@@ -207,7 +207,8 @@ async def exec_once(request: Request) -> Response:
                 env=body.env,
                 cwd=box.resolve(body.cwd) if body.cwd else None,
                 shell=body.shell,
-                command_id=ex.command_id,
+                # The client's own id only: the box may record ids durably (a cost).
+                command_id=body.command_id,
             )
         except BaseException:
             hosted.ended(ex, None, state="failed")

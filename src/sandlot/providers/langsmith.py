@@ -123,6 +123,8 @@ class LangSmithProvider(Provider):
 
     async def start(self, listener: StatusListener | None = None) -> None:
         self._listener = listener
+        # httpx notes every request at INFO: one line per relayed call is noise and time.
+        logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(60.0, connect=10.0),
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
