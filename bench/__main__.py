@@ -64,6 +64,12 @@ BENCHES = [
         "broker replicas: ensure through HAProxy to 3 replicas on PostgreSQL vs 1 on SQLite",
     ),
     (
+        "relay_bench",
+        [],
+        ["--quick"],
+        "the broker's relay for hosted boxes: exec true and a 4 KiB read vs the box directly",
+    ),
+    (
         "web_bench",
         [],
         ["--quick"],

@@ -16,6 +16,7 @@ from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.common import Scope
 from sandlot.protocol.errors import SandlotError, Unauthenticated
 from sandlot.providers.base import Provider, provider_class
+from sandlot.providers.multi import MultiProvider
 
 
 def build_provider(
@@ -63,8 +64,7 @@ def build_provider(
         dataplane_settings = DataplaneSettings.from_env()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    config: dict[str, Any] = {
-        **settings.provider_config,
+    wired: dict[str, Any] = {
         "mode": settings.provider_mode,
         "data_dir": settings.data_dir,
         "public_url": dataplane_url or settings.dataplane_url or settings.base_url,
@@ -73,7 +73,13 @@ def build_provider(
         "api_key_resolver": api_key_resolver,
         "dataplane_settings": dataplane_settings,
     }
-    return provider_class(settings.provider_name)(config)
+    members: dict[str, Provider] = {}
+    for name, table in settings.providers.items():
+        config = {k: v for k, v in table.items() if k != "kind"}
+        members[name] = provider_class(str(table["kind"]))({**wired, **config})
+    if len(members) == 1:
+        return next(iter(members.values()))
+    return MultiProvider(members, settings.default_provider)
 
 
 def _scope_of(key: str) -> Scope:

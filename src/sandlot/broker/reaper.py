@@ -95,7 +95,9 @@ class Reaper:
                     row.id, SandboxState.FAILED, reason="template gone"
                 )
                 continue
-            records.append(AdoptionRecord(row.id, row.generation, template, row.state))
+            records.append(
+                AdoptionRecord(row.id, row.generation, template, row.state, provider=row.provider)
+            )
         lost = set(await self.provider.load_state(records))
         adopted = [r.sandbox_id for r in records if r.sandbox_id not in lost]
         await anyio.to_thread.run_sync(self.sandboxes.record_coordinates, adopted)
@@ -217,7 +219,7 @@ class Reaper:
             idle_since = last_active
         if now - idle_since >= row.idle_timeout:
             await self.sandboxes.suspend(row.id, reason="idle timeout")
-            if self.provider.supports_suspend:
+            if self.provider.can_suspend(row.id):
                 report.suspended.append(row.id)
             else:
                 report.terminated.append(row.id)

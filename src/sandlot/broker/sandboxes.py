@@ -154,9 +154,11 @@ class SandboxService:
     ) -> SandboxRow:
         """Insert a new sandbox row in ``provisioning`` (the caller's transaction).
 
-        With registered hosts, the row names the host placed on (``provider``: only hosts
-        that run it) and that host's dataplane; the provider is asked to create it after
-        the transaction commits (:meth:`provision`).
+        ``provider``: the configured provider chosen for it (:meth:`choose_provider`);
+        None: the template's pin, else the default. With registered hosts, the row names
+        the host placed on (``provider``: only hosts that run it; None: any) and that
+        host's dataplane; the provider is asked to create it after the transaction
+        commits (:meth:`provision`).
         """
         now = self.clock()
         if owner_user_id is not None and pool is None:
@@ -177,8 +179,8 @@ class SandboxService:
             host, provider_name = placed.id, placed.provider
             coords = dataplane_coordinates(placed.dataplane_url, sandbox_id)
         else:
-            host, provider_name = self.host, self.provider.name
-            coords = self.provider.dataplane(sandbox_id)
+            host, provider_name = self.host, provider or self.provider.choose(template)
+            coords = self.provider.assign(sandbox_id, provider_name).dataplane(sandbox_id)
         conn.execute(
             sandboxes.insert().values(
                 id=sandbox_id,
@@ -215,6 +217,14 @@ class SandboxService:
         assert row is not None
         return row
 
+    def choose_provider(self, template: Template, preference: str = "auto") -> str | None:
+        """The provider a new sandbox of ``template`` goes to: the template's pin, else
+        ``preference`` (``auto``: the default). With registered hosts, None for any host's
+        provider (placement chooses), else the name hosts must run."""
+        if self.fleet is not None:
+            return template.provider or (None if preference == "auto" else preference)
+        return self.provider.choose(template, preference)
+
     def check_quota(self, conn: Connection, user_id: str) -> None:
         """Refuse a new sandbox past the user's quota. The check holds the user's lock to
         the end of the caller's transaction (which inserts the sandbox), so creations at
@@ -243,6 +253,7 @@ class SandboxService:
             template=template or self.templates.get(row.template),
             owner_user_id=row.owner_user_id,
             name=row.name,
+            provider=row.provider,
         )
 
     def snapshot(self, row: SandboxRow) -> SandboxSnapshot:
@@ -267,7 +278,7 @@ class SandboxService:
             return DataplaneCoordinates(
                 http_base_url=row.dataplane_http, ws_base_url=row.dataplane_ws
             )
-        return self.provider.dataplane(row.id)
+        return self.provider.assign(row.id, row.provider).dataplane(row.id)
 
     def record_coordinates(self, sandbox_ids: list[str]) -> None:
         """Record where this host's sandboxes answer now (after a restart re-adopts them)."""
@@ -275,6 +286,7 @@ class SandboxService:
             return
         with self.store.write() as conn:
             for sandbox_id in sandbox_ids:
+                # The provider knows its own sandboxes again (load_state).
                 coords = self.provider.dataplane(sandbox_id)
                 conn.execute(
                     update(sandboxes)
@@ -583,7 +595,7 @@ class SandboxService:
         return done
 
     async def suspend(self, sandbox_id: str, *, reason: str) -> None:
-        if not self.provider.supports_suspend:
+        if not self.provider.can_suspend(sandbox_id):
             await self.terminate(sandbox_id, reason=reason)
             return
         try:

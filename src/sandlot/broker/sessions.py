@@ -489,12 +489,12 @@ class SessionService:
                 )
             conn.execute(update(sandboxes).where(sandboxes.c.id == hinted.id).values(scope_key=key))
             return hinted, None
-        claimed = self._claim_from_pool(conn, template, user, key)
+        provider = self.sandboxes.choose_provider(template, req.provider_preference)
+        claimed = self._claim_from_pool(conn, template, user, key, provider)
         if claimed is not None:
             return claimed, None
-        preference = None if req.provider_preference == "auto" else req.provider_preference
         new = self.sandboxes.insert(
-            conn, template=template, owner_user_id=user, scope_key=key, provider=preference
+            conn, template=template, owner_user_id=user, scope_key=key, provider=provider
         )
         return new, new
 
@@ -528,13 +528,15 @@ class SessionService:
         )
 
     def _claim_from_pool(
-        self, conn: Connection, template: Template, user: str, key: str
+        self, conn: Connection, template: Template, user: str, key: str, provider: str | None
     ) -> SandboxRow | None:
+        wanted = [sandboxes.c.provider == provider] if provider is not None else []
         pooled = conn.execute(
             select(sandboxes.c.id)
             .where(
                 sandboxes.c.pool.is_not(None),
                 sandboxes.c.template == template.name,
+                *wanted,
                 sandboxes.c.state == SandboxState.ACTIVE.value,
             )
             .order_by(sandboxes.c.created_at)

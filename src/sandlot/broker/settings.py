@@ -16,7 +16,9 @@ Environment variables: ``SANDLOT_HOST``, ``SANDLOT_PORT``,
 
 Config file keys (see ``default_config.toml`` for every one with its default):
 ``[policy]`` TTLs and capability policy per actor type, ``[quotas]``,
-``[promotion]``, ``[hosts]``, ``[provider]``, ``[templates.NAME]``, ``[pools.NAME]``,
+``[promotion]``, ``[hosts]``, ``[provider]`` (one provider) or ``[providers.NAME]``
+tables with ``default_provider`` (several: a ``kind`` key names each one's provider,
+default NAME), ``[templates.NAME]``, ``[pools.NAME]``,
 ``admins = ["user", …]`` (users allowed to read the audit log and manage
 templates, pools and everyone's sandboxes).
 """
@@ -77,6 +79,11 @@ class BrokerSettings:
     provider_name: str = "local"
     provider_mode: str = "isolated"
     provider_config: Mapping[str, Any] = field(default_factory=dict)
+    #: Every configured provider: configured name → its table (``name`` = its kind, as in
+    #: the ``sandlot.providers`` entry points). One ``[provider]`` table: just that one.
+    providers: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    #: The provider of sandboxes whose template pins none and whose request prefers none.
+    default_provider: str = "local"
     templates: Mapping[str, Template] = field(default_factory=dict)
     pools: Mapping[str, Pool] = field(default_factory=dict)
     admins: frozenset[str] = frozenset()
@@ -131,6 +138,30 @@ def _caps(values: Any, where: str) -> frozenset[Capability]:
         return frozenset(Capability(v) for v in values)
     except (ValueError, TypeError) as exc:
         raise ConfigError(f"{where}: {exc}") from exc
+
+
+def _providers(
+    raw: Mapping[str, Any], values: Mapping[str, Any]
+) -> tuple[dict[str, dict[str, Any]], str]:
+    """``[providers.NAME]`` tables (``kind`` names the provider, default NAME) and
+    ``default_provider``; without them the one ``[provider]`` table."""
+    tables = raw.get("providers", {})
+    if not tables:
+        name = str(values["provider_name"])
+        return {name: {"kind": name, **values["provider_config"]}}, name
+    if not isinstance(tables, Mapping):
+        raise ConfigError("providers must be a table of provider tables")
+    out: dict[str, dict[str, Any]] = {}
+    for name, table in tables.items():
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"providers.{name} must be a table")
+        entry = dict(table)
+        entry["kind"] = str(entry.pop("kind", name))
+        out[str(name)] = entry
+    default = str(raw.get("default_provider", next(iter(out))))
+    if default not in out:
+        raise ConfigError(f"default_provider {default!r} is not one of the configured providers")
+    return out, default
 
 
 def load_settings(
@@ -198,6 +229,7 @@ def load_settings(
     ):
         if key in hosts:
             values[name] = hosts[key]
+    values["providers"], values["default_provider"] = _providers(raw, values)
     values["admins"] = frozenset(raw.get("admins", []))
     values["default_template"] = raw.get("default_template", "default")
     try:
@@ -274,6 +306,9 @@ def load_settings(
     if values["workers"] < 1:
         raise ConfigError("workers must be at least 1")
     settings = BrokerSettings(**values)
+    for tpl in settings.templates.values():
+        if tpl.provider is not None and tpl.provider not in settings.providers:
+            raise ConfigError(f"template {tpl.name!r} pins unknown provider {tpl.provider!r}")
     if settings.default_template not in settings.templates:
         raise ConfigError(f"the default template {settings.default_template!r} is not declared")
     for pool in settings.pools.values():

@@ -200,11 +200,21 @@ def banner(settings: BrokerSettings, extra: str = "") -> str:
         f"sandlot listening on {settings.base_url}\n"
         f"  data directory: {settings.data_dir.absolute()}\n"
         f"  store: {_safe_url(settings.resolved_store_url)}\n"
-        f"  provider: {settings.provider_name} ({settings.provider_mode})\n"
+        f"  provider: {_providers(settings)}\n"
         f"  create an API key: sandlot keys create --user alice --actor human"
         f"{'' if str(settings.data_dir) == '.sandlot' else f' --data-dir {settings.data_dir}'}\n"
         f"{extra}"
     )
+
+
+def _providers(settings: BrokerSettings) -> str:
+    if len(settings.providers) <= 1:
+        return f"{settings.provider_name} ({settings.provider_mode})"
+    names = [
+        f"{name} ({table['kind']}{', default' if name == settings.default_provider else ''})"
+        for name, table in settings.providers.items()
+    ]
+    return ", ".join(names)
 
 
 def _safe_url(url: str) -> str:

@@ -30,7 +30,7 @@ from fastapi import FastAPI
 
 from sandlot.broker.app import create_app
 from sandlot.broker.core import Broker, prepare_store
-from sandlot.broker.settings import BrokerSettings
+from sandlot.broker.settings import BrokerSettings, ConfigError
 from sandlot.cli.server import (
     banner,
     bind_socket,
@@ -123,6 +123,9 @@ def _wait_for_uds(path: str, timeout: float = 30.0) -> None:
 
 
 def serve_workers(settings: BrokerSettings) -> None:
+    if len(settings.providers) > 1:
+        # The workers' remote provider reaches one provider of the sandbox host.
+        raise ConfigError("several [providers] need a single worker (--workers 1)")
     requested = settings.port
     sock = bind_socket(settings.host, requested)
     settings = replace(settings, port=sock.getsockname()[1])

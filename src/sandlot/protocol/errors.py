@@ -200,6 +200,12 @@ class InternalError(SandlotError):
     code, status = "INTERNAL", 500
 
 
+class NotSupported(SandlotError):
+    """The sandbox's provider cannot do this operation (a hosted box served through the relay)."""
+
+    code, status = "NOT_SUPPORTED", 501
+
+
 class ProviderUnavailable(SandlotError):
     code, status, retryable = "PROVIDER_UNAVAILABLE", 503, True
 
@@ -316,6 +322,7 @@ ERROR_TABLE: dict[str, ErrorRow] = {
         _row(RateLimited),
         _row(QuotaExceeded),
         _row(InternalError),
+        _row(NotSupported),
         _row(ProviderUnavailable),
         _row(ProviderUnavailable, "BACKEND_UNAVAILABLE"),
     )
@@ -333,6 +340,7 @@ _FALLBACK_BY_STATUS: dict[int, type[SandlotError]] = {
     422: InvalidRequest,
     423: SandboxStarting,
     429: RateLimited,
+    501: NotSupported,
     503: ProviderUnavailable,
 }
 

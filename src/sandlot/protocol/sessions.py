@@ -215,6 +215,8 @@ class Template(WireModel):
     )
     idle_timeout_seconds: int | None = Field(default=None, ge=1)
     hard_ttl_seconds: int | None = Field(default=None, ge=1)
+    #: Pins its sandboxes to this configured provider (wins over ``provider_preference``).
+    provider: Slug | None = None
 
     @model_validator(mode="after")
     def _check(self) -> Template:

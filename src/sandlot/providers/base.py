@@ -50,6 +50,8 @@ class SandboxSpec:
     name: str | None = None
     #: Named volumes, resolved by the broker: volume name → host-independent id.
     volumes: Mapping[str, str] = field(default_factory=dict)
+    #: The configured provider chosen for it (``binding.provider``); None: the default.
+    provider: str | None = None
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ class AdoptionRecord:
     template: Template
     state: SandboxState
     provider_state: Mapping[str, Any] = field(default_factory=dict)
+    #: The configured provider that made it (None: the default).
+    provider: str | None = None
 
 
 #: Called by a provider whenever a sandbox changes state (from any thread of the event loop).
@@ -102,6 +106,32 @@ class Provider(abc.ABC):
     @abc.abstractmethod
     async def status(self, sandbox_id: str) -> ProviderStatus:
         """State and last event sequence, read together. Unknown id → ``SandboxNotFound``."""
+
+    def choose(self, template: Template, preference: str = "auto") -> str:
+        """The configured provider a new sandbox of ``template`` goes to: the template's
+        pin, else ``preference`` (``auto``: the default). One provider: its own name."""
+        wanted = template.provider or (None if preference == "auto" else preference)
+        if wanted is not None and wanted != self.name:
+            raise InvalidRequest(
+                f"provider {wanted!r} is not configured (configured: {self.name})",
+                metadata={"provider": wanted, "configured": [self.name]},
+            )
+        return self.name
+
+    def member(self, name: str) -> Provider:
+        """The configured provider called ``name`` (one provider: itself)."""
+        if name != self.name:
+            raise InvalidRequest(f"provider {name!r} is not configured")
+        return self
+
+    def assign(self, sandbox_id: str, provider: str | None) -> Provider:
+        """Note that the configured provider ``provider`` runs ``sandbox_id``; that provider.
+        (One provider: itself, whatever the name.)"""
+        return self
+
+    def can_suspend(self, sandbox_id: str) -> bool:
+        """Whether the provider that runs ``sandbox_id`` keeps it across a suspend."""
+        return self.supports_suspend
 
     async def suspend(self, sandbox_id: str) -> ProviderStatus:
         raise InvalidRequest(f"provider {self.name} cannot suspend sandboxes")

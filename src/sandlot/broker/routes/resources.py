@@ -249,8 +249,8 @@ async def suspend_sandbox(
     row = await anyio.to_thread.run_sync(visible_sandbox, broker, principal, sandbox_id)
     if row.state not in (SandboxState.ACTIVE, SandboxState.IDLE, SandboxState.SUSPENDED):
         raise InvalidRequest(f"a {row.state} sandbox cannot be suspended")
-    if not broker.provider.supports_suspend:
-        raise InvalidRequest(f"provider {broker.provider.name} cannot suspend sandboxes")
+    if not broker.provider.can_suspend(sandbox_id):
+        raise InvalidRequest(f"provider {row.provider} cannot suspend sandboxes")
     await broker.sandboxes.suspend(sandbox_id, reason="suspended by request")
     await audited(request, principal, "sandbox.suspend", sandbox_id=sandbox_id)
     return broker.sandboxes.snapshot(broker.sandboxes.get(sandbox_id))

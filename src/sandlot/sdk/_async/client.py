@@ -204,6 +204,7 @@ class AsyncSandlot:
         assistant_id: str | None = None,
         actor_id: str | None = None,
         actor_type: str = "agent",
+        provider_preference: str | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> AsyncSandbox:
@@ -215,7 +216,8 @@ class AsyncSandlot:
         The grant is cached per scope and kept fresh until :meth:`release`.
         ``actor_id`` names who acts (one agent of a framework, say) in the token
         and the audit; ``actor_type`` must be the key's (``agent`` for agent and
-        service keys, ``human`` for a human's).
+        service keys, ``human`` for a human's). ``provider_preference`` names the
+        configured provider a new sandbox comes from (a template's pin wins).
         """
         sid = scope_id or thread_id
         if not sid:
@@ -226,6 +228,7 @@ class AsyncSandlot:
             ("template", template),
             ("sandbox_hint", sandbox_hint),
             ("assistant_id", assistant_id),
+            ("provider_preference", provider_preference),
         ):
             if value is not None:
                 request[name] = value

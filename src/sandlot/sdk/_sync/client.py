@@ -205,6 +205,7 @@ class Sandlot:
         assistant_id: str | None = None,
         actor_id: str | None = None,
         actor_type: str = "agent",
+        provider_preference: str | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Sandbox:
@@ -216,7 +217,8 @@ class Sandlot:
         The grant is cached per scope and kept fresh until :meth:`release`.
         ``actor_id`` names who acts (one agent of a framework, say) in the token
         and the audit; ``actor_type`` must be the key's (``agent`` for agent and
-        service keys, ``human`` for a human's).
+        service keys, ``human`` for a human's). ``provider_preference`` names the
+        configured provider a new sandbox comes from (a template's pin wins).
         """
         sid = scope_id or thread_id
         if not sid:
@@ -227,6 +229,7 @@ class Sandlot:
             ("template", template),
             ("sandbox_hint", sandbox_hint),
             ("assistant_id", assistant_id),
+            ("provider_preference", provider_preference),
         ):
             if value is not None:
                 request[name] = value

@@ -1,0 +1,213 @@
+"""One hosted box's dataplane, as the broker's relay reaches it.
+
+A hosted sandbox service (LangSmith sandboxes) serves each box at its own
+``dataplane_url`` with the surface of PROTOCOL.md 3.9: ``POST /execute``,
+``WS /execute/ws``, ``POST /upload`` (multipart ``file``), ``GET /download``, and,
+where present, ``POST /glob`` and ``POST /grep``. Every call carries the provider's
+key as ``X-Api-Key``; :class:`Box` is the only holder of that key the relay uses, and
+nothing it raises carries it: the box's own error bodies are reduced to their code
+and message, and a refusal of the key (401/403 from the box) is the provider's
+failure (503), never the caller's.
+
+Paths are the box's own: the relay resolves a relative path against the box's
+workspace (:attr:`Box.workspace`) and passes only absolute, normalised paths, each
+quoted for the shell (:func:`q`), to the commands it runs there.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import shlex
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import httpx
+from websockets.asyncio.client import ClientConnection, connect
+
+from sandlot.protocol.errors import (
+    FileNotFound,
+    InvalidRequest,
+    ProviderUnavailable,
+    SandlotError,
+    exception_for,
+)
+
+MAX_FRAME_BYTES = 16 << 20
+
+
+def q(value: str) -> str:
+    """``value`` as one shell word."""
+    return shlex.quote(value)
+
+
+class Box:
+    """A box's dataplane (``url``, e.g. ``https://…/v1``) reached with the provider's key."""
+
+    def __init__(
+        self, url: str, key: str, client: httpx.AsyncClient, *, workspace: str = "/workspace"
+    ) -> None:
+        self.url = url.rstrip("/")
+        self._key = key
+        self.client = client
+        self.workspace = workspace
+        #: Whether the box serves ``/glob`` and ``/grep`` (None: not asked yet).
+        self.has_search: bool | None = None
+
+    def __repr__(self) -> str:  # never the key
+        return f"Box({self.url!r})"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-Api-Key": self._key}
+
+    def resolve(self, path: str) -> str:
+        """An absolute, normalised path in the box (relative: from its workspace)."""
+        if "\x00" in path or len(path) > 4096:
+            raise InvalidRequest("invalid path")
+        joined = path if path.startswith("/") else posixpath.join(self.workspace, path)
+        norm = posixpath.normpath(joined)
+        return "/" + norm.lstrip("/")
+
+    # --- HTTP -----------------------------------------------------------------------------
+
+    async def request(
+        self,
+        method: str,
+        route: str,
+        *,
+        params: Mapping[str, str] | None = None,
+        json_body: Any = None,
+        files: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = 60.0,
+    ) -> httpx.Response:
+        try:
+            resp = await self.client.request(
+                method,
+                f"{self.url}{route}",
+                params=params,
+                json=json_body,
+                files=files,
+                headers={**self.headers, **(headers or {})},
+                timeout=httpx.Timeout(timeout, connect=10.0),
+            )
+        except httpx.TransportError as exc:
+            raise ProviderUnavailable("the hosted box is unreachable") from exc
+        if resp.status_code >= 400:
+            raise box_error(resp.status_code, resp.content)
+        return resp
+
+    async def stream(
+        self, method: str, route: str, *, params: Mapping[str, str], headers: Mapping[str, str]
+    ) -> httpx.Response:
+        """A streamed response (the caller closes it); errors raised as for :meth:`request`."""
+        req = self.client.build_request(
+            method,
+            f"{self.url}{route}",
+            params=params,
+            headers={**self.headers, **headers},
+            timeout=httpx.Timeout(None, connect=10.0),
+        )
+        try:
+            resp = await self.client.send(req, stream=True)
+        except httpx.TransportError as exc:
+            raise ProviderUnavailable("the hosted box is unreachable") from exc
+        if resp.status_code >= 400:
+            body = await resp.aread()
+            await resp.aclose()
+            raise box_error(resp.status_code, body)
+        return resp
+
+    async def execute(
+        self,
+        command: str,
+        *,
+        timeout: float | None = 60.0,
+        env: Mapping[str, str] | None = None,
+        cwd: str | None = None,
+        shell: str = "/bin/bash",
+        command_id: str | None = None,
+    ) -> dict[str, Any]:
+        """``POST /execute``: ``{stdout, stderr, exit_code, …}`` (``command_id``: what a
+        later ``reconnect`` on ``/execute/ws`` names it by)."""
+        body: dict[str, Any] = {"command": command, "shell": shell}
+        if command_id is not None:
+            body["command_id"] = command_id
+        if timeout is not None:
+            body["timeout"] = timeout
+        if env:
+            body["env"] = dict(env)
+        if cwd is not None:
+            body["cwd"] = cwd
+        wait = None if timeout is None else timeout + 30.0
+        resp = await self.request("POST", "/execute", json_body=body, timeout=wait)
+        doc = resp.json()
+        if not isinstance(doc, dict):
+            raise ProviderUnavailable("the hosted box answered an unexpected body")
+        return doc
+
+    async def run(self, command: str, *, timeout: float = 120.0) -> dict[str, Any]:
+        """A helper command of the relay's own (fs operations), no environment of the caller."""
+        return await self.execute(command, timeout=timeout, cwd=self.workspace)
+
+    async def download(self, path: str) -> bytes:
+        resp = await self.request("GET", "/download", params={"path": path}, timeout=120.0)
+        return resp.content
+
+    async def exists(self, path: str) -> bool:
+        """Whether ``path`` is a file in the box (``HEAD /download``)."""
+        try:
+            await self.request("HEAD", "/download", params={"path": path}, timeout=30.0)
+        except FileNotFound:
+            return False
+        return True
+
+    async def upload(self, path: str, data: bytes | AsyncIterator[bytes]) -> None:
+        if not isinstance(data, bytes):
+            data = b"".join([chunk async for chunk in data])
+        files = {"file": (posixpath.basename(path) or "file", data, "application/octet-stream")}
+        await self.request("POST", "/upload", params={"path": path}, files=files, timeout=300.0)
+
+    # --- WebSocket ----------------------------------------------------------------------
+
+    async def execute_ws(self) -> ClientConnection:
+        """A connection to the box's ``/execute/ws``."""
+        ws_url = "ws" + self.url[4:] if self.url.startswith("http") else self.url
+        try:
+            return await connect(
+                f"{ws_url}/execute/ws",
+                additional_headers=self.headers,
+                compression=None,
+                max_size=MAX_FRAME_BYTES,
+                ping_interval=20,
+                open_timeout=10,
+                user_agent_header=None,
+            )
+        except Exception as exc:
+            raise ProviderUnavailable("the hosted box's /execute/ws is unreachable") from exc
+
+
+def box_error(status: int, body: bytes) -> SandlotError:
+    """What a box's error answer means to the relay's caller."""
+    if status in (401, 403):
+        return ProviderUnavailable("the hosted sandbox service refused the provider's key")
+    code, message = "", ""
+    try:
+        doc = json.loads(body)
+        err = doc.get("error") if isinstance(doc, dict) else None
+        if isinstance(err, dict):
+            code, message = str(err.get("code") or ""), str(err.get("message") or "")
+        elif isinstance(doc, dict) and isinstance(doc.get("detail"), str):
+            message = doc["detail"]
+    except ValueError:
+        pass
+    if status == 404 and code in ("", "NOT_FOUND", "FILE_NOT_FOUND"):
+        return FileNotFound(message[:300] or "no such file")
+    if status >= 500:
+        return ProviderUnavailable(f"the hosted box failed ({status})")
+    cls = exception_for(code, status)
+    return cls(message[:300] or f"the hosted box answered {status}")
+
+
+__all__ = ["Box", "box_error", "q"]

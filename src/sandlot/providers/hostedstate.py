@@ -1,0 +1,219 @@
+"""What the broker's relay keeps of each hosted sandbox (:class:`Hosted`: its box, the
+commands and shells started through the relay, its event log) and how a request is
+authorized there (:func:`authorize`): see :mod:`sandlot.providers.hostedrelay`."""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request
+
+from sandlot.dataplane.services.auth import AuthContext, TokenVerifier, bearer_from_header
+from sandlot.dataplane.services.events import EventLog
+from sandlot.protocol.common import Actor, Capability, new_id, rfc3339
+from sandlot.protocol.errors import (
+    ExecNotFound,
+    SandboxNotFound,
+    SandboxStarting,
+    Unauthenticated,
+)
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.states import SandboxState
+from sandlot.providers.hostedbox import Box
+
+
+@dataclass
+class RelayExec:
+    """A command started through the relay (what ``/execs`` reports)."""
+
+    exec_id: str
+    command_id: str
+    command: str | list[str]
+    actor: Actor | None
+    pty: bool = False
+    pid: int | None = None
+    state: str = "running"
+    exit_code: int | None = None
+    started_at: float = field(default_factory=time.time)
+    ended_at: float | None = None
+    stdout_offset: int = 0
+    stderr_offset: int = 0
+    result: dict[str, Any] | None = None
+    kill_on_disconnect: bool = False
+    #: Clients attached through the relay right now.
+    clients: int = 0
+
+    def snapshot(self, last_event_sequence: int) -> dict[str, Any]:
+        return {
+            "exec_id": self.exec_id,
+            "command_id": self.command_id,
+            "command": self.command,
+            "actor": self.actor.model_dump(mode="json") if self.actor else None,
+            "state": self.state,
+            "exit_code": self.exit_code,
+            "signal": None,
+            "oom_killed": False,
+            "pty": self.pty,
+            "started_at": rfc3339(self.started_at),
+            "ended_at": rfc3339(self.ended_at) if self.ended_at else None,
+            "stdout_offset": self.stdout_offset,
+            "stderr_offset": self.stderr_offset,
+            "last_event_sequence": last_event_sequence,
+        }
+
+
+class Hosted:
+    """What the relay knows of one sandbox (one box)."""
+
+    def __init__(self, sandbox_id: str, generation: int, template: Template) -> None:
+        self.sandbox_id = sandbox_id
+        self.generation = generation
+        self.template = template
+        self.box: Box | None = None
+        self.box_name: str | None = None
+        self.state = SandboxState.PROVISIONING
+        self.reason: str | None = None
+        self.events = EventLog(sandbox_id, 10_000, lambda: self.state.value)
+        self.execs: dict[str, RelayExec] = {}
+        self.by_command: dict[str, str] = {}
+        self.shells: dict[str, Any] = {}
+        self.last_active_at = time.time()
+        self.running = 0
+        self.clients = 0
+        self.settled = asyncio.Event()
+        #: Commands followed by the relay while no client watches them.
+        self.watchers: set[asyncio.Task[None]] = set()
+
+    def watch(self, ex: RelayExec, follow: Any) -> None:
+        """Follow ``ex`` with ``follow`` (a coroutine) until it ends, unless a client does."""
+        task = asyncio.get_running_loop().create_task(follow)
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
+
+    def close(self) -> None:
+        for task in list(self.watchers):
+            task.cancel()
+
+    def ready(self) -> Box:
+        if self.state is SandboxState.PROVISIONING or self.box is None:
+            if self.state is SandboxState.FAILED:
+                raise SandboxNotFound(self.reason or "the sandbox failed")
+            raise SandboxStarting("sandbox is starting", retry_after=1.0)
+        if self.state is SandboxState.SUSPENDED:
+            raise SandboxStarting("sandbox is suspended", retry_after=1.0)
+        if not self.state.live:
+            raise SandboxNotFound("sandbox is no longer running")
+        self.last_active_at = time.time()
+        return self.box
+
+    def new_exec(
+        self, command: str | list[str], command_id: str | None, actor: Actor | None, pty: bool
+    ) -> RelayExec:
+        ex = RelayExec(new_id("ex", 10), command_id or new_id("cmd", 8), command, actor, pty)
+        self.execs[ex.exec_id] = ex
+        self.by_command[ex.command_id] = ex.exec_id
+        self.running += 1
+        self.events.append(
+            "exec.started", "exec", {"exec_id": ex.exec_id, "command_id": ex.command_id}, actor
+        )
+        return ex
+
+    def ended(self, ex: RelayExec, exit_code: int | None, *, state: str = "exited") -> None:
+        if ex.state != "running":
+            return
+        ex.state, ex.exit_code, ex.ended_at = state, exit_code, time.time()
+        self.running -= 1
+        self.events.append(
+            f"exec.{state}", "exec", {"exec_id": ex.exec_id, "exit_code": exit_code}, ex.actor
+        )
+
+    def changed(self, path: str, op: str, actor: Actor) -> None:
+        self.events.append(f"fs.{op}", "fs", {"path": path, "op": op}, actor)
+
+    def find_exec(self, exec_id: str) -> RelayExec:
+        ex = self.execs.get(exec_id) or self.execs.get(self.by_command.get(exec_id, ""))
+        if ex is None:
+            raise ExecNotFound(f"no exec {exec_id}")
+        return ex
+
+
+#: Sandbox id → what the relay knows of it (raises ``SandboxNotFound``).
+HostedLookup = Callable[[str], Hosted]
+#: Socket registry: jti → callbacks that close that token's sockets.
+SocketCloser = Callable[[], Awaitable[None]]
+
+
+class RelayCore:
+    """What every route of the relay shares: the sandboxes, the token verifier, the
+    sockets open per token (closed when it is revoked)."""
+
+    def __init__(self, lookup: HostedLookup, verifier: TokenVerifier) -> None:
+        self.lookup = lookup
+        self.verifier = verifier
+        self.sockets: dict[str, set[SocketCloser]] = {}
+
+    async def authenticate(
+        self, hosted: Hosted, bearer: str | None, capability: Capability
+    ) -> AuthContext:
+        if bearer is None:
+            raise Unauthenticated("a sandbox token is required")
+        return await self.verifier.verify(
+            bearer,
+            sandbox_id=hosted.sandbox_id,
+            generation=hosted.generation,
+            capability=capability,
+        )
+
+    def track(self, jti: str | None, closer: SocketCloser) -> None:
+        if jti is not None:
+            self.sockets.setdefault(jti, set()).add(closer)
+
+    def untrack(self, jti: str | None, closer: SocketCloser) -> None:
+        if jti is not None:
+            found = self.sockets.get(jti)
+            if found is not None:
+                found.discard(closer)
+                if not found:
+                    del self.sockets[jti]
+
+    async def revoked(self, jtis: list[str]) -> None:
+        """Close the sockets of these (just revoked) tokens."""
+        for jti in jtis:
+            for closer in list(self.sockets.pop(jti, ())):
+                await closer()
+
+
+def relay_of(request: Any) -> RelayCore:
+    relay: RelayCore = request.app.state.relay
+    return relay
+
+
+async def authorize(request: Request, capability: Capability) -> tuple[Hosted, AuthContext, Box]:
+    """The sandbox addressed, the caller (holding ``capability``) and its box."""
+    relay = relay_of(request)
+    hosted = relay.lookup(request.path_params["sandbox_id"])
+    bearer = bearer_from_header(request.headers.get("authorization"))
+    if bearer is None:
+        bearer = request.headers.get("x-api-key")
+    ctx = await relay.authenticate(hosted, bearer, capability)
+    return hosted, ctx, hosted.ready()
+
+
+def command_text(command: str | list[str]) -> str:
+    return command if isinstance(command, str) else shlex.join(command)
+
+
+__all__ = [
+    "Hosted",
+    "HostedLookup",
+    "RelayCore",
+    "RelayExec",
+    "authorize",
+    "command_text",
+    "relay_of",
+]
