@@ -1,6 +1,8 @@
 // Builds the page into ../src/sandlot/web/static (or the folder given as the first argument):
-// index.html, app.js, app.css and the licenses of what the bundle holds. The output is
-// the same bytes for the same sources and lockfile: no timestamps, no hashes in names.
+// index.html, app.js, app.css, the chunks app.js loads when it needs them (chunk-HASH.js:
+// CodeMirror, each language mode) and the licenses of what the bundle holds. The output is
+// the same bytes for the same sources and lockfile: no timestamps; the chunks' names are
+// hashes of their contents, so a browser may keep them for good.
 import { build } from "esbuild";
 import { mkdir, readFile, rm, writeFile, copyFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
@@ -15,6 +17,8 @@ await mkdir(out, { recursive: true });
 const result = await build({
   entryPoints: { app: join(here, "src", "main.ts"), "app-style": join(here, "src", "style.css") },
   bundle: true,
+  splitting: true,
+  chunkNames: "chunk-[hash]",
   minify: true,
   format: "esm",
   target: ["chrome110", "firefox115", "safari16"],
@@ -47,7 +51,7 @@ for (const input of Object.keys(result.metafile.inputs)) {
   const match = input.match(/node_modules\/((?:@[^/]+\/)?[^/]+)\//);
   if (match) packages.add(match[1]);
 }
-let notices = "Third-party software in app.js and app.css\n";
+let notices = "Third-party software in app.js, its chunks and app.css\n";
 for (const name of [...packages].sort()) {
   const dir = join(here, "node_modules", name);
   const meta = JSON.parse(await readFile(join(dir, "package.json"), "utf8"));

@@ -1,12 +1,10 @@
 // The editor: CodeMirror 6, a file at a time, saved with its etag. A save that meets a
 // newer version (someone else wrote the file meanwhile) shows the conflict and its diff,
-// and keeps what was typed until the user chooses.
+// and keeps what was typed until the user chooses. CodeMirror itself (codeview.ts) is a
+// chunk loaded with the first file opened, or once the page is idle.
 
-import { basicSetup } from "codemirror";
-import { Compartment, EditorState } from "@codemirror/state";
-import { EditorView } from "@codemirror/view";
-import { darkTheme } from "./darktheme";
 import { ApiError, call } from "./api";
+import type { CodeView } from "./codeview";
 import { h } from "./dom";
 import { lineDiff, renderUnified } from "./diff";
 import type { WorkspaceEvent } from "./events";
@@ -30,10 +28,10 @@ export class Editor {
   private readonly host: HTMLElement;
   private readonly conflict: HTMLElement;
   private readonly conflictDiff: HTMLElement;
-  private view: EditorView;
-  private readonly language = new Compartment();
-  private readonly readOnly = new Compartment();
-  private readonly theme = new Compartment();
+  private code: CodeView | null = null;
+  private loading: Promise<CodeView> | null = null;
+  /** Counts the files shown: a slower load never replaces a later one. */
+  private shown = 0;
   private path: string | null = null;
   private etag: string | null = null;
   private saved = "";
@@ -60,7 +58,11 @@ export class Editor {
       this.conflictDiff,
       h("div", { class: "toolbar" }, overwrite, reload),
     );
-    this.host = h("div", { class: "editor-host", "data-testid": "editor" });
+    this.host = h(
+      "div",
+      { class: "editor-host", "data-testid": "editor" },
+      h("p", { class: "editor-empty", text: "Open a file from the tree, or with Ctrl+P." }),
+    );
     this.el = h(
       "section",
       { class: "panel editor", "aria-label": "Editor" },
@@ -68,40 +70,38 @@ export class Editor {
       this.conflict,
       this.host,
     );
-    const dark = document.documentElement.dataset.theme === "dark";
-    this.view = new EditorView({
-      parent: this.host,
-      state: this.state("", ""),
-    });
-    this.setTheme(dark);
   }
 
   private nonce = "";
   onDiff: (path: string) => void = () => undefined;
 
-  private state(doc: string, path: string): EditorState {
-    return EditorState.create({
-      doc,
-      extensions: [
-        basicSetup,
-        EditorView.cspNonce.of(this.nonce),
-        this.language.of(languageFor(path)),
-        this.readOnly.of([EditorState.readOnly.of(!this.editable), EditorView.editable.of(this.editable)]),
-        this.theme.of(document.documentElement.dataset.theme === "dark" ? darkTheme : []),
-        EditorView.contentAttributes.of({ "aria-label": path ? `Contents of ${path}` : "Editor" }),
-        EditorView.updateListener.of((u) => {
-          if (u.docChanged) this.status(this.dirty ? "modified" : "saved");
-        }),
-      ],
-    });
+  /** CodeMirror's view, loaded (once) and put in the editor's place. */
+  private view(): Promise<CodeView> {
+    this.loading ??= import("./codeview").then(
+      ({ CodeView }) => {
+        this.host.replaceChildren();
+        this.code = new CodeView(this.host, this.nonce, () => this.status(this.dirty ? "modified" : "saved"));
+        return this.code;
+      },
+      (e: unknown) => {
+        this.loading = null; // tried again with the next file
+        throw e;
+      },
+    );
+    return this.loading;
+  }
+
+  /** Loads CodeMirror ahead of the first file (the page calls it once it is idle). */
+  preload(): void {
+    this.view().catch(() => undefined);
   }
 
   setTheme(dark: boolean): void {
-    this.view.dispatch({ effects: this.theme.reconfigure(dark ? darkTheme : []) });
+    this.code?.setTheme(dark);
   }
 
   get dirty(): boolean {
-    return this.editable && this.view.state.doc.toString() !== this.saved;
+    return this.editable && this.code !== null && this.code.text !== this.saved;
   }
 
   get current(): string | null {
@@ -114,15 +114,12 @@ export class Editor {
   }
 
   focus(): void {
-    this.view.focus();
+    this.code?.focus();
   }
 
   /** Puts the cursor on a line (1-based) and shows it. */
   goto(line: number): void {
-    const doc = this.view.state.doc;
-    const at = doc.line(Math.max(1, Math.min(line, doc.lines))).from;
-    this.view.dispatch({ selection: { anchor: at }, effects: EditorView.scrollIntoView(at, { y: "center" }) });
-    this.view.focus();
+    this.code?.goto(line);
   }
 
   async open(path: string): Promise<void> {
@@ -135,10 +132,17 @@ export class Editor {
       this.status(e instanceof Error ? e.message : "could not open");
       return;
     }
-    this.show(found);
+    try {
+      await this.show(found);
+    } catch {
+      this.status("the editor could not be loaded: try again");
+    }
   }
 
-  private show(found: FileAnswer): void {
+  private async show(found: FileAnswer): Promise<void> {
+    const shown = ++this.shown;
+    const [code, language] = await Promise.all([this.view(), languageFor(found.path)]);
+    if (shown !== this.shown) return;
     this.path = found.path;
     this.etag = found.etag;
     this.conflict.hidden = true;
@@ -154,7 +158,7 @@ export class Editor {
       this.editable = false;
     }
     this.saved = text;
-    this.view.setState(this.state(text, found.path));
+    code.load(text, found.path, language, this.editable);
     this.status(this.editable ? "saved" : "read-only");
     this.host.dataset.readonly = String(!this.editable);
   }
@@ -173,8 +177,8 @@ export class Editor {
   }
 
   private async write(force: boolean): Promise<void> {
-    if (!this.path) return;
-    const content = this.view.state.doc.toString();
+    if (!this.path || !this.code) return;
+    const content = this.code.text;
     this.status("saving…");
     const headers: Record<string, string> = {};
     if (this.etag && !force) headers["If-Match"] = `"${this.etag}"`;
@@ -213,7 +217,7 @@ export class Editor {
   }
 
   private takeTheirs(): void {
-    if (this.theirs) this.show(this.theirs);
+    if (this.theirs) this.show(this.theirs).catch(() => this.status("the editor could not be loaded: try again"));
     else if (this.path) void this.open(this.path);
   }
 
@@ -241,10 +245,9 @@ export class Editor {
       const found = await call<FileAnswer>("/api/v1/file", { path: this.path });
       if (this.dirty || found.path !== this.path) return;
       if (found.etag === this.etag) return;
-      const selection = this.view.state.selection;
-      this.show(found);
-      const end = this.view.state.doc.length;
-      if (selection.main.head <= end) this.view.dispatch({ selection: { anchor: Math.min(selection.main.anchor, end), head: selection.main.head } });
+      const selection = this.code?.selection();
+      await this.show(found);
+      if (selection) this.code?.select(selection);
       this.status(`reloaded: changed by ${who}`);
     } catch {
       // gone meanwhile: the next event says so

@@ -43,10 +43,20 @@ export class EventHub {
   private listeners: Listener[] = [];
   private pending: WorkspaceEvent[] = [];
   private scheduled = false;
-  private live = false;
+  private isLive = false;
   private last = 0;
+  private onLive: (() => void)[] = [];
 
   constructor(private readonly connection: Connection) {}
+
+  /** Resolves once the stream is first live, or after ``timeout`` ms. */
+  live(timeout: number): Promise<void> {
+    if (this.isLive) return Promise.resolve();
+    return new Promise((resolve) => {
+      this.onLive.push(resolve);
+      window.setTimeout(resolve, timeout);
+    });
+  }
 
   on(listener: Listener): void {
     this.listeners.push(listener);
@@ -87,8 +97,9 @@ export class EventHub {
     };
     source.addEventListener("ready", () => {
       this.flush();
-      this.live = true;
+      this.isLive = true;
       this.connection.set("connected");
+      for (const resolve of this.onLive.splice(0)) resolve();
     });
     source.addEventListener("expired", () => {
       // Older than the log keeps: start again from its beginning.
@@ -110,6 +121,6 @@ export class EventHub {
     if (!this.pending.length) return;
     const batch = this.pending;
     this.pending = [];
-    for (const listener of this.listeners) listener(batch, this.live);
+    for (const listener of this.listeners) listener(batch, this.isLive);
   }
 }

@@ -187,10 +187,18 @@ async function boot(): Promise<void> {
     }
   });
 
+  // What the page needs to be usable first (the live stream, the tree, the terminal), its
+  // requests sent before the terminal is built; the rest (other workspaces, git status)
+  // once the stream is live, so that the first requests do not wait behind them.
   hub.start();
+  const listed = tree.start();
   terminals.start();
-  await Promise.all([tree.start(), spaces.refresh(), git.refresh()]);
+  await Promise.all([listed, hub.live(2000)]);
+  await Promise.all([spaces.refresh(), git.refresh()]);
   if (chat.resumable) chat.start();
+  // The editor's code, once the page has nothing else to do.
+  if (typeof window.requestIdleCallback === "function") window.requestIdleCallback(() => editor.preload(), { timeout: 3000 });
+  else window.setTimeout(() => editor.preload(), 1000); // Safari has no idle callbacks
 }
 
 void boot();

@@ -1,7 +1,10 @@
 // Terminals: tabs over the workspace's shared shells (/ws/pty). Every tab is a shell the
 // CLI can attach to by name; observers watch, drivers type. A lost socket reattaches from
 // the last byte seen (nothing lost, nothing twice); a reloaded page reattaches its tabs and
-// gets the shell's recent output back. Output is written once per frame, in one piece.
+// gets the shell's recent output back. Output goes to xterm as it comes, in pieces, with
+// flow control: xterm parses a piece in one go, so pieces bound how long a task runs while
+// a command floods the terminal; what xterm has not parsed yet is bounded, the rest waits
+// here in order (nothing is dropped).
 
 import { Terminal } from "@xterm/xterm";
 import { FitAddon } from "@xterm/addon-fit";
@@ -31,7 +34,27 @@ interface Saved {
 }
 
 const STORE = `sandlot.terminals.${location.search}`;
-const encoder = new TextEncoder();
+/** The UTF-8 length of ``text`` (the shell's offsets count bytes), without encoding it. */
+function utf8Length(text: string): number {
+  let n = text.length;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (c < 0x80) continue;
+    if (c < 0x800) n += 1;
+    else if (c >= 0xd800 && c < 0xdc00 && i + 1 < text.length) {
+      const next = text.charCodeAt(i + 1);
+      if (next >= 0xdc00 && next < 0xe000) {
+        n += 2; // a pair: 4 bytes for 2 UTF-16 units
+        i++;
+      } else n += 2;
+    } else n += 2;
+  }
+  return n;
+}
+/** Most characters given to xterm in one write: xterm parses a write in one go. */
+const PIECE = 16 * 1024;
+/** Most characters xterm holds unparsed; more output waits in the tab's queue. */
+const AHEAD = 128 * 1024;
 
 const DARK = { background: "#1b1d23", foreground: "#d7dae0", cursor: "#d7dae0", selectionBackground: "#3e4451" };
 const LIGHT = { background: "#fbfbfc", foreground: "#1f2328", cursor: "#1f2328", selectionBackground: "#c8d7f0" };
@@ -46,8 +69,9 @@ class Tab {
   offset = -1;
   ended = false;
   closed = false;
-  private pending: string[] = [];
-  private scheduled = false;
+  /** Output not given to xterm yet, in order, and what xterm holds unparsed. */
+  private queue: string[] = [];
+  private ahead = 0;
   private retry = 500;
 
   constructor(
@@ -105,8 +129,9 @@ class Tab {
   }
 
   open(): void {
-    if (!this.term.element) this.term.open(this.pane);
+    // The socket first: the shell answers while xterm builds its screen.
     this.connect();
+    if (!this.term.element) this.term.open(this.pane);
   }
 
   connect(): void {
@@ -157,14 +182,15 @@ class Tab {
         this.resize();
         break;
       case "history":
-        this.term.reset();
-        this.pending = [];
-        this.write(f.data ?? "");
-        this.offset = (f.offset ?? 0) + encoder.encode(f.data ?? "").length;
+        // The shell's recent output replaces the screen: a full reset (ESC c) parsed in
+        // order, after what xterm already holds.
+        this.queue = [];
+        this.write(`\x1bc${f.data ?? ""}`);
+        this.offset = (f.offset ?? 0) + utf8Length(f.data ?? "");
         break;
       case "output":
         this.write(f.data ?? "");
-        this.offset = (f.offset ?? 0) + encoder.encode(f.data ?? "").length;
+        this.offset = (f.offset ?? 0) + utf8Length(f.data ?? "");
         break;
       case "gap":
         this.write(`\r\n\x1b[2m[${(f.to ?? 0) - (f.from ?? 0)} bytes of output were lost]\x1b[0m\r\n`);
@@ -190,23 +216,29 @@ class Tab {
 
   private write(data: string): void {
     if (!data) return;
-    if (!this.scheduled && data.length <= 1024 && !document.hidden) {
-      // Interactive output (an echo, a prompt): straight to xterm, which parses it now and
-      // paints it at the next frame. A flood is gathered per frame below.
-      this.term.write(data);
-      return;
+    this.queue.push(data);
+    this.feed();
+  }
+
+  /** Gives xterm the queued output, a piece at a time, while it holds less than AHEAD
+   * unparsed; each piece parsed gives it more. The first output after a keystroke (an
+   * echo) is parsed at once by xterm, and painted with the next frame. */
+  private feed(): void {
+    while (this.queue.length && this.ahead < AHEAD) {
+      let piece = this.queue[0] ?? "";
+      if (piece.length > PIECE) {
+        this.queue[0] = piece.slice(PIECE);
+        piece = piece.slice(0, PIECE);
+      } else {
+        this.queue.shift();
+      }
+      const size = piece.length;
+      this.ahead += size;
+      this.term.write(piece, () => {
+        this.ahead -= size;
+        if (!this.closed) this.feed();
+      });
     }
-    this.pending.push(data);
-    if (this.scheduled) return;
-    this.scheduled = true;
-    const flush = (): void => {
-      this.scheduled = false;
-      const text = this.pending.join("");
-      this.pending = [];
-      this.term.write(text);
-    };
-    if (document.hidden) window.setTimeout(flush, 100);
-    else requestAnimationFrame(flush);
   }
 
   send(frame: object): void {

@@ -337,6 +337,31 @@ def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> No
                 break
 
 
+def test_events_sse_says_when_its_backlog_is_through(server: Server, client: httpx.Client) -> None:
+    """``: live`` follows what the log held when the stream opened, once, before the events
+    that come after it; a stream with nothing to catch up says it at once."""
+    u = server.url
+    for i in range(3):
+        client.put(u("/fs/write"), json={"path": f"held-{i}.txt", "content": "1"})
+    head = server.call(lambda: server.host.status(server.sandbox_id)[1])
+    seen: list[str] = []
+    with client.stream("GET", u("/events"), params={"after": head - 2}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("id: ") or line == ": live":
+                seen.append(line)
+            if line == ": live":
+                client.put(u("/fs/write"), json={"path": "after-live.txt", "content": "1"})
+            elif seen.count(": live") and line.startswith("id: "):
+                break
+    assert seen[:3] == [f"id: {head - 1}", f"id: {head}", ": live"], seen
+    assert int(seen[3][4:]) > head and seen.count(": live") == 1, seen
+    now = server.call(lambda: server.host.status(server.sandbox_id)[1])
+    with client.stream("GET", u("/events"), params={"after": now}) as r:
+        lines = r.iter_lines()
+        assert [next(lines), next(lines), next(lines)] == [": connected", "", ": live"]
+
+
 def test_sequence_expired(tmp_path: Any) -> None:
     from tests.dataplane.conftest import start_server
 

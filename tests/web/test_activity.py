@@ -19,6 +19,7 @@ import pytest
 from sandlot.broker.keys import KeyService
 from sandlot.broker.store import Store
 from sandlot.protocol.common import PrincipalType
+from sandlot.web import activity
 from sandlot.web.app import create_web_app
 from sandlot.web.settings import WebSettings, WorkspaceMode
 from tests.web.conftest import ThreadedServer, login_with_key
@@ -131,3 +132,29 @@ def test_a_tail_sends_only_the_latest_of_the_backlog(client: tuple[httpx.Client,
     assert got[0][0] == "ready", got
     r = http.get("/api/v1/activity/stream", params={"after": 0, "tail": 10_001})
     assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_REQUEST", r.text
+
+
+def test_the_stream_is_ready_when_the_dataplane_says_its_backlog_is_through(
+    client: tuple[httpx.Client, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ready`` follows the backlog at once: the dataplane says where it ends (``: live``).
+    It used to wait for a pause in the events, so a busy workspace's page stayed
+    ``connecting``; the pause is made a minute long here, so only the dataplane's word can
+    make the stream ready in time."""
+    monkeypatch.setattr(activity, "SETTLE_SECONDS", 60.0)
+    http, csrf = client
+    for i in range(3):
+        put(http, csrf, f"old-{i:02d}.txt")
+    got: list[str] = []
+    params = {"after": 0, "tail": 2}
+    with http.stream("GET", "/api/v1/activity/stream", params=params, timeout=20) as r:
+        assert r.status_code == 200, r.read()
+        buffer = ""
+        for chunk in r.iter_text():
+            buffer += chunk
+            while "\n\n" in buffer:
+                frame, buffer = buffer.split("\n\n", 1)
+                got += [line[7:] for line in frame.split("\n") if line.startswith("event: ")]
+            if "ready" in got:
+                break
+    assert got[-1] == "ready" and got.count("message") == 2, got

@@ -669,6 +669,14 @@ def test_the_page_is_served_with_a_strict_policy(browser: Browser) -> None:
     )
     again = browser.client.get("/assets/app.js", headers={"If-None-Match": script.headers["etag"]})
     assert again.status_code == 304
+    assert script.headers["cache-control"] == "no-cache"
+    # The chunks the page loads later (the editor) are named by their content: kept for good.
+    chunks = re.findall(r'import\("\./(chunk-[A-Z0-9]+\.js)"\)', script.text)
+    assert chunks, "the page's script loads no chunk"
+    for name in sorted(set(chunks)):
+        chunk = browser.client.get(f"/assets/{name}")
+        assert chunk.status_code == 200, name
+        assert "immutable" in chunk.headers["cache-control"], chunk.headers
     assert browser.client.get("/assets/nothing.js").status_code == 404
     # Browsers ask for an icon beside JSON answers: nothing, without an error.
     assert browser.client.get("/favicon.ico").status_code == 204

@@ -27,8 +27,11 @@ from sandlot.web.calls import DataplaneCalls
 
 #: The most events of the backlog a stream opened with ``tail`` sends.
 MAX_TAIL = 10_000
-#: How long a quiet stream is waited on before the page is complete.
+#: How long a quiet stream is waited on before the page is complete (or, for a stream, the
+#: backlog through, when the dataplane does not say so itself with a ``: live`` comment).
 SETTLE_SECONDS = 0.15
+#: The dataplane's comment once a stream has sent what the log held.
+LIVE = "live"
 #: The longest a page is read.
 PAGE_SECONDS = 5.0
 MAX_PAGE = 1000
@@ -65,7 +68,7 @@ def own_command(event: dict[str, Any]) -> bool:
 
 
 async def _frames(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[str, str]]:
-    """``(event, data)`` of each SSE frame (comments as ``("comment", "")``)."""
+    """``(event, data)`` of each SSE frame (comments as ``("comment", text)``)."""
     buffer = b""
     async for chunk in chunks:
         buffer += chunk
@@ -75,6 +78,7 @@ async def _frames(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[str, str
             for line in frame.decode("utf-8", "replace").split("\n"):
                 if line.startswith(":"):
                     name = "comment"
+                    data.append(line[1:].strip())
                 elif line.startswith("event:"):
                     name = line[6:].strip()
                 elif line.startswith("data:"):
@@ -235,7 +239,8 @@ class ActivityStream:
                 if next_frame is None:
                     next_frame = asyncio.ensure_future(anext(frames))
                 if not ready:
-                    # The log's backlog comes at once: a pause means it has all been sent.
+                    # The dataplane says when its backlog is through (``: live``); one that
+                    # does not is taken as through after a pause.
                     done, _ = await asyncio.wait({next_frame}, timeout=SETTLE_SECONDS)
                     if not done:
                         ready = True
@@ -251,6 +256,12 @@ class ActivityStream:
                     yield sse_frame("expired", "{}")
                     return
                 if name == "comment":
+                    if data == LIVE:
+                        # The dataplane caught up with its log: what follows is live.
+                        if not ready:
+                            ready = True
+                            yield sse_frame("ready", "{}")
+                        continue
                     yield b": keep-alive\n\n"
                     continue
                 frame = self._message(data, encode)

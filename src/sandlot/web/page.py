@@ -9,7 +9,9 @@ The policy allows nothing but this origin: no inline script, no ``eval``, no req
 another host. The editor and the terminal add ``<style>`` elements of their own at run time;
 those carry a nonce made afresh for each answer of ``/``, which the page reads from its
 ``<meta name="csp-nonce">`` (``__CSP_NONCE__`` in the built file). Assets are kept in memory,
-with their gzip form, and revalidated by etag (their names do not change between builds).
+with their gzip form. ``app.js`` and ``app.css`` keep their names between builds and are
+revalidated by etag; the chunks the page loads later (``chunk-HASH.js``: the editor, its
+language modes) are named by their content, so a browser keeps them without asking again.
 """
 
 from __future__ import annotations
@@ -52,6 +54,12 @@ def content_security_policy(nonce: str) -> str:
         "img-src 'self' data: blob:; font-src 'self'; object-src 'none'; "
         "base-uri 'none'; frame-ancestors 'none'; form-action 'self'"
     )
+
+
+#: The prefix of the built files named by their content (esbuild's ``chunkNames``).
+CHUNK_PREFIX = "chunk-"
+#: How a chunk is cached: a new build makes new names, never new bytes under an old one.
+CHUNK_CACHE = "public, max-age=31536000, immutable"
 
 
 @dataclass(frozen=True)
@@ -127,10 +135,11 @@ class Page:
             return Response(
                 b"not found", status_code=404, media_type="text/plain", headers=COMMON_HEADERS
             )
+        named_by_content = request.path_params["name"].startswith(CHUNK_PREFIX)
         headers = {
             **COMMON_HEADERS,
             "ETag": found.etag,
-            "Cache-Control": "no-cache",
+            "Cache-Control": CHUNK_CACHE if named_by_content else "no-cache",
             "Vary": "Accept-Encoding",
         }
         if found.etag in request.headers.get("if-none-match", ""):

@@ -401,6 +401,7 @@ async def events_sse(request: Request) -> Response:
 
     async def stream() -> AsyncIterator[bytes]:
         cursor = after
+        live = False
         entry.events.listen(wake)
         try:
             yield b": connected\n\n"
@@ -419,6 +420,10 @@ async def events_sse(request: Request) -> Response:
                     cursor = batch[-1][0]
                     yield "".join(parts).encode()
                     continue
+                if not live:
+                    # Caught up: what the log held is sent, what follows is live.
+                    live = True
+                    yield b": live\n\n"
                 waiter = asyncio.ensure_future(wake.wait())
                 stopper = asyncio.ensure_future(closed.wait())
                 try:

@@ -1,0 +1,1 @@
+import{a,b,c,d,e}from"./chunk-GAXIL6YN.js";import"./chunk-44IMPZMF.js";import"./chunk-JFD7QHSX.js";import"./chunk-VM5VXNQ6.js";import"./chunk-VXCIUV64.js";import"./chunk-CVABY6ML.js";export{e as autoCloseTags,d as html,a as htmlCompletionSource,b as htmlCompletionSourceWith,c as htmlLanguage};
