@@ -203,7 +203,7 @@ async def exec_once(request: Request) -> Response:
         try:
             result = await box.execute(
                 command_text(body.command),
-                timeout=body.timeout_seconds or 3600.0,
+                timeout=body.timeout_seconds,
                 env=body.env,
                 cwd=box.resolve(body.cwd) if body.cwd else None,
                 shell=body.shell,

@@ -714,6 +714,8 @@ class Template(WireResult):
     shells: dict[str, list[str]] = field(default_factory=lambda: {"default": ["/bin/bash", "-l"]})
     idle_timeout_seconds: int | None = None
     hard_ttl_seconds: int | None = None
+    #: The configured provider its sandboxes come from (None: the request's or the default).
+    provider: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     _nested = {"resources": Resources.from_wire, "volume_mounts": _each(VolumeMount.from_wire)}
