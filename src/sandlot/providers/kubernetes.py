@@ -116,6 +116,9 @@ class _Sandbox:
         self.reason: str | None = None
         self.upstream: TcpUpstream | None = None
         self.pod_ip: str | None = None
+        #: The uid of its pod once created; pods of an earlier attempt it replaced.
+        self.pod_uid: str | None = None
+        self.stale_uids: set[str] = set()
         self.last_event_sequence = 0
         self.revoked: dict[str, float] = {}
         self.probing: asyncio.Task[None] | None = None
@@ -336,6 +339,9 @@ class KubernetesProvider(Provider):
         box = self._sandboxes.get(sid)
         if box is None or labels.get(LABEL_GENERATION) != str(box.spec.generation):
             return
+        uid = pod.metadata.uid
+        if uid in box.stale_uids or (box.pod_uid is not None and uid != box.pod_uid):
+            return
         if box.state not in (SandboxState.PROVISIONING, SandboxState.ACTIVE):
             return
         if kind == "DELETED":
@@ -468,8 +474,12 @@ class KubernetesProvider(Provider):
     async def _create_objects(self, spec: SandboxSpec) -> None:
         sid, ns = spec.sandbox_id, self.namespace
         pod_name = object_name(self.instance, sid)
-        # A retry after a crash mid-create: start clean, keep the workspace claim.
+        box = self._sandboxes[sid]
+        # A retry after a crash mid-create: start clean, keep the workspace claim. The
+        # old pod's last events must not be taken for the new one's.
         with contextlib.suppress(ApiException):
+            old = await self._api(self._core.read_namespaced_pod, pod_name, ns)
+            box.stale_uids.add(old.metadata.uid)
             await self._api(self._core.delete_namespaced_pod, pod_name, ns, grace_period_seconds=0)
             await self._wait_gone(pod_name)
         trust = trust_manifest(self.settings, spec, self._jwks_text)
@@ -488,7 +498,10 @@ class KubernetesProvider(Provider):
                     ns,
                     claim_manifest(self.settings, spec),
                 )
-        await self._api(self._core.create_namespaced_pod, ns, pod_manifest(self.settings, spec))
+        pod = await self._api(
+            self._core.create_namespaced_pod, ns, pod_manifest(self.settings, spec)
+        )
+        box.pod_uid = pod.metadata.uid
 
     async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -651,6 +664,7 @@ class KubernetesProvider(Provider):
             spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template)
             box = _Sandbox(spec, SandboxState.ACTIVE)
             box.reason, box.upstream, box.pod_ip = "re-adopted after restart", upstream, ip
+            box.pod_uid = pod.metadata.uid
             box.last_event_sequence = seq
             box.settled.set()
             self._sandboxes[rec.sandbox_id] = box

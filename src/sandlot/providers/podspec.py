@@ -290,8 +290,9 @@ def pod_failure(pod: Any) -> str | None:
     status = pod.status
     if status is None:
         return None
-    containers = list(status.container_statuses or [])
-    for cs in containers:
+    if status.phase == "Failed" and status.reason:  # the pod's own: Evicted, …
+        return f"{status.reason}: {status.message}" if status.message else str(status.reason)
+    for cs in status.container_statuses or []:
         state = cs.state
         if state is None:
             continue
