@@ -293,7 +293,8 @@ class KubernetesProvider(Provider):
                         self.resource_version = pods.metadata.resource_version
                         for pod in pods.items:
                             self._hand_over("MODIFIED", pod)
-                    stream = k8s_watch.Watch().stream(
+                    watch = k8s_watch.Watch()
+                    stream = watch.stream(
                         core.list_namespaced_pod,
                         self.namespace,
                         label_selector=selector,
@@ -305,12 +306,11 @@ class KubernetesProvider(Provider):
                     for event in stream:
                         if self._closing.is_set():
                             return
-                        pod = event["object"]
-                        version = getattr(getattr(pod, "metadata", None), "resource_version", None)
-                        if version:
-                            self.resource_version = version
+                        # Bookmarks move it too (their objects are not pods).
+                        if watch.resource_version:
+                            self.resource_version = watch.resource_version
                         if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
-                            self._hand_over(event["type"], pod)
+                            self._hand_over(event["type"], event["object"])
                     delay = 0.5
                 except ApiException as exc:
                     if exc.status == 410:  # too old: list again
