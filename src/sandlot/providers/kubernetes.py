@@ -330,6 +330,8 @@ class KubernetesProvider(Provider):
 
     def _hand_over(self, kind: str, pod: Any) -> None:
         loop = self._loop
+        if self._closing.is_set():  # the loop may stop before it would run the handler
+            return
         if loop is not None and not loop.is_closed():
             asyncio.run_coroutine_threadsafe(self._on_pod(kind, pod), loop)
 
