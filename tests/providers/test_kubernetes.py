@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from pathlib import Path
 
 import httpx
+import jwt
 import pytest
 
 from sandlot.protocol.errors import SandboxNotFound
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from tests.dataplane.conftest import Keys
 from tests.k8scluster import Cluster
@@ -228,3 +231,32 @@ async def test_streams_shells_and_files_through_the_relay(
                         assert event.details["fs"]["path"] == "/workspace/seen.txt"
                         break
         await h.provider.delete("sb_dp")
+
+
+async def test_revocation_and_a_rotated_key_reach_the_pod(
+    k8s_cluster: Cluster, k8s_image: str, tmp_path: Path
+) -> None:
+    async with serving(k8s_cluster, k8s_image, tmp_path) as h:
+        await h.create("sb_tok")
+        async with httpx.AsyncClient(timeout=20) as c:
+            url, body = h.url("sb_tok", "/exec"), {"command": "true"}
+            other = await c.post(url, json=body, headers=h.headers("sb_other"))
+            assert other.status_code == 403
+            token = h.keys.token("sb_tok")
+            auth = {"Authorization": f"Bearer {token}"}
+            assert (await c.post(url, json=body, headers=auth)).status_code == 200
+            jti = jwt.decode(token, options={"verify_signature": False})["jti"]
+            await h.provider.revoke("sb_tok", [RevokedToken(jti, time.time() + 900)])
+            # The kubelet updates the mounted ConfigMap on its next sync.
+            async with asyncio.timeout(90):
+                while (await c.post(url, json=body, headers=auth)).status_code != 401:
+                    await asyncio.sleep(0.5)
+            # A rotated key reaches the pod without a restart, the same way.
+            h.keys.private = Keys().private
+            h.keys.kid = "k_rotated"
+            async with asyncio.timeout(90):
+                while (
+                    await c.post(url, json=body, headers=h.headers("sb_tok"))
+                ).status_code != 200:
+                    await asyncio.sleep(0.5)
+        await h.provider.delete("sb_tok")

@@ -46,6 +46,8 @@ wired in by the server):
 - ``network_policy``: create the instance's NetworkPolicy (default true).
 - ``node_selector``, ``tolerations``, ``runtime_class``: passed to the pod.
 - ``start_timeout_seconds`` (default 120), ``jwks_refresh_seconds`` (default 2).
+- ``revocation_sync_seconds``: how long after a revocation the dataplane is asked, every
+  second, to re-read its trust directory (default 90: the kubelet's ConfigMap sync).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class _Sandbox:
         self.last_event_sequence = 0
         self.revoked: dict[str, float] = {}
         self.probing: asyncio.Task[None] | None = None
+        self.reloading: asyncio.Task[None] | None = None
         #: Set once creation ended (ready or failed) or the sandbox was deleted.
         self.settled = asyncio.Event()
 
@@ -171,6 +174,7 @@ class KubernetesProvider(Provider):
         self.network_policy = bool(cfg.get("network_policy", True))
         self.start_timeout = float(cfg.get("start_timeout_seconds", 120.0))
         self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
+        self.revocation_sync = float(cfg.get("revocation_sync_seconds", 90.0))
         self.public_url = str(cfg.get("public_url", "http://127.0.0.1:8765")).rstrip("/")
         jwks = cfg.get("jwks")
         if jwks is None or not self.settings.issuer:
@@ -233,8 +237,9 @@ class KubernetesProvider(Provider):
         for task in list(self._tasks.values()):
             task.cancel()
         for box in self._sandboxes.values():
-            if box.probing is not None:
-                box.probing.cancel()
+            for pending in (box.probing, box.reloading):
+                if pending is not None:
+                    pending.cancel()
             if box.upstream is not None:
                 await box.upstream.close()
                 box.upstream = None
@@ -559,8 +564,9 @@ class KubernetesProvider(Provider):
                 await task
         if box is not None:
             box.settled.set()
-            if box.probing is not None:
-                box.probing.cancel()
+            for task in (box.probing, box.reloading):
+                if task is not None:
+                    task.cancel()
             if box.upstream is not None:
                 await box.upstream.close()
         await self._remove(sandbox_id)
@@ -606,9 +612,21 @@ class KubernetesProvider(Provider):
         box.revoked.update({t.jti: t.expires_at for t in tokens})
         doc = {"revoked": [{"jti": j, "expires_at": e} for j, e in box.revoked.items()]}
         await self._patch_trust(sandbox_id, {"revoked.json": json.dumps(doc)})
-        if box.upstream is not None and box.state is SandboxState.ACTIVE:
+        if box.reloading is not None:
+            box.reloading.cancel()
+        box.reloading = asyncio.get_running_loop().create_task(self._reload_for(box))
+
+    async def _reload_for(self, box: _Sandbox) -> None:
+        """Ask the dataplane to re-read its trust directory every second until the kubelet
+        has surely updated the mounted copy (``revocation_sync_seconds``)."""
+        deadline = time.monotonic() + self.revocation_sync
+        while time.monotonic() < deadline:
+            upstream = box.upstream
+            if upstream is None or box.state is not SandboxState.ACTIVE:
+                return
             with contextlib.suppress(httpx.TransportError):
-                await box.upstream.client.post("/__control/reload")
+                await upstream.client.post("/__control/reload", timeout=5.0)
+            await asyncio.sleep(1.0)
 
     async def activity(self, sandbox_id: str) -> SandboxActivity:
         box = self._box(sandbox_id)
