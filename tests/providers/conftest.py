@@ -1,4 +1,5 @@
-"""A private Docker Engine and the sandbox image, once per test session (tests/dockerengine.py)."""
+"""A private Docker Engine and the sandbox image, once per test session (tests/dockerengine.py);
+the single-node cluster of scripts/k8s-cluster and the image in its node (tests/k8scluster.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.dockerengine import Engine, build_image
+from tests.k8scluster import Cluster, node_image
+from tests.k8scluster import start as k8s_start
+from tests.k8scluster import stop as k8s_stop
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +25,18 @@ def docker_engine() -> Iterator[Engine]:
 @pytest.fixture(scope="session")
 def docker_image(docker_engine: Engine) -> str:
     return build_image(docker_engine)
+
+
+@pytest.fixture(scope="session")
+def k8s_cluster() -> Iterator[Cluster]:
+    """The cluster of scripts/k8s-cluster (built once per machine, started once per run)."""
+    cluster = k8s_start()
+    try:
+        yield cluster
+    finally:
+        k8s_stop(cluster)
+
+
+@pytest.fixture(scope="session")
+def k8s_image(k8s_cluster: Cluster) -> str:
+    return node_image(k8s_cluster)

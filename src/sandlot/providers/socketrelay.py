@@ -2,8 +2,9 @@
 
 A container provider runs the dataplane inside each sandbox, listening on a Unix
 socket in a directory bind-mounted from the host; the sandbox itself has no network.
-:class:`SocketRelay` is the ASGI app the embedded server mounts at ``/dp``: it passes
-each request (streamed both ways) and each WebSocket (frame by frame, through
+(A cluster provider's dataplane listens on its pod's address instead: a
+:class:`TcpUpstream`.) :class:`SocketRelay` is the ASGI app the embedded server mounts
+at ``/dp``: it passes each request (streamed both ways) and each WebSocket (frame by frame, through
 :func:`sandlot.web.relay.relay`) to that sandbox's socket, unchanged. It checks no
 token: the dataplane in the sandbox verifies the broker's tokens itself, so the relay
 holds no authority a client could borrow. Only ``/{sandbox_id}/v1/…`` is forwarded.
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from websockets.asyncio.client import ClientConnection, unix_connect
+from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 
 from sandlot.protocol.errors import (
@@ -100,10 +101,42 @@ class Upstream:
         with contextlib.suppress(OSError):
             os.close(self.fd)
 
+    async def websocket(self, target: str, **options: Any) -> ClientConnection:
+        """A WebSocket to ``target`` on the dataplane."""
+        return await unix_connect(self.path, uri=f"ws://dataplane{target}", **options)
+
+
+@dataclass
+class TcpUpstream:
+    """A dataplane reached over TCP (a pod's address on a cluster network)."""
+
+    host: str
+    port: int
+    client: httpx.AsyncClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.client = httpx.AsyncClient(
+            base_url=f"http://{self.authority}",
+            timeout=httpx.Timeout(None, connect=5.0),
+            # The pod network is reached directly, never through a proxy of the environment.
+            trust_env=False,
+        )
+
+    @property
+    def authority(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    async def websocket(self, target: str, **options: Any) -> ClientConnection:
+        return await connect(f"ws://{self.authority}{target}", proxy=None, **options)
+
 
 #: Sandbox id → its upstream; raises a :class:`SandlotError` the client should see
 #: (not found, 423 while starting or suspended, 503 when it is gone).
-UpstreamLookup = Callable[[str], Upstream]
+UpstreamLookup = Callable[[str], Upstream | TcpUpstream]
 #: Sandbox id → returns once the sandbox is no longer being created.
 StartWait = Callable[[str], Awaitable[None]]
 
@@ -140,7 +173,7 @@ class SocketRelay:
         else:
             await self._websocket(scope, receive, send, upstream, target)
 
-    async def _upstream(self, scope: Any, sandbox_id: str, route: str) -> Upstream:
+    async def _upstream(self, scope: Any, sandbox_id: str, route: str) -> Upstream | TcpUpstream:
         """The sandbox's upstream. A request for its event log made while it starts is
         held until it is up: the log is where clients that met 423 wait for it."""
         try:
@@ -155,7 +188,7 @@ class SocketRelay:
     # --- HTTP ---------------------------------------------------------------------------
 
     async def _http(
-        self, scope: Any, receive: Any, send: Any, upstream: Upstream, target: str
+        self, scope: Any, receive: Any, send: Any, upstream: Upstream | TcpUpstream, target: str
     ) -> None:
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _HOP]
         first = await receive()
@@ -183,7 +216,7 @@ class SocketRelay:
     # --- WebSocket ----------------------------------------------------------------------
 
     async def _websocket(
-        self, scope: Any, receive: Any, send: Any, upstream: Upstream, target: str
+        self, scope: Any, receive: Any, send: Any, upstream: Upstream | TcpUpstream, target: str
     ) -> None:
         connect = await receive()
         if connect["type"] != "websocket.connect":
@@ -194,9 +227,8 @@ class SocketRelay:
             if k.lower() not in _WS_DROP
         ]
         try:
-            conn: ClientConnection = await unix_connect(
-                upstream.path,
-                uri=f"ws://dataplane{target}",
+            conn: ClientConnection = await upstream.websocket(
+                target,
                 additional_headers=headers,
                 subprotocols=scope.get("subprotocols") or None,
                 compression=None,
@@ -284,4 +316,4 @@ async def _refuse(
     await send({"type": "http.response.body", "body": body})
 
 
-__all__ = ["SocketRelay", "Upstream", "open_socket"]
+__all__ = ["SocketRelay", "TcpUpstream", "Upstream", "open_socket"]

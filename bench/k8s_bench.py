@@ -1,0 +1,153 @@
+"""Benchmark of the kubernetes provider on the cluster of ``scripts/k8s-cluster``; prints a
+Markdown table.
+
+Run as root on Linux: ``python bench/k8s_bench.py [--creates N] [--execs N]``. It brings
+the cluster up as the tests do (``tests/k8scluster.py``: reused when one is up) and builds
+the sandbox image in the node's engine.
+
+Figures, each side by side with Kubernetes' own operation in the same run:
+
+- create → ready: ``KubernetesProvider.create`` until the dataplane in the pod answers,
+  against ``kubectl run`` of the same image (``--restart=Never``, a ``sleep``) followed
+  by ``kubectl wait --for=condition=Ready``;
+- ``exec true`` through the relay and the dataplane in the pod (the SDK's ``run``),
+  against ``kubectl exec POD -- true`` on the same pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from measure import ainterleave, ms, ratio, stats
+from tests.k8scluster import Cluster, node_image
+from tests.k8scluster import start as start_cluster
+from tests.k8scluster import stop as stop_cluster
+from tests.providers.k8sharness import NAMESPACE, Harness, serving
+
+from sandlot.protocol.sessions import Template
+from sandlot.protocol.states import SandboxState
+from sandlot.providers.base import SandboxSpec
+
+
+def kubectl(cluster: Cluster, *args: str) -> None:
+    binary = os.environ.get("SANDLOT_K8S_BIN", "") or str(
+        Path.home() / ".cache/sandlot/k8s/v1.20.2/bin"
+    )
+    subprocess.run(
+        [f"{binary}/kubectl", "--kubeconfig", cluster.kubeconfig, "-n", NAMESPACE, *args],
+        check=True,
+        capture_output=True,
+    )
+
+
+async def create_ready(h: Harness, n: int) -> float:
+    sid = f"sb_bench{n}"
+    t0 = time.perf_counter()
+    await h.provider.create(
+        SandboxSpec(sid, 1, Template(name="t", image="host", resources={"memory_mb": 256}))
+    )
+    while (await h.provider.status(sid)).state is not SandboxState.ACTIVE:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+    took = time.perf_counter() - t0
+    await h.provider.delete(sid)
+    return took
+
+
+def kubectl_run(cluster: Cluster, image: str, n: int) -> float:
+    name = f"bench-run-{n}"
+    t0 = time.perf_counter()
+    kubectl(cluster, "run", name, f"--image={image}", "--restart=Never",
+            "--image-pull-policy=Never", "--command", "--", "sleep", "600")  # fmt: skip
+    kubectl(cluster, "wait", "--for=condition=Ready", f"pod/{name}", "--timeout=120s")
+    took = time.perf_counter() - t0
+    kubectl(cluster, "delete", "pod", name, "--grace-period=0", "--force", "--wait=false")
+    return took
+
+
+async def run(args: argparse.Namespace) -> None:
+    rng = random.Random(7)
+    cluster = start_cluster()
+    try:
+        image = node_image(cluster)
+        with tempfile.TemporaryDirectory(prefix="sandlot-k8s-bench-") as tmp:
+            async with serving(cluster, image, Path(tmp)) as h:
+                await table(h, cluster, image, args, rng)
+    finally:
+        stop_cluster(cluster)
+
+
+async def table(
+    h: Harness, cluster: Cluster, image: str, args: argparse.Namespace, rng: random.Random
+) -> None:
+    sandbox: list[float] = []
+    direct: list[float] = []
+    counter = iter(range(1_000_000))
+
+    async def one_sandbox() -> None:
+        sandbox.append(await create_ready(h, next(counter)))
+
+    async def one_run() -> None:
+        direct.append(await asyncio.to_thread(kubectl_run, cluster, image, next(counter)))
+
+    await one_sandbox()
+    await one_run()
+    sandbox.clear()
+    direct.clear()
+    for _ in range(args.creates):
+        round_ = [one_sandbox, one_run]
+        rng.shuffle(round_)
+        for op in round_:
+            await op()
+
+    await h.create("sb_exec")
+    pod = h.pod("sb_exec").metadata.name
+    via_sandlot: list[float] = []
+    via_kubectl: list[float] = []
+    async with h.sandbox("sb_exec") as sb:
+
+        async def sandlot_exec() -> None:
+            await sb.run("true")
+
+        async def kubectl_exec() -> None:
+            await asyncio.to_thread(kubectl, cluster, "exec", pod, "--", "true")
+
+        await ainterleave(
+            [(via_sandlot, sandlot_exec, 1), (via_kubectl, kubectl_exec, 1)], args.execs, rng
+        )
+    await h.provider.delete("sb_exec")
+
+    c50, d50 = statistics.median(sandbox), statistics.median(direct)
+    e50, _ = stats(via_sandlot)
+    x50, _ = stats(via_kubectl)
+    print("| operation | kubernetes provider | Kubernetes directly | ratio |")
+    print("|---|---|---|---|")
+    print(
+        f"| create → ready (median of {len(sandbox)}) | {ms(c50 * 1000)} | "
+        f"{ms(d50 * 1000)} (`kubectl run` + `kubectl wait`) | {ratio(c50, d50)} |"
+    )
+    print(
+        f"| `exec true` (median of {len(via_sandlot)}) | {ms(e50)} | {ms(x50)} (`kubectl exec`)"
+        f" | {ratio(e50, x50)} |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--creates", type=int, default=5)
+    parser.add_argument("--execs", type=int, default=30)
+    asyncio.run(run(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

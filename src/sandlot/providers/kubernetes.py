@@ -1,0 +1,729 @@
+"""The ``kubernetes`` provider: a sandbox is a pod, driven with the official ``kubernetes``
+client.
+
+Each sandbox is one pod of its template's image (:mod:`sandlot.providers.podspec` builds
+it): the template's cpu and memory as limits, an unprivileged user (``runAsNonRoot``),
+every capability dropped, no privilege escalation, ``seccompProfile: RuntimeDefault``, no
+service-account token, a read-only root filesystem with a private ``/tmp``, and the
+workspace on an ``emptyDir`` (or a PersistentVolumeClaim that outlives the pod). Its main
+container runs the dataplane in its standalone mode (``python -m sandlot.dataplane``) on
+the pod's address; the dataplane verifies the broker's tokens itself, from a per-sandbox
+ConfigMap (``jwks.json``, ``revoked.json``) mounted read-only. A NetworkPolicy of the
+provider's instance denies egress to sandboxes whose template has no network, and admits
+ingress only to the dataplane's port.
+
+Clients reach a sandbox through the server's relay at ``/dp`` (as with ``docker``):
+:attr:`KubernetesProvider.app` forwards ``/{sandbox_id}/v1/…`` to the pod's address.
+
+State comes from a watch on the instance's pods (a thread: the client's stream blocks),
+resumed from the last resourceVersion when it drops and re-listed when that version is
+too old (410). A pod that is running and whose dataplane answers makes its sandbox
+``active``; one that fails (its dataplane killed, ``OOMKilled``, ``Evicted``, an image it
+cannot get: ``ErrImagePull``, ``ImagePullBackOff``, ``ErrImageNeverPull``) or is deleted
+behind the provider's back fails it with the pod's reason. Pods carry the labels
+``sandlot.sandbox``, ``sandlot.generation`` and ``sandlot.instance``: a restarted broker
+re-adopts them by label (:meth:`KubernetesProvider.load_state`) and deletes the pods,
+ConfigMaps and claims of its instance that no live sandbox owns.
+
+Config keys (``[provider]``; ``data_dir``, ``public_url``, ``issuer`` and ``jwks`` are
+wired in by the server):
+
+- ``kubeconfig``: a kubeconfig file (default: ``$KUBECONFIG``, then ``~/.kube/config``);
+  ``context``: one of its contexts; ``in_cluster``: true to use the pod's service
+  account (the broker runs in the cluster).
+- ``namespace``: where sandboxes go (default ``default``).
+- ``image``, ``images``: as for ``docker`` (default ``sandlot-sandbox``).
+- ``image_pull_policy``: ``IfNotPresent`` (default), ``Always`` or ``Never``.
+- ``user``: ``uid:gid`` (default ``1000:1000``; never 0).
+- ``python``, ``pythonpath``: where sandlot is in the image (as for ``docker``).
+- ``port``: the dataplane's port in the pod (default 8080).
+- ``requests_fraction``: requests as a fraction of the limits (default 1.0: the pod is
+  ``Guaranteed``; lower packs more sandboxes on a node).
+- ``workspace``: ``emptyDir`` (default) or ``pvc``; ``storage_class``,
+  ``workspace_size_mb`` (default 1024) for claims; ``keep_volumes``: keep claims when
+  sandboxes are deleted.
+- ``tmp_mb``: size of ``/tmp`` (default 256); ``read_only_root`` (default true).
+- ``network_policy``: create the instance's NetworkPolicy (default true).
+- ``node_selector``, ``tolerations``, ``runtime_class``: passed to the pod.
+- ``start_timeout_seconds`` (default 120), ``jwks_refresh_seconds`` (default 2).
+- ``revocation_sync_seconds``: how long after a revocation the dataplane is asked, every
+  second, to re-read its trust directory (default 90: the kubelet's ConfigMap sync).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import kubernetes.client
+import kubernetes.config
+import kubernetes.watch
+from kubernetes.client.exceptions import ApiException
+
+from sandlot.protocol.errors import (
+    InvalidRequest,
+    ProviderUnavailable,
+    SandboxNotFound,
+    SandboxStarting,
+)
+from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
+from sandlot.protocol.states import SandboxState
+from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers.base import (
+    AdoptionRecord,
+    Provider,
+    ProviderStatus,
+    SandboxSpec,
+    StatusListener,
+)
+from sandlot.providers.podspec import (
+    LABEL_GENERATION,
+    LABEL_INSTANCE,
+    LABEL_SANDBOX,
+    PodSettings,
+    claim_manifest,
+    network_policy_manifests,
+    object_name,
+    pod_failure,
+    pod_manifest,
+    trust_manifest,
+)
+from sandlot.providers.socketrelay import SocketRelay, TcpUpstream
+
+log = logging.getLogger("sandlot.providers.kubernetes")
+
+# The client is only partly annotated: its objects are handled as ``Any``.
+k8s: Any = kubernetes.client
+k8s_config: Any = kubernetes.config
+k8s_watch: Any = kubernetes.watch
+
+JwksSource = Callable[[], Awaitable[Mapping[str, Any]]]
+
+
+class _Sandbox:
+    """What the provider knows of one pod."""
+
+    def __init__(self, spec: SandboxSpec, state: SandboxState) -> None:
+        self.spec = spec
+        self.state = state
+        self.reason: str | None = None
+        self.upstream: TcpUpstream | None = None
+        self.pod_ip: str | None = None
+        #: The uid of its pod once created; pods of an earlier attempt it replaced.
+        self.pod_uid: str | None = None
+        self.stale_uids: set[str] = set()
+        self.last_event_sequence = 0
+        self.revoked: dict[str, float] = {}
+        self.probing: asyncio.Task[None] | None = None
+        self.reloading: asyncio.Task[None] | None = None
+        #: Set once creation ended (ready or failed) or the sandbox was deleted.
+        self.settled = asyncio.Event()
+
+
+class KubernetesProvider(Provider):
+    name = "kubernetes"
+    host_bound = False
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        user = str(cfg.get("user", "1000:1000"))
+        uid, _, gid = user.partition(":")
+        if not uid.isdigit() or int(uid) == 0 or not (gid or uid).isdigit():
+            raise InvalidRequest("the kubernetes provider's user is a numeric uid:gid, never 0")
+        workspace = str(cfg.get("workspace", "emptyDir"))
+        if workspace not in ("emptyDir", "pvc"):
+            raise InvalidRequest("the kubernetes provider's workspace is 'emptyDir' or 'pvc'")
+        pull = str(cfg.get("image_pull_policy", "IfNotPresent"))
+        if pull not in ("IfNotPresent", "Always", "Never"):
+            raise InvalidRequest("image_pull_policy is IfNotPresent, Always or Never")
+        data_dir = Path(cfg.get("data_dir", ".sandlot")).absolute()
+        self.instance = hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
+        self.namespace = str(cfg.get("namespace", "default"))
+        self.settings = PodSettings(
+            instance=self.instance,
+            image=str(cfg.get("image", "sandlot-sandbox")),
+            images=dict(cfg.get("images", {})),
+            image_pull_policy=pull,
+            uid=int(uid),
+            gid=int(gid or uid),
+            python=str(cfg.get("python", "python3")),
+            pythonpath=str(cfg.get("pythonpath", "/opt/sandlot/lib")),
+            port=int(cfg.get("port", 8080)),
+            requests_fraction=float(cfg.get("requests_fraction", 1.0)),
+            workspace=workspace,
+            storage_class=cfg.get("storage_class"),
+            workspace_size_mb=int(cfg.get("workspace_size_mb", 1024)),
+            tmp_mb=int(cfg.get("tmp_mb", 256)),
+            read_only_root=bool(cfg.get("read_only_root", True)),
+            node_selector=dict(cfg.get("node_selector", {})),
+            tolerations=list(cfg.get("tolerations", [])),
+            runtime_class=cfg.get("runtime_class"),
+            issuer=str(cfg.get("issuer", "")),
+        )
+        self.keep_volumes = bool(cfg.get("keep_volumes", False))
+        self.network_policy = bool(cfg.get("network_policy", True))
+        self.start_timeout = float(cfg.get("start_timeout_seconds", 120.0))
+        self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
+        self.revocation_sync = float(cfg.get("revocation_sync_seconds", 90.0))
+        self.public_url = str(cfg.get("public_url", "http://127.0.0.1:8765")).rstrip("/")
+        jwks = cfg.get("jwks")
+        if jwks is None or not self.settings.issuer:
+            raise InvalidRequest("the kubernetes provider needs the broker's issuer and JWKS")
+        self._jwks: JwksSource = jwks
+        self._jwks_text = ""
+        self._api_client: Any = None
+        self._core: Any = None
+        self._listener: StatusListener | None = None
+        self._sandboxes: dict[str, _Sandbox] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._refresher: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: threading.Thread | None = None
+        self._closing = threading.Event()
+        #: The last resourceVersion the watch saw (it resumes from there).
+        self.resource_version: str | None = None
+        #: The ASGI app the embedded server mounts at ``/dp``.
+        self.app = SocketRelay(self._upstream, until_started=self._until_started)
+
+    # --- lifecycle of the provider --------------------------------------------------
+
+    def _client_config(self) -> Any:
+        configuration = k8s.Configuration()
+        if self.config.get("in_cluster"):
+            k8s_config.load_incluster_config(client_configuration=configuration)
+        else:
+            k8s_config.load_kube_config(
+                config_file=self.config.get("kubeconfig"),
+                context=self.config.get("context"),
+                client_configuration=configuration,
+            )
+        return configuration
+
+    async def start(self, listener: StatusListener | None = None) -> None:
+        self._listener = listener
+        try:
+            configuration = await asyncio.to_thread(self._client_config)
+            self._api_client = k8s.ApiClient(configuration)
+            self._core = k8s.CoreV1Api(self._api_client)
+            await asyncio.to_thread(self._core.list_namespaced_pod, self.namespace, limit=1)
+        except Exception as exc:
+            raise ProviderUnavailable(f"the cluster is unreachable: {exc}") from exc
+        if self.network_policy:
+            await self._ensure_network_policy()
+        await self._refresh_keys()
+        self._loop = asyncio.get_running_loop()
+        self._refresher = self._loop.create_task(self._refresh_loop())
+        self._watcher = threading.Thread(
+            target=self._watch_pods, args=(configuration,), name="sandlot-k8s-watch", daemon=True
+        )
+        self._watcher.start()
+
+    async def close(self) -> None:
+        self._closing.set()
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        for task in list(self._tasks.values()):
+            task.cancel()
+        for box in self._sandboxes.values():
+            for pending in (box.probing, box.reloading):
+                if pending is not None:
+                    pending.cancel()
+            if box.upstream is not None:
+                await box.upstream.close()
+                box.upstream = None
+        if self._api_client is not None:
+            await asyncio.to_thread(self._api_client.close)
+        # The watch thread ends within its read timeout; it is a daemon thread.
+
+    def readiness(self) -> dict[str, Any]:
+        return {
+            "ok": self._core is not None,
+            "namespace": self.namespace,
+            "sandboxes": len(self._sandboxes),
+        }
+
+    async def _notify(self, sandbox_id: str) -> None:
+        await self.report_status(self._listener, sandbox_id)
+
+    async def _api(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One blocking client call, off the event loop; 404 passes as ``ApiException``."""
+        if self._core is None:
+            raise ProviderUnavailable("the kubernetes provider is not started")
+        try:
+            return await asyncio.to_thread(fn, *args, **kwargs)
+        except ApiException as exc:
+            if exc.status in (404, 409):
+                raise
+            raise ProviderUnavailable(f"cluster: {exc.status} {exc.reason}") from exc
+        except Exception as exc:
+            raise ProviderUnavailable(f"cluster: {exc}") from exc
+
+    async def _ensure_network_policy(self) -> None:
+        net = k8s.NetworkingV1Api(self._api_client)
+        for body in network_policy_manifests(self.settings):
+            try:
+                await self._api(net.create_namespaced_network_policy, self.namespace, body)
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                name = body["metadata"]["name"]
+                await self._api(net.replace_namespaced_network_policy, name, self.namespace, body)
+
+    # --- the watch ---------------------------------------------------------------------
+
+    def _watch_pods(self, configuration: Any) -> None:
+        """The instance's pods, watched from the last resourceVersion (a thread); every
+        event handed to the event loop. A dropped watch resumes; a 410 re-lists."""
+        api_client = k8s.ApiClient(configuration)
+        core = k8s.CoreV1Api(api_client)
+        selector = f"{LABEL_INSTANCE}={self.instance}"
+        delay = 0.5
+        try:
+            while not self._closing.is_set():
+                try:
+                    if self.resource_version is None:
+                        pods = core.list_namespaced_pod(self.namespace, label_selector=selector)
+                        self.resource_version = pods.metadata.resource_version
+                        for pod in pods.items:
+                            self._hand_over("MODIFIED", pod)
+                    watch = k8s_watch.Watch()
+                    stream = watch.stream(
+                        core.list_namespaced_pod,
+                        self.namespace,
+                        label_selector=selector,
+                        resource_version=self.resource_version,
+                        allow_watch_bookmarks=True,
+                        timeout_seconds=30,
+                        _request_timeout=(5, 40),
+                    )
+                    for event in stream:
+                        if self._closing.is_set():
+                            return
+                        # Bookmarks move it too (their objects are not pods).
+                        if watch.resource_version:
+                            self.resource_version = watch.resource_version
+                        if event["type"] in ("ADDED", "MODIFIED", "DELETED"):
+                            self._hand_over(event["type"], event["object"])
+                    delay = 0.5
+                except ApiException as exc:
+                    if exc.status == 410:  # too old: list again
+                        self.resource_version = None
+                        continue
+                    log.warning("watching pods failed (%s); resuming", exc.status)
+                except Exception as exc:
+                    if self._closing.is_set():
+                        return
+                    log.warning("watching pods stopped (%s); resuming", type(exc).__name__)
+                else:
+                    continue
+                self._closing.wait(delay)
+                delay = min(delay * 2, 10.0)
+        finally:
+            api_client.close()
+
+    def _hand_over(self, kind: str, pod: Any) -> None:
+        loop = self._loop
+        if self._closing.is_set():  # the loop may stop before it would run the handler
+            return
+        if loop is not None and not loop.is_closed():
+            asyncio.run_coroutine_threadsafe(self._on_pod(kind, pod), loop)
+
+    async def _on_pod(self, kind: str, pod: Any) -> None:
+        labels = pod.metadata.labels or {}
+        sid = labels.get(LABEL_SANDBOX, "")
+        box = self._sandboxes.get(sid)
+        if box is None or labels.get(LABEL_GENERATION) != str(box.spec.generation):
+            return
+        uid = pod.metadata.uid
+        if uid in box.stale_uids or (box.pod_uid is not None and uid != box.pod_uid):
+            return
+        if box.state not in (SandboxState.PROVISIONING, SandboxState.ACTIVE):
+            return
+        if kind == "DELETED":
+            await self._fail(sid, box, "the pod was deleted")
+            return
+        failure = pod_failure(pod)
+        if failure is not None:
+            await self._fail(sid, box, failure)
+            return
+        ip = pod.status.pod_ip if pod.status is not None else None
+        if (
+            box.state is SandboxState.PROVISIONING
+            and pod.status is not None
+            and pod.status.phase == "Running"
+            and ip
+            and box.probing is None
+        ):
+            box.pod_ip = ip
+            box.probing = asyncio.get_running_loop().create_task(self._probe(sid, box, ip))
+
+    async def _fail(self, sid: str, box: _Sandbox, reason: str) -> None:
+        box.state, box.reason = SandboxState.FAILED, reason[:500]
+        box.settled.set()
+        if box.probing is not None and box.probing is not asyncio.current_task():
+            box.probing.cancel()
+        if box.upstream is not None:
+            await box.upstream.close()
+            box.upstream = None
+        log.warning("sandbox %s failed: %s", sid, box.reason)
+        await self._notify(sid)
+
+    async def _probe(self, sid: str, box: _Sandbox, ip: str) -> None:
+        """The running pod's dataplane answers: the sandbox is active."""
+        upstream = TcpUpstream(ip, self.settings.port)
+        delay = 0.01
+        while box.state is SandboxState.PROVISIONING:
+            try:
+                resp = await upstream.client.get("/__control/status", timeout=2.0)
+                if resp.status_code == 200:
+                    box.last_event_sequence = int(resp.json()["last_event_sequence"])
+                    break
+            except (httpx.TransportError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.1)
+        if box.state is not SandboxState.PROVISIONING or self._sandboxes.get(sid) is not box:
+            await upstream.close()
+            return
+        box.upstream = upstream
+        box.state, box.reason = SandboxState.ACTIVE, "ready"
+        box.settled.set()
+        await self._notify(sid)
+
+    # --- keys ---------------------------------------------------------------------------
+
+    async def _refresh_keys(self) -> bool:
+        """Fetch the broker's keys; rewrite every sandbox's trust ConfigMap if they changed."""
+        doc = await self._jwks()
+        text = json.dumps(doc, sort_keys=True)
+        if text == self._jwks_text:
+            return False
+        self._jwks_text = text
+        for sandbox_id in list(self._sandboxes):
+            with contextlib.suppress(ApiException, ProviderUnavailable):
+                await self._patch_trust(sandbox_id, {"jwks.json": text})
+        return True
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.jwks_refresh)
+            try:
+                await self._refresh_keys()
+            except Exception:
+                log.exception("refreshing the broker's keys failed")
+
+    async def _patch_trust(self, sandbox_id: str, data: Mapping[str, str]) -> None:
+        name = object_name(self.instance, sandbox_id, "trust")
+        await self._api(
+            self._core.patch_namespaced_config_map, name, self.namespace, {"data": dict(data)}
+        )
+
+    # --- the contract -----------------------------------------------------------------
+
+    async def create(self, spec: SandboxSpec) -> ProviderStatus:
+        sid = spec.sandbox_id
+        box = self._sandboxes.get(sid)
+        if box is not None and box.spec.generation == spec.generation:
+            return await self.status(sid)
+        if box is not None:
+            await self.delete(sid)
+        self._sandboxes[sid] = _Sandbox(spec, SandboxState.PROVISIONING)
+        task = asyncio.get_running_loop().create_task(self._create(spec))
+        self._tasks[sid] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(sid, None))
+        return await self.status(sid)
+
+    async def _create(self, spec: SandboxSpec) -> None:
+        sid = spec.sandbox_id
+        try:
+            await self._create_objects(spec)
+            box = self._sandboxes.get(sid)
+            if box is not None:
+                await asyncio.wait_for(box.settled.wait(), self.start_timeout)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if isinstance(exc, TimeoutError):
+                reason = await self._pending_reason(sid)
+            else:
+                reason = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            log.error("creating sandbox %s failed: %s", sid, reason)
+            box = self._sandboxes.get(sid)
+            if box is not None and box.state is SandboxState.PROVISIONING:
+                await self._fail(sid, box, reason)
+
+    async def _pending_reason(self, sid: str) -> str:
+        """Why a pod is not running yet (its conditions), for the timeout's message."""
+        base = f"the pod was not ready in {self.start_timeout} s"
+        try:
+            pod = await self._api(
+                self._core.read_namespaced_pod, object_name(self.instance, sid), self.namespace
+            )
+        except (ApiException, ProviderUnavailable):
+            return base
+        for cond in (pod.status.conditions if pod.status else None) or []:
+            if cond.status != "True" and cond.reason:
+                return f"{base}: {cond.reason}: {cond.message or ''}".strip()
+        return base
+
+    async def _create_objects(self, spec: SandboxSpec) -> None:
+        sid, ns = spec.sandbox_id, self.namespace
+        pod_name = object_name(self.instance, sid)
+        box = self._sandboxes[sid]
+        # A retry after a crash mid-create: start clean, keep the workspace claim. The
+        # old pod's last events must not be taken for the new one's.
+        with contextlib.suppress(ApiException):
+            old = await self._api(self._core.read_namespaced_pod, pod_name, ns)
+            box.stale_uids.add(old.metadata.uid)
+            await self._api(self._core.delete_namespaced_pod, pod_name, ns, grace_period_seconds=0)
+            await self._wait_gone(pod_name)
+        trust = trust_manifest(self.settings, spec, self._jwks_text)
+        try:
+            await self._api(self._core.create_namespaced_config_map, ns, trust)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+            await self._api(
+                self._core.replace_namespaced_config_map, trust["metadata"]["name"], ns, trust
+            )
+        if self.settings.workspace == "pvc":
+            with contextlib.suppress(ApiException):  # 409: it exists (kept, or a retry)
+                await self._api(
+                    self._core.create_namespaced_persistent_volume_claim,
+                    ns,
+                    claim_manifest(self.settings, spec),
+                )
+        pod = await self._api(
+            self._core.create_namespaced_pod, ns, pod_manifest(self.settings, spec)
+        )
+        box.pod_uid = pod.metadata.uid
+
+    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                await self._api(self._core.read_namespaced_pod, pod_name, self.namespace)
+            except ApiException as exc:
+                if exc.status == 404:
+                    return
+                raise
+            await asyncio.sleep(0.1)
+
+    def _box(self, sandbox_id: str) -> _Sandbox:
+        box = self._sandboxes.get(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}")
+        return box
+
+    async def _until_started(self, sandbox_id: str) -> None:
+        box = self._sandboxes.get(sandbox_id)
+        if box is None or box.state is not SandboxState.PROVISIONING:
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(box.settled.wait(), self.start_timeout)
+
+    def _upstream(self, sandbox_id: str) -> TcpUpstream:
+        box = self._box(sandbox_id)
+        if box.state is SandboxState.FAILED:
+            raise ProviderUnavailable(box.reason or "the sandbox failed")
+        if box.state is SandboxState.PROVISIONING or box.upstream is None:
+            raise SandboxStarting("sandbox is starting", retry_after=1.0)
+        if not box.state.live:
+            raise SandboxNotFound("sandbox is no longer running")
+        return box.upstream
+
+    async def status(self, sandbox_id: str) -> ProviderStatus:
+        box = self._box(sandbox_id)
+        if box.state is SandboxState.ACTIVE and box.upstream is not None:
+            try:
+                resp = await box.upstream.client.get("/__control/status", timeout=5.0)
+                if resp.status_code == 200:
+                    box.last_event_sequence = int(resp.json()["last_event_sequence"])
+            except (httpx.TransportError, ValueError, KeyError):
+                pass  # the watch reports a pod that ended
+        return ProviderStatus(box.state, box.last_event_sequence, box.reason)
+
+    async def delete(self, sandbox_id: str) -> None:
+        box = self._sandboxes.pop(sandbox_id, None)
+        task = self._tasks.pop(sandbox_id, None)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if box is not None:
+            box.settled.set()
+            for task in (box.probing, box.reloading):
+                if task is not None:
+                    task.cancel()
+            if box.upstream is not None:
+                await box.upstream.close()
+        await self._remove(sandbox_id)
+
+    async def _remove(self, sandbox_id: str) -> None:
+        """Pod, trust ConfigMap and workspace claim (unless kept). Idempotent."""
+        ns = self.namespace
+        with contextlib.suppress(ApiException):
+            await self._api(
+                self._core.delete_namespaced_pod,
+                object_name(self.instance, sandbox_id),
+                ns,
+                grace_period_seconds=0,
+            )
+        with contextlib.suppress(ApiException):
+            await self._api(
+                self._core.delete_namespaced_config_map,
+                object_name(self.instance, sandbox_id, "trust"),
+                ns,
+            )
+        if not self.keep_volumes:
+            with contextlib.suppress(ApiException):
+                await self._api(
+                    self._core.delete_namespaced_persistent_volume_claim,
+                    object_name(self.instance, sandbox_id, "workspace"),
+                    ns,
+                )
+
+    def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
+        http = f"{self.public_url}/dp/{sandbox_id}/v1"
+        ws = "ws" + http[4:] if http.startswith("http") else http
+        return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
+
+    async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
+        """The sandbox's ConfigMap gets the revocations; the kubelet updates the mounted
+        copy on its next sync, and the dataplane is asked to re-read it now and once the
+        copy could have changed."""
+        box = self._sandboxes.get(sandbox_id)
+        if box is None:
+            return
+        now = time.time()
+        box.revoked = {j: e for j, e in box.revoked.items() if e > now - 60}
+        box.revoked.update({t.jti: t.expires_at for t in tokens})
+        doc = {"revoked": [{"jti": j, "expires_at": e} for j, e in box.revoked.items()]}
+        await self._patch_trust(sandbox_id, {"revoked.json": json.dumps(doc)})
+        if box.reloading is not None:
+            box.reloading.cancel()
+        box.reloading = asyncio.get_running_loop().create_task(self._reload_for(box))
+
+    async def _reload_for(self, box: _Sandbox) -> None:
+        """Ask the dataplane to re-read its trust directory every second until the kubelet
+        has surely updated the mounted copy (``revocation_sync_seconds``)."""
+        deadline = time.monotonic() + self.revocation_sync
+        while time.monotonic() < deadline:
+            upstream = box.upstream
+            if upstream is None or box.state is not SandboxState.ACTIVE:
+                return
+            with contextlib.suppress(httpx.TransportError):
+                await upstream.client.post("/__control/reload", timeout=5.0)
+            await asyncio.sleep(1.0)
+
+    async def activity(self, sandbox_id: str) -> SandboxActivity:
+        box = self._box(sandbox_id)
+        if box.state is not SandboxState.ACTIVE or box.upstream is None:
+            return SandboxActivity()
+        try:
+            resp = await box.upstream.client.get("/__control/status", timeout=5.0)
+            doc = resp.json() if resp.status_code == 200 else {}
+        except (httpx.TransportError, ValueError):
+            return SandboxActivity()
+        last = doc.get("last_active_at")
+        return SandboxActivity(
+            running_execs=int(doc.get("running_execs", 0)),
+            attached_clients=int(doc.get("attached_clients", 0)),
+            last_active_at=float(last) if last is not None else None,
+        )
+
+    async def _instance_pods(self) -> list[Any]:
+        pods = await self._api(
+            self._core.list_namespaced_pod,
+            self.namespace,
+            label_selector=f"{LABEL_INSTANCE}={self.instance}",
+        )
+        return list(pods.items)
+
+    async def load_state(self, records: Sequence[AdoptionRecord]) -> list[str]:
+        pods = await self._instance_pods()
+        by_id = {(p.metadata.labels or {}).get(LABEL_SANDBOX): p for p in pods}
+        lost: list[str] = []
+        for rec in records:
+            pod = by_id.get(rec.sandbox_id)
+            ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
+            if (
+                rec.state is SandboxState.PROVISIONING
+                or pod is None
+                or pod.metadata.deletion_timestamp is not None
+                or (pod.metadata.labels or {}).get(LABEL_GENERATION) != str(rec.generation)
+                or pod.status.phase != "Running"
+                or pod_failure(pod) is not None
+                or not ip
+            ):
+                lost.append(rec.sandbox_id)
+                continue
+            upstream = TcpUpstream(ip, self.settings.port)
+            try:
+                resp = await upstream.client.get("/__control/status", timeout=5.0)
+                ok = resp.status_code == 200
+                seq = int(resp.json()["last_event_sequence"]) if ok else 0
+            except (httpx.TransportError, ValueError, KeyError):
+                ok, seq = False, 0
+            if not ok:
+                await upstream.close()
+                lost.append(rec.sandbox_id)
+                continue
+            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template)
+            box = _Sandbox(spec, SandboxState.ACTIVE)
+            box.reason, box.upstream, box.pod_ip = "re-adopted after restart", upstream, ip
+            box.pod_uid = pod.metadata.uid
+            box.last_event_sequence = seq
+            box.settled.set()
+            self._sandboxes[rec.sandbox_id] = box
+            # The broker's keys may have changed while nobody watched.
+            with contextlib.suppress(ApiException, ProviderUnavailable):
+                await self._patch_trust(rec.sandbox_id, {"jwks.json": self._jwks_text})
+        await self.cleanup_leftovers(keep=set(self._sandboxes))
+        return lost
+
+    async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
+        """Delete this instance's pods, trust ConfigMaps and claims that belong to no
+        sandbox in ``keep``; the ids removed."""
+        selector = f"{LABEL_INSTANCE}={self.instance}"
+        found = {(p.metadata.labels or {}).get(LABEL_SANDBOX) for p in await self._instance_pods()}
+        maps = await self._api(
+            self._core.list_namespaced_config_map, self.namespace, label_selector=selector
+        )
+        found |= {(m.metadata.labels or {}).get(LABEL_SANDBOX) for m in maps.items}
+        if not self.keep_volumes:
+            claims = await self._api(
+                self._core.list_namespaced_persistent_volume_claim,
+                self.namespace,
+                label_selector=selector,
+            )
+            found |= {(c.metadata.labels or {}).get(LABEL_SANDBOX) for c in claims.items}
+        removed = []
+        for sid in sorted(s for s in found - keep if s):
+            log.info("removing leftover sandbox %s", sid)
+            await self._remove(sid)
+            removed.append(sid)
+        return removed
+
+    async def list_sandboxes(self) -> set[str]:
+        pods = await self._instance_pods()
+        running = {(p.metadata.labels or {}).get(LABEL_SANDBOX) for p in pods} - {None}
+        return set(self._sandboxes) | {str(s) for s in running}
+
+    def image_for(self, template: Template) -> str:
+        return self.settings.image_for(template)
+
+
+__all__ = ["KubernetesProvider"]

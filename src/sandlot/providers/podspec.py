@@ -1,0 +1,323 @@
+"""What the ``kubernetes`` provider asks the cluster for: the manifests of a sandbox's
+pod, its trust ConfigMap, its workspace claim and the instance's NetworkPolicies, the
+names of those objects, and the reason a pod failed (plain data: no client calls)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandlot.protocol.errors import InvalidRequest
+from sandlot.protocol.sessions import NetworkMode, Template
+from sandlot.providers.base import SandboxSpec
+
+LABEL_SANDBOX = "sandlot.sandbox"
+LABEL_GENERATION = "sandlot.generation"
+LABEL_INSTANCE = "sandlot.instance"
+#: ``deny`` on pods whose template has no network (the egress policy selects them).
+LABEL_EGRESS = "sandlot.egress"
+ANNOTATION_SANDBOX = "sandlot/sandbox-id"
+TRUST_MOUNT = "/run/sandlot-trust"
+WORKSPACE = "/workspace"
+CONTAINER = "dataplane"
+
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+
+#: Waiting reasons after which a pod will not start without someone's help.
+WAITING_FAILURES = frozenset(
+    {
+        "ErrImagePull",
+        "ImagePullBackOff",
+        "ErrImageNeverPull",
+        "InvalidImageName",
+        "CreateContainerConfigError",
+        "CreateContainerError",
+        "RunContainerError",
+        "CrashLoopBackOff",
+    }
+)
+
+
+@dataclass(frozen=True)
+class PodSettings:
+    """The provider's configuration that shapes its objects."""
+
+    instance: str
+    issuer: str
+    image: str = "sandlot-sandbox"
+    images: Mapping[str, str] = field(default_factory=dict)
+    image_pull_policy: str = "IfNotPresent"
+    uid: int = 1000
+    gid: int = 1000
+    python: str = "python3"
+    pythonpath: str = "/opt/sandlot/lib"
+    port: int = 8080
+    requests_fraction: float = 1.0
+    workspace: str = "emptyDir"
+    storage_class: str | None = None
+    workspace_size_mb: int = 1024
+    tmp_mb: int = 256
+    read_only_root: bool = True
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: list[Any] = field(default_factory=list)
+    runtime_class: str | None = None
+
+    def image_for(self, template: Template) -> str:
+        if template.name in self.images:
+            return self.images[template.name]
+        if template.image == "host" or template.image.startswith("/"):
+            return self.image
+        return template.image
+
+
+def object_name(instance: str, sandbox_id: str, suffix: str = "") -> str:
+    """A DNS-1123 name for one of the sandbox's objects: readable, and unique per id (a
+    hash of the exact id keeps ``sb_A`` and ``sb_a`` apart)."""
+    readable = re.sub(r"[^a-z0-9-]", "-", sandbox_id.lower()).strip("-")[:32].strip("-")
+    digest = hashlib.sha256(sandbox_id.encode()).hexdigest()[:8]
+    name = f"sl-{instance[:8]}-{readable}-{digest}" if readable else f"sl-{instance[:8]}-{digest}"
+    return f"{name}-{suffix}" if suffix else name
+
+
+def labels(settings: PodSettings, spec: SandboxSpec) -> dict[str, str]:
+    if not _LABEL_VALUE.match(spec.sandbox_id):
+        raise InvalidRequest("a kubernetes sandbox id is at most 63 letters, digits, '_.-'")
+    return {
+        LABEL_SANDBOX: spec.sandbox_id,
+        LABEL_GENERATION: str(spec.generation),
+        LABEL_INSTANCE: settings.instance,
+    }
+
+
+def _quantities(settings: PodSettings, template: Template) -> dict[str, dict[str, str]]:
+    res = template.resources
+    cpu_m = max(1, round(res.cpu * 1000))
+    mem = res.memory_mb
+    fraction = min(max(settings.requests_fraction, 0.0), 1.0)
+    return {
+        "limits": {"cpu": f"{cpu_m}m", "memory": f"{mem}Mi"},
+        "requests": {
+            "cpu": f"{max(1, round(cpu_m * fraction))}m",
+            "memory": f"{max(1, round(mem * fraction))}Mi",
+        },
+    }
+
+
+def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
+    sid, template = spec.sandbox_id, spec.template
+    inst = settings.instance
+    command = [
+        settings.python,
+        "-m",
+        "sandlot.dataplane",
+        "--sandbox-id",
+        sid,
+        "--generation",
+        str(spec.generation),
+        "--issuer",
+        settings.issuer,
+        "--trust-dir",
+        TRUST_MOUNT,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(settings.port),
+        "--workspace",
+        WORKSPACE,
+        "--shells",
+        json.dumps(template.shells),
+    ]
+    workspace: dict[str, Any]
+    if settings.workspace == "pvc":
+        workspace = {"persistentVolumeClaim": {"claimName": object_name(inst, sid, "workspace")}}
+    else:
+        workspace = {"emptyDir": {}}
+        if template.resources.disk_mb:
+            workspace["emptyDir"]["sizeLimit"] = f"{template.resources.disk_mb}Mi"
+    volumes: list[dict[str, Any]] = [
+        {"name": "workspace", **workspace},
+        {"name": "tmp", "emptyDir": {"medium": "Memory", "sizeLimit": f"{settings.tmp_mb}Mi"}},
+        {
+            "name": "trust",
+            "configMap": {"name": object_name(inst, sid, "trust"), "defaultMode": 0o444},
+        },
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "workspace", "mountPath": WORKSPACE},
+        {"name": "tmp", "mountPath": "/tmp"},
+        {"name": "trust", "mountPath": TRUST_MOUNT, "readOnly": True},
+    ]
+    for i, vm in enumerate(template.volume_mounts):
+        name = f"vol-{i}"
+        claim = f"sl-{inst[:8]}-vol-{vm.volume}"
+        volumes.append(
+            {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": vm.read_only}}
+        )
+        mounts.append({"name": name, "mountPath": vm.path, "readOnly": vm.read_only})
+    pod_labels = labels(settings, spec)
+    pod_labels[LABEL_EGRESS] = "deny" if template.network is NetworkMode.NONE else "allow"
+    pod_spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        # The pause process is PID 1 and reaps the orphans of the sandbox's commands.
+        "shareProcessNamespace": True,
+        "terminationGracePeriodSeconds": 5,
+        "hostname": "sandbox",
+        "securityContext": {
+            "runAsUser": settings.uid,
+            "runAsGroup": settings.gid,
+            "fsGroup": settings.gid,
+            "runAsNonRoot": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [
+            {
+                "name": CONTAINER,
+                "image": settings.image_for(template),
+                "imagePullPolicy": settings.image_pull_policy,
+                "command": command,
+                # The dataplane's own; commands get only the template's (DirectRuntime).
+                "env": [
+                    {"name": "PYTHONPATH", "value": settings.pythonpath},
+                    {"name": "PYTHONDONTWRITEBYTECODE", "value": "1"},
+                ],
+                "workingDir": WORKSPACE,
+                "ports": [{"name": "dataplane", "containerPort": settings.port}],
+                "resources": _quantities(settings, template),
+                "securityContext": {
+                    "allowPrivilegeEscalation": False,
+                    "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": settings.read_only_root,
+                    "runAsNonRoot": True,
+                },
+                "readinessProbe": {
+                    "httpGet": {"path": "/__control/status", "port": settings.port},
+                    "periodSeconds": 2,
+                    "timeoutSeconds": 2,
+                },
+                "volumeMounts": mounts,
+            }
+        ],
+        "volumes": volumes,
+    }
+    if settings.node_selector:
+        pod_spec["nodeSelector"] = dict(settings.node_selector)
+    if settings.tolerations:
+        pod_spec["tolerations"] = list(settings.tolerations)
+    if settings.runtime_class:
+        pod_spec["runtimeClassName"] = settings.runtime_class
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": object_name(inst, sid),
+            "labels": pod_labels,
+            "annotations": {ANNOTATION_SANDBOX: sid},
+        },
+        "spec": pod_spec,
+    }
+
+
+def trust_manifest(settings: PodSettings, spec: SandboxSpec, jwks_text: str) -> dict[str, Any]:
+    """The ConfigMap mounted read-only at the dataplane's trust directory."""
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": object_name(settings.instance, spec.sandbox_id, "trust"),
+            "labels": labels(settings, spec),
+        },
+        "data": {"jwks.json": jwks_text, "revoked.json": json.dumps({"revoked": []})},
+    }
+
+
+def claim_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
+    """The workspace's PersistentVolumeClaim (``workspace = "pvc"``)."""
+    claim: dict[str, Any] = {
+        "accessModes": ["ReadWriteOnce"],
+        "resources": {"requests": {"storage": f"{settings.workspace_size_mb}Mi"}},
+    }
+    if settings.storage_class:
+        claim["storageClassName"] = settings.storage_class
+    return {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {
+            "name": object_name(settings.instance, spec.sandbox_id, "workspace"),
+            "labels": labels(settings, spec),
+        },
+        "spec": claim,
+    }
+
+
+def network_policy_manifests(settings: PodSettings) -> list[dict[str, Any]]:
+    """The instance's policies: its pods admit connections to the dataplane's port only,
+    and those without network (``sandlot.egress=deny``) send nothing."""
+    inst = settings.instance
+    meta_labels = {LABEL_INSTANCE: inst}
+    return [
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": f"sandlot-{inst[:8]}-ingress", "labels": meta_labels},
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_INSTANCE: inst}},
+                "policyTypes": ["Ingress"],
+                "ingress": [{"ports": [{"protocol": "TCP", "port": settings.port}]}],
+            },
+        },
+        {
+            "apiVersion": "networking.k8s.io/v1",
+            "kind": "NetworkPolicy",
+            "metadata": {"name": f"sandlot-{inst[:8]}-no-egress", "labels": meta_labels},
+            "spec": {
+                "podSelector": {"matchLabels": {LABEL_INSTANCE: inst, LABEL_EGRESS: "deny"}},
+                "policyTypes": ["Egress"],
+                "egress": [],
+            },
+        },
+    ]
+
+
+def pod_failure(pod: Any) -> str | None:
+    """Why the pod will not serve its sandbox (``OOMKilled (exit code 137)``,
+    ``Evicted: …``, ``ErrImageNeverPull: …``), or ``None`` while it may."""
+    status = pod.status
+    if status is None:
+        return None
+    if status.phase == "Failed" and status.reason:  # the pod's own: Evicted, …
+        return f"{status.reason}: {status.message}" if status.message else str(status.reason)
+    for cs in status.container_statuses or []:
+        state = cs.state
+        if state is None:
+            continue
+        if state.terminated is not None:
+            t = state.terminated
+            return f"{t.reason or 'Terminated'} (exit code {t.exit_code})"
+        if state.waiting is not None and state.waiting.reason in WAITING_FAILURES:
+            w = state.waiting
+            return f"{w.reason}: {w.message}" if w.message else str(w.reason)
+    if status.phase in ("Failed", "Succeeded"):
+        reason = status.reason or status.phase
+        return f"{reason}: {status.message}" if status.message else str(reason)
+    return None
+
+
+__all__ = [
+    "LABEL_EGRESS",
+    "LABEL_GENERATION",
+    "LABEL_INSTANCE",
+    "LABEL_SANDBOX",
+    "PodSettings",
+    "claim_manifest",
+    "network_policy_manifests",
+    "object_name",
+    "pod_failure",
+    "pod_manifest",
+    "trust_manifest",
+]

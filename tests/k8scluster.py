@@ -1,0 +1,84 @@
+"""The single-node cluster of ``scripts/k8s-cluster`` for the tests, and the sandbox image
+in its node's engine.
+
+:func:`cluster` brings the cluster up (building it the first time on a machine, cached
+under ``~/.cache/sandlot/k8s``) unless one is already up and Ready, and takes it down
+again after the tests only if it started it. :func:`node_image` builds the sandbox image
+of :mod:`tests.dockerengine` in the node's own Docker Engine (pods never pull it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.dockerengine import build_image
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "k8s-cluster"
+
+
+@dataclass
+class Cluster:
+    kubeconfig: str
+    docker_host: str
+    started_here: bool
+    #: Seconds the build took (0 when cached) and the start took, for the report.
+    build_seconds: float
+    up_seconds: float
+
+    def docker(self) -> Any:
+        import docker
+
+        return docker.DockerClient(base_url=self.docker_host)
+
+
+def _env() -> dict[str, str]:
+    out = subprocess.run([SCRIPT, "env"], check=True, capture_output=True, text=True).stdout
+    env = {}
+    for line in out.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        env[key] = value
+    return env
+
+
+def start() -> Cluster:
+    if subprocess.run([SCRIPT, "status"], capture_output=True).returncode == 0:
+        env = _env()
+        return Cluster(env["KUBECONFIG"], env["DOCKER_HOST"], False, 0.0, 0.0)
+    # What a stopped cluster left behind (its state, bridge, rules) goes first.
+    subprocess.run([SCRIPT, "down"], check=True, capture_output=True)
+    t0 = time.monotonic()
+    subprocess.run([SCRIPT, "build"], check=True, capture_output=True)
+    t1 = time.monotonic()
+    up = subprocess.run([SCRIPT, "up"], capture_output=True, text=True)
+    if up.returncode != 0:
+        subprocess.run([SCRIPT, "down"], capture_output=True)
+        raise RuntimeError(f"scripts/k8s-cluster up failed:\n{up.stderr[-4000:]}")
+    t2 = time.monotonic()
+    env = _env()
+    return Cluster(env["KUBECONFIG"], env["DOCKER_HOST"], True, t1 - t0, t2 - t1)
+
+
+def stop(cluster: Cluster) -> None:
+    if cluster.started_here and not os.environ.get("SANDLOT_K8S_KEEP"):
+        subprocess.run([SCRIPT, "down"], check=True, capture_output=True)
+
+
+class _NodeEngine:
+    """What :func:`tests.dockerengine.build_image` needs of an engine: its client."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+
+def node_image(cluster: Cluster) -> str:
+    client = cluster.docker()
+    try:
+        return build_image(_NodeEngine(client))  # type: ignore[arg-type]
+    finally:
+        client.close()

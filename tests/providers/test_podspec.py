@@ -1,0 +1,112 @@
+"""The kubernetes provider's objects and its reading of pod statuses, as plain data (the
+cluster itself is exercised by test_kubernetes.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kubernetes.client import (
+    V1ContainerState,
+    V1ContainerStateTerminated,
+    V1ContainerStateWaiting,
+    V1ContainerStatus,
+    V1Pod,
+    V1PodStatus,
+)
+
+from sandlot.protocol.errors import InvalidRequest
+from sandlot.protocol.sessions import Template
+from sandlot.providers.base import SandboxSpec
+from sandlot.providers.podspec import (
+    PodSettings,
+    network_policy_manifests,
+    object_name,
+    pod_failure,
+    pod_manifest,
+    trust_manifest,
+)
+
+SETTINGS = PodSettings(instance="0123456789abcdef", issuer="https://broker.test")
+
+
+def spec(sandbox_id: str = "sb_abc", **template: object) -> SandboxSpec:
+    fields = {"name": "t", "image": "host", **template}
+    return SandboxSpec(sandbox_id, 3, Template(**fields))  # type: ignore[arg-type]
+
+
+def pod(phase: str, state: V1ContainerState | None = None, **status: object) -> V1Pod:
+    statuses = None
+    if state is not None:
+        statuses = [
+            V1ContainerStatus(
+                name="dataplane", image="i", image_id="", ready=False, restart_count=0,
+                state=state,
+            )
+        ]  # fmt: skip
+    return V1Pod(status=V1PodStatus(phase=phase, container_statuses=statuses, **status))
+
+
+def test_a_pod_is_locked_down_and_runs_the_dataplane() -> None:
+    manifest = pod_manifest(SETTINGS, spec(resources={"cpu": 0.5, "memory_mb": 300}))
+    assert manifest["metadata"]["labels"] == {
+        "sandlot.sandbox": "sb_abc",
+        "sandlot.generation": "3",
+        "sandlot.instance": SETTINGS.instance,
+        "sandlot.egress": "deny",
+    }
+    pod_spec = manifest["spec"]
+    assert pod_spec["automountServiceAccountToken"] is False
+    assert pod_spec["securityContext"]["runAsNonRoot"] is True
+    assert pod_spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (container,) = pod_spec["containers"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"] == {
+        "limits": {"cpu": "500m", "memory": "300Mi"},
+        "requests": {"cpu": "500m", "memory": "300Mi"},
+    }
+    command = container["command"]
+    assert command[:3] == ["python3", "-m", "sandlot.dataplane"]
+    assert command[command.index("--generation") + 1] == "3"
+    assert command[command.index("--host") + 1] == "0.0.0.0"
+    volumes = {v["name"]: v for v in pod_spec["volumes"]}
+    assert volumes["workspace"] == {"name": "workspace", "emptyDir": {}}
+    assert volumes["trust"]["configMap"]["name"] == object_name(
+        SETTINGS.instance, "sb_abc", "trust"
+    )
+
+
+def test_requests_are_a_fraction_of_the_limits_and_network_templates_may_send() -> None:
+    settings = PodSettings(instance="i" * 16, issuer="x", requests_fraction=0.1)
+    manifest = pod_manifest(settings, spec(network="host", resources={"cpu": 2, "memory_mb": 1000}))
+    (container,) = manifest["spec"]["containers"]
+    assert container["resources"]["requests"] == {"cpu": "200m", "memory": "100Mi"}
+    assert manifest["metadata"]["labels"]["sandlot.egress"] == "allow"
+    egress = network_policy_manifests(settings)[1]["spec"]
+    assert egress["podSelector"]["matchLabels"]["sandlot.egress"] == "deny"
+    assert egress["egress"] == []
+
+
+def test_names_are_valid_and_distinct_and_bad_ids_are_refused() -> None:
+    a, b = object_name("0" * 16, "sb_A"), object_name("0" * 16, "sb_a")
+    assert a != b and a.startswith("sl-00000000-sb-a-") and len(a) <= 63
+    with pytest.raises(InvalidRequest):
+        pod_manifest(SETTINGS, spec("x" * 64))
+    trust = trust_manifest(SETTINGS, spec(), '{"keys": []}')
+    assert json.loads(trust["data"]["revoked.json"]) == {"revoked": []}
+
+
+def test_the_reason_a_pod_failed() -> None:
+    assert pod_failure(pod("Pending")) is None
+    assert pod_failure(pod("Running", V1ContainerState())) is None
+    oom = V1ContainerState(terminated=V1ContainerStateTerminated(exit_code=137, reason="OOMKilled"))
+    assert pod_failure(pod("Failed", oom)) == "OOMKilled (exit code 137)"
+    never = V1ContainerState(
+        waiting=V1ContainerStateWaiting(reason="ErrImageNeverPull", message="no image x")
+    )
+    assert pod_failure(pod("Pending", never)) == "ErrImageNeverPull: no image x"
+    creating = V1ContainerState(waiting=V1ContainerStateWaiting(reason="ContainerCreating"))
+    assert pod_failure(pod("Pending", creating)) is None
+    evicted = pod("Failed", oom, reason="Evicted", message="low on memory")
+    assert pod_failure(evicted) == "Evicted: low on memory"
