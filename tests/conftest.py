@@ -1,4 +1,6 @@
-"""A private Docker Engine and the sandbox image, once per test session (tests/dockerengine.py)."""
+"""Shared fixtures: a private Docker Engine and the sandbox image, once per test session
+(tests/dockerengine.py), for the docker provider's tests and the dataplane suite's
+docker variant."""
 
 from __future__ import annotations
 
