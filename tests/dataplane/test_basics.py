@@ -3,10 +3,12 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.dataplane.conftest import Server
 
 
+@pytest.mark.local_only("the relay serves a sandbox's routes only: the root is the broker's")
 def test_version_and_health(server: Server) -> None:
     for path in ("/healthz", "/__meta/version"):
         r = httpx.get(server.base + path)
@@ -48,6 +50,7 @@ def test_unknown_routes_and_methods_use_the_envelope(server: Server) -> None:
     assert r.json()["error"]["request_id"] == "abc-1"
 
 
+@pytest.mark.local_only("registers a second sandbox on the in-process host")
 def test_activity_and_unregister_close_sockets(server: Server) -> None:
     import asyncio
     import json
@@ -80,6 +83,7 @@ def test_activity_and_unregister_close_sockets(server: Server) -> None:
     assert r.status_code == 404
 
 
+@pytest.mark.local_only("a container's root is its whole image, not two mount points")
 def test_list_root_shows_mount_points(server: Server, client: httpx.Client) -> None:
     r = client.get(server.url("/fs/list"), params={"path": "/"})
     assert r.status_code == 200
@@ -101,6 +105,7 @@ def test_non_utf8_file_names_are_listed_escaped(server: Server, client: httpx.Cl
     assert client.put(server.url("/fs/write"), content=body).status_code == 400
 
 
+@pytest.mark.local_only("compares the in-process host's two routers")
 def test_routes_served_directly_answer_as_behind_the_router(
     server: Server, client: httpx.Client
 ) -> None:

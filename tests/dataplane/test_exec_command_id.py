@@ -48,6 +48,7 @@ async def _two_starts(server: Server) -> list[dict[str, Any]]:
         return ready
 
 
+@pytest.mark.local_only("slows the in-process runtime's spawn")
 def test_start_during_spawn_attaches(server: Server, slow_spawn: None) -> None:
     first, second = asyncio.run(_two_starts(server))
     assert first["type"] == second["type"] == "ready"
@@ -64,6 +65,7 @@ async def _two_posts(server: Server) -> list[httpx.Response]:
         return [await first, second]
 
 
+@pytest.mark.local_only("slows the in-process runtime's spawn")
 def test_exec_during_spawn_returns_the_same_result(server: Server, slow_spawn: None) -> None:
     first, second = asyncio.run(_two_posts(server))
     assert first.status_code == second.status_code == 200

@@ -134,6 +134,10 @@ async def _reattach_run(server: Server, n: int, drops: int) -> tuple[int, int]:
 
 @pytest.mark.reliability
 @pytest.mark.timeout(600)
+@pytest.mark.local_only(
+    "its 220 drops race the command's output: with the relay's extra hop the command ends "
+    "first on a loaded machine (reattaching through the relay: tests/providers)"
+)
 def test_reattach_hundreds_of_times_loses_nothing(
     server: Server, record_property: RecordProperty
 ) -> None:

@@ -283,6 +283,7 @@ def test_watches_stay_within_the_budget(lib: native.Native, tree: Path, tmp_path
         limited.close()
 
 
+@pytest.mark.local_only("reads the in-process grep cache's counters")
 def test_a_command_s_write_is_in_the_next_grep(server: Server, client: httpx.Client) -> None:
     """Through the dataplane: a command changes a file, and the grep right after sees it."""
     assert native.library() is not None

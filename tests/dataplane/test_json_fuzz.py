@@ -47,6 +47,7 @@ def dataplane_routes(server: Server) -> list[tuple[str, str]]:
 
 @pytest.mark.reliability
 @pytest.mark.timeout(300)
+@pytest.mark.local_only("walks the in-process host's route table")
 def test_hostile_json_on_every_dataplane_route(
     server: Server,
     client: httpx.Client,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import websockets
 
 from tests.dataplane.conftest import Server, start_server
@@ -65,6 +66,7 @@ def _shell_events(server: Server) -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.local_only("reads the in-process host's spare shells")
 def test_the_next_shell_is_the_spare_renamed_and_resized(server: Server) -> None:
     async def run() -> None:
         one = await _open(server, "one")
@@ -95,6 +97,7 @@ def test_the_next_shell_is_the_spare_renamed_and_resized(server: Server) -> None
     ]
 
 
+@pytest.mark.local_only("reads the in-process host's spare shells")
 def test_a_spare_that_exits_is_dropped_and_the_next_open_starts_its_own(
     server: Server,
 ) -> None:

@@ -302,9 +302,7 @@ def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> No
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     events.append(json.loads(line[6:]))
-                if events and events[-1]["sequence"] == server.call(
-                    lambda: server.host.status("sb_test")[1]
-                ):
+                if events and events[-1]["sequence"] == server.last_sequence():
                     break
         if any(e["details"].get("fs", {}).get("path") == "/workspace/cmd.txt" for e in events):
             break
@@ -377,6 +375,7 @@ def test_sequence_expired(tmp_path: Any) -> None:
         gen.close()
 
 
+@pytest.mark.local_only("counts the in-process event loop's tasks")
 def test_dropped_event_streams_leave_no_task_behind(
     server: Server, client: httpx.Client, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -407,7 +406,7 @@ def _fs_events(server: Server, client: httpx.Client, after: int, until: Any) -> 
     deadline = time.time() + 10
     events: list[dict[str, Any]] = []
     while time.time() < deadline:
-        head = server.call(lambda: server.host.status("sb_test")[1])
+        head = server.last_sequence()
         events = []
         if head > after:
             with client.stream("GET", server.url("/events"), params={"after": after}) as r:
@@ -427,7 +426,7 @@ def test_archive_is_one_event_and_its_new_directories_are_watched(
     server: Server, client: httpx.Client
 ) -> None:
     u = server.url
-    start = server.call(lambda: server.host.status("sb_test")[1])
+    start = server.last_sequence()
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
         for i in range(300):

@@ -25,7 +25,7 @@ from sandlot.protocol.errors import (
     SandlotError,
     exception_for,
 )
-from sandlot.protocol.openapi import ERROR_RESPONSES
+from sandlot.protocol.openapi import error_responses
 
 log = logging.getLogger("sandlot.broker.app")
 
@@ -133,6 +133,6 @@ def create_app(broker: Broker) -> FastAPI:
         return error_response(request, InternalError("internal error"))
 
     for module in (sessions, resources, compat, ops):
-        app.include_router(module.router, responses=ERROR_RESPONSES)
+        app.include_router(module.router, responses=error_responses())
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -29,21 +29,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import importlib.util
 import json
 import logging
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import uvicorn
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from sandlot.dataplane.http.host import create_standalone_app
 from sandlot.dataplane.services.auth import JwksSource, TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
+from sandlot.protocol.errors import ProviderUnavailable
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.runtime.direct import DirectRuntime
+
+if TYPE_CHECKING:
+    from uvicorn.config import Config
+    from uvicorn.server import Server
 
 log = logging.getLogger("sandlot.dataplane.standalone")
 
@@ -123,6 +130,7 @@ class StandaloneDataplane:
         else:
             raise ValueError("the dataplane needs --trust-dir or --jwks-url")
         verifier = TokenVerifier(source, issuer=options.issuer, refetch_interval=refetch)
+        self.verifier = verifier
         template = Template(name="standalone", image="self")
         if options.shells:
             template = template.model_copy(update={"shells": dict(options.shells)})
@@ -145,10 +153,28 @@ class StandaloneDataplane:
             self.host.revoke(read_revoked(self.options.trust_dir))
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await self.inner(scope, self._starting(receive), send)
+            return
         if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX):
             await self._control(scope, send)
             return
         await self.inner(scope, receive, send)
+
+    def _starting(self, receive: Any) -> Any:
+        """``receive`` of the lifespan: at start-up, the broker's keys are read before the
+        app starts (the socket is bound after), so the first request finds them."""
+
+        async def wrapped() -> Any:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.verifier.load_keys()
+                except ProviderUnavailable:
+                    log.warning("the broker's keys are unavailable yet; read on first use")
+            return message
+
+        return wrapped
 
     async def _control(self, scope: Any, send: Any) -> None:
         action = scope["path"][len(CONTROL_PREFIX) :]
@@ -210,6 +236,52 @@ def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:
     )
 
 
+def uvicorn_server() -> tuple[type[Config], type[Server]]:
+    """uvicorn's ``Config`` and ``Server``, without running its package's ``__init__``.
+
+    That ``__init__`` imports uvicorn's command line (click, the reloaders, watchfiles,
+    multiprocessing): a tenth of the dataplane's start, for nothing it serves. The package
+    is registered without it; any other name asked of it runs the real ``__init__`` then.
+    """
+    package = sys.modules.get("uvicorn")
+    if package is None:
+        spec = importlib.util.find_spec("uvicorn")
+        if spec is None or spec.loader is None:
+            raise ImportError("uvicorn is not installed")
+        package = importlib.util.module_from_spec(spec)
+        loader = spec.loader
+        stub = package
+
+        def rest(name: str) -> Any:
+            del stub.__dict__["__getattr__"]
+            loader.exec_module(stub)
+            return getattr(stub, name)
+
+        package.__dict__["__getattr__"] = rest
+        sys.modules["uvicorn"] = package
+    from uvicorn.config import Config
+    from uvicorn.server import Server
+
+    _define(package, Config=Config, Server=Server)
+    return Config, Server
+
+
+def _define(module: ModuleType, **names: Any) -> None:
+    for name, value in names.items():
+        module.__dict__.setdefault(name, value)
+
+
+def build_wire_models() -> None:
+    """The validators of the wire models the dataplane's requests use, built before it
+    answers: its first request is as fast as the next ones. (Every wire model's build is
+    deferred to its first use; the broker's, which this process never uses, stay unbuilt.)"""
+    from sandlot.protocol import common, dataplane, events, frames, tokens
+
+    for module in (common, tokens, dataplane, events):
+        common.build_models(module)
+    frames.build()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     options = parse_args(argv)
@@ -218,10 +290,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     where: dict[str, Any] = (
         {"uds": options.uds} if options.uds else {"host": options.host, "port": options.port}
     )
-    config = uvicorn.Config(
+    config_class, server_class = uvicorn_server()
+    config = config_class(
         app, log_level="warning", lifespan="on", ws_ping_interval=None, access_log=False, **where
     )
-    uvicorn.Server(config).run()
+    config.load()
+    build_wire_models()
+    # The start-up's objects live as long as the process: out of the collector's way
+    # (``__main__`` turned it off while the modules were imported).
+    gc.freeze()
+    gc.enable()
+    server_class(config).run()
 
 
 __all__ = ["StandaloneDataplane", "StandaloneOptions", "main"]

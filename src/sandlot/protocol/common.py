@@ -6,6 +6,7 @@ import json
 import secrets
 from datetime import UTC, datetime
 from enum import StrEnum
+from types import ModuleType
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
@@ -24,14 +25,33 @@ Slug = Annotated[
 ]
 
 
+#: Every wire model's validator and serializer are built on the model's first use, not
+#: when its module is imported: a process pays only for the models it uses (the
+#: dataplane in a container starts in a fraction of the time; docs/PROVIDERS.md).
+DEFERRED = ConfigDict(defer_build=True)
+
+
+def build_models(module: ModuleType) -> None:
+    """Build now the validators of every wire model ``module`` defines (a server that must
+    answer its first request as fast as its next ones)."""
+    for value in list(vars(module).values()):
+        if (
+            isinstance(value, type)
+            and issubclass(value, BaseModel)
+            and value.__module__ == module.__name__
+            and not value.__pydantic_complete__
+        ):
+            value.model_rebuild()
+
+
 class WireModel(BaseModel):
     """Base of every wire model: unknown fields are ignored, values are validated."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = DEFERRED | ConfigDict(extra="ignore", populate_by_name=True)
 
 
 class StrictWireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = DEFERRED | ConfigDict(extra="forbid", populate_by_name=True)
 
 
 class ActorType(StrEnum):

@@ -14,11 +14,12 @@ says how many in ``replaced``.
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, Field, TypeAdapter
 
-from sandlot.protocol.common import WireModel
+from sandlot.protocol.common import DEFERRED, WireModel, build_models
 from sandlot.protocol.dataplane import Command
 
 MAX_FRAME_TEXT = 1 << 20
@@ -144,7 +145,14 @@ ClientFrame = Annotated[
     Field(discriminator="type"),
 ]
 
-_CLIENT_FRAME: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame)
+#: Built on the first frame (as every wire model is: :data:`~sandlot.protocol.common.DEFERRED`).
+_CLIENT_FRAME: TypeAdapter[ClientFrame] = TypeAdapter(ClientFrame, config=DEFERRED)
+
+
+def build() -> None:
+    """Build the frames' validators now (see :func:`~sandlot.protocol.common.build_models`)."""
+    build_models(sys.modules[__name__])
+    _CLIENT_FRAME.rebuild()
 
 
 def parse_client_frame(text: str | bytes) -> ClientFrame:

@@ -7,13 +7,20 @@ needs no entry in the document's ``components``.
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
-from pydantic.json_schema import JsonSchemaMode
+
+from sandlot.protocol.common import DEFERRED
+
+if TYPE_CHECKING:
+    from pydantic.json_schema import JsonSchemaMode
 
 
 class ErrorDetail(BaseModel):
+    model_config = DEFERRED
+
     code: str
     message: str
     retryable: bool
@@ -24,6 +31,8 @@ class ErrorDetail(BaseModel):
 
 class ErrorEnvelope(BaseModel):
     """The body of every error response (what ``SandlotError.to_wire`` produces)."""
+
+    model_config = DEFERRED
 
     error: ErrorDetail
 
@@ -80,14 +89,19 @@ def event_stream(description: str) -> Responses:
     }
 
 
-#: Every failure of either server: the error envelope of PROTOCOL.md section 1.
-ERROR_RESPONSES: Responses = {
-    "4XX": {
-        "description": "A client error (error envelope)",
-        "content": json_content(ErrorEnvelope),
-    },
-    "5XX": {
-        "description": "A server or provider error (error envelope)",
-        "content": json_content(ErrorEnvelope),
-    },
-}
+@functools.cache
+def error_responses() -> Responses:
+    """Every failure of either server: the error envelope of PROTOCOL.md section 1.
+
+    Drawn when a document is first asked for, not on import (a schema costs a model build).
+    """
+    return {
+        "4XX": {
+            "description": "A client error (error envelope)",
+            "content": json_content(ErrorEnvelope),
+        },
+        "5XX": {
+            "description": "A server or provider error (error envelope)",
+            "content": json_content(ErrorEnvelope),
+        },
+    }

@@ -426,6 +426,7 @@ class DockerProvider(Provider):
         }
 
     def _prepare_dirs(self, sandbox_id: str) -> None:
+        """A fresh run directory and the trust directory's two files."""
         base = self._dir(sandbox_id)
         run = base / "run"
         if run.exists():
@@ -433,32 +434,39 @@ class DockerProvider(Provider):
         run.mkdir(parents=True)
         os.chown(run, self.uid, self.gid)
         run.chmod(0o700)
+        self._write_trust(sandbox_id, "jwks.json", json.loads(self._jwks_text))
+        self._write_trust(sandbox_id, "revoked.json", {"revoked": []})
 
     async def _start_container(self, spec: SandboxSpec) -> Any:
+        """Create and start the container: two calls to the engine, unless a container of
+        the same name is left from a crash mid-create (removed, the workspace volume kept)
+        or the image is missing (never pulled: the image is the engine's own)."""
         sid = spec.sandbox_id
         await asyncio.to_thread(self._prepare_dirs, sid)
-        await asyncio.to_thread(self._write_trust, sid, "jwks.json", json.loads(self._jwks_text))
-        await asyncio.to_thread(self._write_trust, sid, "revoked.json", {"revoked": []})
-        # A retry after a crash mid-create: start clean, keep the workspace volume.
-        with contextlib.suppress(docker.errors.NotFound):
-            old = await self._docker(self._client.containers.get, self._container_name(sid))
-            await self._docker(old.remove, force=True)
         config = self._container_config(spec)
-        try:
-            # Never pulled: the image is the engine's own (built or pulled beforehand).
-            await self._docker(self._client.images.get, config["image"])
-        except docker.errors.NotFound as exc:
-            raise ProviderUnavailable(f"image {config['image']!r} not found on the engine") from exc
         del config["detach"]
-        container = await self._docker(self._client.containers.create, **config)
+        try:
+            container = await self._docker(self._client.containers.create, **config)
+        except docker.errors.NotFound as exc:  # the image (Podman's 404 is not ImageNotFound)
+            raise ProviderUnavailable(f"image {config['image']!r} not found on the engine") from exc
+        except ProviderUnavailable as exc:
+            if not _conflict(exc.__cause__):
+                raise
+            old = await self._docker(self._client.containers.get, config["name"])
+            await self._docker(old.remove, force=True)
+            container = await self._docker(self._client.containers.create, **config)
         await self._docker(container.start)
         return container
 
     async def _wait_ready(self, sandbox_id: str, container: Any) -> Upstream:
-        """The dataplane answers on its socket: its upstream (its state read once)."""
+        """The dataplane answers on its socket: its upstream (its state read once).
+
+        The socket appears when the dataplane listens (it binds once its app has
+        started), so it is looked for every 5 ms (a failed ``open`` of a path), and the
+        first status read is the proof it answers.
+        """
         path = str(self._dir(sandbox_id) / "run" / SOCKET_NAME)
         deadline = time.monotonic() + self.start_timeout
-        delay = 0.005
         checked = time.monotonic()
         while True:
             fd = open_socket(path)
@@ -481,8 +489,7 @@ class DockerProvider(Provider):
                     logs = await self._docker(container.logs, tail=20)
                     tail = logs.decode(errors="replace").strip()[-400:]
                     raise ProviderUnavailable(f"the sandbox's container exited: {tail}")
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.05)
+            await asyncio.sleep(0.005)
 
     def _box(self, sandbox_id: str) -> _Sandbox:
         box = self._sandboxes.get(sandbox_id)
@@ -691,6 +698,11 @@ class DockerProvider(Provider):
         containers = await self._docker(self._client.containers.list, all=True, filters=label)
         running = {c.labels.get(LABEL_SANDBOX) for c in containers} - {None}
         return set(self._sandboxes) | {str(s) for s in running}
+
+
+def _conflict(exc: BaseException | None) -> bool:
+    """The engine refused to create a container whose name is taken."""
+    return isinstance(exc, docker.errors.APIError) and exc.status_code == 409
 
 
 __all__ = ["DockerProvider"]

@@ -16,7 +16,6 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -243,6 +242,8 @@ def create_standalone_app(
     )
 
     async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
         return Response(host.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     app = build_app(

@@ -18,6 +18,8 @@ Requests are counted in plain dictionaries on the event loop (a dictionary updat
 a bisection, well under a microsecond, where a ``prometheus_client`` histogram takes a
 lock and a label lookup) and turned into metric families when scraped. Errors are
 read from the envelope the answer carries, so whichever code wrote it, it is counted.
+``prometheus_client`` itself is imported on the first scrape (or when the broker attaches
+its registry): a dataplane in a container starts without it.
 """
 
 from __future__ import annotations
@@ -27,18 +29,13 @@ import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
-from prometheus_client.registry import Collector
-
 from sandlot.protocol.errors import exception_for
 
 if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry, Counter
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector
+
     from sandlot.dataplane.services.sandbox import SandboxEntry
     from sandlot.dataplane.services.socketlimits import SocketLimits
 
@@ -47,11 +44,13 @@ UNMATCHED = "unmatched"
 
 
 def errors_counter(registry: CollectorRegistry | None) -> Counter:
-    """``sandlot_errors_total``, as the broker defines it (for a dataplane without one)."""
+    """``sandlot_errors_total``, as the broker defines it."""
+    from prometheus_client import Counter
+
     return Counter("sandlot_errors_total", "Error responses by code", ["code"], registry=registry)
 
 
-class DataplaneMetrics(Collector):
+class DataplaneMetrics:
     """The figures of one dataplane host: its requests, sockets and sandboxes."""
 
     def __init__(self, sockets: SocketLimits, entries: Callable[[], list[SandboxEntry]]) -> None:
@@ -62,7 +61,9 @@ class DataplaneMetrics(Collector):
         #: (method, route) → requests per bucket (not cumulative; the last one is +Inf),
         #: then the sum of their seconds.
         self.durations: dict[tuple[str, str], list[float]] = {}
-        self.errors = errors_counter(None)
+        #: Errors by code, until the broker's counter takes over (:meth:`attach`).
+        self.error_counts: dict[str, int] = {}
+        self.errors: Counter | None = None
         self._error_children: dict[str, Any] = {}
         self._registry: CollectorRegistry | None = None
 
@@ -78,6 +79,9 @@ class DataplaneMetrics(Collector):
         hist[-1] += seconds
 
     def error(self, code: str) -> None:
+        if self.errors is None:
+            self.error_counts[code] = self.error_counts.get(code, 0) + 1
+            return
         child = self._error_children.get(code)
         if child is None:
             child = self._error_children[code] = self.errors.labels(code)
@@ -98,21 +102,44 @@ class DataplaneMetrics(Collector):
     # --- where they are served ----------------------------------------------------------
 
     def attach(self, registry: CollectorRegistry, errors: Counter) -> None:
-        """Serve these figures from ``registry`` (the broker's), errors counted in ``errors``."""
+        """Serve these figures from ``registry`` (the broker's), errors counted in ``errors``
+        (those counted before are carried over)."""
         self.errors = errors
         self._error_children = {}
-        registry.register(self)
+        for code, count in self.error_counts.items():
+            errors.labels(code).inc(count)
+        self.error_counts = {}
+        registry.register(self.collector())
+
+    def collector(self) -> Collector:
+        """These figures as a ``prometheus_client`` collector."""
+        from prometheus_client.registry import Collector
+
+        figures = self
+
+        class Figures(Collector):
+            def collect(self) -> Iterator[Metric]:
+                return figures.collect()
+
+        return Figures()
 
     def render(self) -> bytes:
         """The Prometheus text of a dataplane that has no broker beside it."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
         if self._registry is None:
             registry = CollectorRegistry()
-            registry.register(self)
-            registry.register(self.errors)
+            registry.register(self.collector())
             self._registry = registry
         return generate_latest(self._registry)
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
+
         # May run in a thread (the broker renders off the loop): every container is
         # copied in one step before it is read.
         requests = CounterMetricFamily(
@@ -164,6 +191,13 @@ class DataplaneMetrics(Collector):
         yield GaugeMetricFamily(
             "sandlot_dataplane_shells", "Shells open", sum(len(e.shells.all()) for e in entries)
         )
+        if self.errors is None:  # a dataplane without a broker: its own errors_total
+            errors = CounterMetricFamily(
+                "sandlot_errors", "Error responses by code", labels=["code"]
+            )
+            for code, count in list(self.error_counts.items()):
+                errors.add_metric([code], count)
+            yield errors
 
 
 def _bound(value: float) -> str:

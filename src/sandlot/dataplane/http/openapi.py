@@ -19,7 +19,7 @@ from starlette.routing import BaseRoute, Route
 
 from sandlot import __version__
 from sandlot.dataplane.http.web import Answer, Operation, operation_of
-from sandlot.protocol.openapi import ERROR_RESPONSES, json_body, json_content
+from sandlot.protocol.openapi import error_responses, json_body, json_content
 
 _PARAM = re.compile(r"{([^}:]+)(?::[^}]*)?}")
 _DESCRIPTIONS = {200: "OK", 201: "Created", 204: "No content"}
@@ -37,7 +37,7 @@ def _operation(path: str, op: Operation) -> dict[str, Any]:
         "responses": {str(s): _response(s, a) for s, a in sorted(op.responses.items())},
     }
     if not op.public:
-        out["responses"].update(ERROR_RESPONSES)
+        out["responses"].update(error_responses())
     params = [
         {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
         for name in _PARAM.findall(path)

@@ -141,6 +141,11 @@ class TokenVerifier:
                     continue
             self._keys = keys
 
+    async def load_keys(self) -> None:
+        """Fetch the keys now (raises ``ProviderUnavailable``): a dataplane that starts
+        with its sandbox has them before its first request."""
+        await self._refresh_keys(force=True)
+
     async def _key_for(self, kid: str) -> Any:
         key = self._keys.get(kid)
         if key is None:

@@ -1,5 +1,7 @@
-"""A private Docker Engine and the sandbox image, once per test session (tests/dockerengine.py);
-the single-node cluster of scripts/k8s-cluster and the image in its node (tests/k8scluster.py)."""
+"""Shared fixtures: a private Docker Engine and the sandbox image, once per test session
+(tests/dockerengine.py), for the docker provider's tests and the dataplane suite's
+docker variant; the single-node cluster of scripts/k8s-cluster and the image in its node
+(tests/k8scluster.py), for the kubernetes provider's tests."""
 
 from __future__ import annotations
 
