@@ -434,3 +434,33 @@ def test_sandlot_host_says_what_it_needs(tmp_path: Path) -> None:
         timeout=60,
     )
     assert out.returncode == 2 and b"ADDRESS:PORT" in out.stderr.replace(b"\n", b""), out.stderr
+
+
+@pytest.mark.timeout(240)
+def test_workers_place_on_registered_hosts(tmp_path: Path) -> None:
+    # `sandlot serve --workers 2` with registered hosts: the workers place and reach the
+    # host as a single broker does.
+    with postgres_cluster() as url:
+        config = f'[policy]\nreaper_interval_seconds = 0.3\n[server]\nstore_url = "{url}"\n'
+        env = {"SANDLOT_SANDBOX_HOSTS": "registered"}
+        srv = SandlotServer(tmp_path / "a", workers=2, config=config, env=env).start()
+        host = SandlotHost(tmp_path / "h", store=url, broker_url=srv.url, capacity=2)
+        try:
+            host.start()
+            headers = srv.headers("workers")
+            answers = [_ensure(srv.url, headers, f"thr_w{i}") for i in range(3)]
+            assert [r.status_code for r in answers] == [200, 200, 503], [r.text for r in answers]
+            grant = answers[0].json()
+            assert grant["dataplane"]["http_base_url"].startswith(host.url + "/dp/")
+            wait_active(srv.url, headers, grant)
+            r = httpx.post(
+                f"{grant['dataplane']['http_base_url']}/exec",
+                json={"command": "echo placed"},
+                headers={"Authorization": f"Bearer {grant['token']}"},
+                timeout=30,
+            )
+            assert r.status_code == 200 and r.json()["stdout"] == "placed\n", r.text
+        finally:
+            srv.stop()
+            host.stop()
+            host.cleanup()

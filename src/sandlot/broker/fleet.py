@@ -236,13 +236,18 @@ class HostRegistry:
 
     def declare_lost(self) -> list[str]:
         """Declare ``lost`` the hosts whose heartbeat lapsed; the ids this call declared."""
-        declared = []
-        with self.store.write() as conn:
-            now = self._now(conn)
-            cutoff = now - self.lost_after_seconds
+        declared: list[str] = []
+        # A read first: most passes find nothing to declare and write nothing.
+        with self.store.read() as conn:
+            cutoff = self._now(conn) - self.lost_after_seconds
             lapsed = conn.execute(
                 select(hosts.c.id).where(hosts.c.state == HOST_UP, hosts.c.heartbeat_at < cutoff)
             ).all()
+        if not lapsed:
+            return declared
+        with self.store.write() as conn:
+            now = self._now(conn)
+            cutoff = now - self.lost_after_seconds
             for row in lapsed:
                 changed = conn.execute(
                     update(hosts)

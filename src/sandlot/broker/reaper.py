@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 import anyio
@@ -73,6 +74,7 @@ class Reaper:
         self.hub = hub
         #: Whether passes refill pools (a ``sandlot host`` leaves that to the brokers).
         self.refill_pools = True
+        self._next_sweep = 0.0
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
 
@@ -145,7 +147,9 @@ class Reaper:
                 await self._visit(row, held, report)
             report.terminated += await self.sandboxes.finish_terminating()
             await self._remove_orphans(live, report)
-            if self.registry is not None:
+            if self.registry is not None and time.monotonic() >= self._next_sweep:
+                # Heartbeats change no faster than this: no need to look more often.
+                self._next_sweep = time.monotonic() + self.registry.heartbeat_seconds
                 report.host_lost += await self._sweep_lost_hosts(self.registry)
             if self.refill_pools:
                 await self._refill_pools(report)
