@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -138,6 +139,28 @@ class EnsureFigures(TypedDict):
     lg_floor: list[float]
     prod_floor: list[float]
     serve_floor: list[float]
+    cpu: dict[str, float]
+
+
+#: Calls in a row per path for its server's CPU time per request.
+CPU_CALLS = 300
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) the process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_call(pid: int | None, call: Callable[[], None]) -> float:
+    """The server's CPU ms per call over :data:`CPU_CALLS` calls in a row (NaN without
+    a process to read)."""
+    if pid is None:
+        return float("nan")
+    start = process_cpu(pid)
+    for _ in range(CPU_CALLS):
+        call()
+    return (process_cpu(pid) - start) * 1000 / CPU_CALLS
 
 
 def measure_ensure(s: Setting, n: int, rng: random.Random) -> EnsureFigures:
@@ -170,14 +193,22 @@ def measure_ensure(s: Setting, n: int, rng: random.Random) -> EnsureFigures:
         "lg_floor": [],
         "prod_floor": [],
         "serve_floor": [],
+        "cpu": {},
+    }
+    calls = {
+        "lg_user": ensure(lg, s.alice, s.thread, "lg"),
+        "lg_key": ensure(lg, s.lg_key, s.thread, "lg"),
+        "prod_user": ensure(prod, s.alice, s.prod_thread, "prod"),
+        "prod_key": ensure(prod, s.prod_key, s.prod_thread, "prod"),
+        "serve": ensure(serve, s.served.key, serve_thread, "serve"),
     }
     interleave(
         [
-            (figures["lg_user"], ensure(lg, s.alice, s.thread, "lg"), 1),
-            (figures["lg_key"], ensure(lg, s.lg_key, s.thread, "lg"), 1),
-            (figures["prod_user"], ensure(prod, s.alice, s.prod_thread, "prod"), 1),
-            (figures["prod_key"], ensure(prod, s.prod_key, s.prod_thread, "prod"), 1),
-            (figures["serve"], ensure(serve, s.served.key, serve_thread, "serve"), 1),
+            (figures["lg_user"], calls["lg_user"], 1),
+            (figures["lg_key"], calls["lg_key"], 1),
+            (figures["prod_user"], calls["prod_user"], 1),
+            (figures["prod_key"], calls["prod_key"], 1),
+            (figures["serve"], calls["serve"], 1),
             (
                 figures["lg_thread"],
                 lambda: lg.get(thread_path, headers=alice).raise_for_status(),
@@ -190,6 +221,15 @@ def measure_ensure(s: Setting, n: int, rng: random.Random) -> EnsureFigures:
         n,
         rng,
     )
+    # Each server's own CPU time per ensure, path by path (calls in a row): what the
+    # server spends, whatever else the shared machine runs meanwhile.
+    pids = {
+        "lg": s.lg.proc.pid if s.lg.proc else None,
+        "prod": s.prod.proc.pid if s.prod.proc else None,
+        "serve": s.served.server.proc.pid if s.served.server.proc else None,
+    }
+    for name, call in calls.items():
+        figures["cpu"][name] = cpu_per_call(pids[name.partition("_")[0]], call)
     for client in (lg, prod, serve):
         client.close()
     # Every ensure found the one live sandbox of its thread (a warm ensure, not a new one).
@@ -209,21 +249,27 @@ def print_ensure(f: EnsureFigures, n: int) -> float:
         "in-memory runtime as LangGraph's production image runs its server "
         "(`bench/langgraph_production.py`: uvicorn, JSON logs, none of those).\n"
     )
-    print("| path | p50 ms | p95 ms | vs `sandlot serve` |")
-    print("|---|---|---|---|")
+    print("| path | p50 ms | p95 ms | vs `sandlot serve` | server CPU ms per call |")
+    print("|---|---|---|---|---|")
+    cpu, table = f["cpu"], dict(f)
     rows = [
-        ("`langgraph dev`, as a LangGraph user (its auth + thread visibility)", f["lg_user"]),
-        ("`langgraph dev`, sandlot API key (skips LangGraph's auth)", f["lg_key"]),
-        ("LangGraph, production settings, as a LangGraph user", f["prod_user"]),
-        ("LangGraph, production settings, sandlot API key", f["prod_key"]),
-        ("`sandlot serve`, sandlot API key", f["serve"]),
-        ("LangGraph's own `GET /threads/{id}` as the user (`langgraph dev`)", f["lg_thread"]),
-        ("HTTP floor: LangGraph's `GET /ok` (`langgraph dev`)", f["lg_floor"]),
-        ("HTTP floor: LangGraph's `GET /ok` (production settings)", f["prod_floor"]),
-        ("HTTP floor: `sandlot serve`'s `GET /healthz`", f["serve_floor"]),
+        ("`langgraph dev`, as a LangGraph user (its auth + thread visibility)", "lg_user"),
+        ("`langgraph dev`, sandlot API key (skips LangGraph's auth)", "lg_key"),
+        ("LangGraph, production settings, as a LangGraph user", "prod_user"),
+        ("LangGraph, production settings, sandlot API key", "prod_key"),
+        ("`sandlot serve`, sandlot API key", "serve"),
+        ("LangGraph's own `GET /threads/{id}` as the user (`langgraph dev`)", "lg_thread"),
+        ("HTTP floor: LangGraph's `GET /ok` (`langgraph dev`)", "lg_floor"),
+        ("HTTP floor: LangGraph's `GET /ok` (production settings)", "prod_floor"),
+        ("HTTP floor: `sandlot serve`'s `GET /healthz`", "serve_floor"),
     ]
-    for name, samples in rows:
-        print(f"| {name} | {ms(samples):.2f} | {p95(samples):.2f} | {ms(samples) / base:.2f}x |")
+    for name, which in rows:
+        samples: list[float] = table[which]
+        spent = f"{cpu[which]:.2f}" if which in cpu else ""
+        print(
+            f"| {name} | {ms(samples):.2f} | {p95(samples):.2f} | {ms(samples) / base:.2f}x "
+            f"| {spent} |"
+        )
     user, key, serve = ms(f["lg_user"]), ms(f["lg_key"]), base
     prod_user, prod_key = ms(f["prod_user"]), ms(f["prod_key"])
     ratio, prod_ratio = user / base, prod_user / base
@@ -239,7 +285,10 @@ def print_ensure(f: EnsureFigures, n: int) -> float:
         f"LangGraph answers `GET /threads/{{id}}` over HTTP in {ms(f['lg_thread']):.2f} ms; "
         f"HTTP floors {ms(f['lg_floor']):.2f} ms (`langgraph dev`), "
         f"{ms(f['prod_floor']):.2f} ms (production settings) and "
-        f"{ms(f['serve_floor']):.2f} ms (`sandlot serve`)"
+        f"{ms(f['serve_floor']):.2f} ms (`sandlot serve`). Each server's own CPU time "
+        f"per ensure: {cpu['lg_user']:.2f} ms as a LangGraph user and {cpu['lg_key']:.2f} "
+        f"ms with a key (`langgraph dev`), {cpu['prod_user']:.2f} and {cpu['prod_key']:.2f} "
+        f"ms (production settings), {cpu['serve']:.2f} ms (`sandlot serve`)"
     )
     print(f"\nWhere the time goes: {made_of}.")
     report(

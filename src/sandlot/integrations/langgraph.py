@@ -43,7 +43,7 @@ import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -268,13 +268,18 @@ class SandlotInLangGraph:
     async def _thread(self, thread_id: str) -> dict[str, Any] | None:
         """The thread as the server itself sees it (no user's auth), or ``None``.
 
-        In process, as the LangGraph SDK's own loopback client asks (``root_path``
-        ``/noauth``, which only an in-process caller can set); before the server has met
-        its first request, through that client.
+        In process: the threads operation of its ``GET /threads/{id}`` with no auth
+        context, its fields decrypted as that route does. Should the thread's metadata
+        not read as a plain mapping there (a runtime that hands out raw JSON), it is
+        asked as the LangGraph SDK's own loopback client asks (``root_path``
+        ``/noauth``, which only an in-process caller can set); before the server has
+        met its first request, through that client.
         """
         server = self.langgraph
         if server is None:
             return await _thread(thread_id)
+        with contextlib.suppress(_Unreadable):
+            return await _server_thread(thread_id)
         status, body = await _asgi_get(
             server, f"/threads/{quote(thread_id, safe='')}", [], root_path="/noauth"
         )
@@ -504,28 +509,79 @@ async def _asgi_get(
     return status, b"".join(body)
 
 
+def _threads_api() -> Any:
+    """The module of the LangGraph server's threads API: its runtime's ``Threads`` and
+    ``connect``, and how its routes decrypt a thread."""
+    return importlib.import_module("langgraph_api.api.threads")
+
+
+def _unless_not_found(exc: Exception) -> None:
+    """Pass a threads operation's error meaning "no such thread for this caller" (its
+    routes answer 404, or the caller's auth handler refused); raise any other as the
+    server not answering."""
+    from starlette.exceptions import HTTPException
+
+    if isinstance(exc, HTTPException) and exc.status_code in (401, 403, 404, 422):
+        return
+    raise ProviderUnavailable("the LangGraph server could not look the thread up") from exc
+
+
 async def _read_thread(thread_id: str, user: Any, permissions: tuple[str, ...]) -> bool:
     """Whether ``Threads.get`` of the LangGraph server's threads API finds the thread for
     this user: its auth handlers run for ``threads``/``read`` and their filters apply."""
     from langgraph_sdk import Auth
-    from starlette.exceptions import HTTPException
 
     try:
         thread_uuid = uuid.UUID(thread_id)
     except ValueError:
         return False  # LangGraph's thread ids are UUIDs: no such thread
     ctx = Auth.types.BaseAuthContext(permissions=list(permissions), user=user)
-    # The module of the server's threads API: its runtime's Threads and connect.
-    api: Any = importlib.import_module("langgraph_api.api.threads")
+    api = _threads_api()
     try:
         async with api.connect() as conn:
             async for _ in await api.Threads.get(conn, thread_uuid, ctx=ctx):
                 return True
-    except HTTPException as exc:
-        if exc.status_code in (401, 403, 404, 422):
-            return False
-        raise ProviderUnavailable("the LangGraph server could not look the thread up") from exc
+    except Exception as exc:
+        _unless_not_found(exc)
     return False
+
+
+class _Unreadable(Exception):
+    """The thread's metadata did not read as a plain mapping in process."""
+
+
+async def _server_thread(thread_id: str) -> dict[str, Any] | None:
+    """The thread as ``GET /threads/{id}`` finds it with no user (the server's own view),
+    in process, or ``None``; :class:`_Unreadable` if its metadata is not a mapping."""
+    try:
+        thread_uuid = uuid.UUID(thread_id)
+    except ValueError:
+        return None
+    api = _threads_api()
+    # No user's auth context: the handlers and their filters are not applied.
+    auth_context = importlib.import_module("langgraph_api.utils").AuthContext
+    token = auth_context.set(None)
+    try:
+        async with api.connect() as conn:
+            rows = await api.Threads.get(conn, thread_uuid)
+            row = await anext(aiter(rows), None)
+        if row is None:
+            return None
+        thread = await api.decrypt_response(
+            row,
+            "thread",
+            api.THREAD_ENCRYPTION_FIELDS,
+            plaintext_from_core=api.IS_POSTGRES_OR_GRPC_BACKEND and api.using_custom_encryption(),
+        )
+    except Exception as exc:
+        _unless_not_found(exc)
+        return None
+    finally:
+        auth_context.reset(token)
+    metadata = thread.get("metadata")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _Unreadable(thread_id)
+    return {"thread_id": str(thread.get("thread_id")), "metadata": dict(metadata or {})}
 
 
 _loopback: Any = None
