@@ -2,18 +2,23 @@
 
 Run: ``.venv/bin/python bench/integrations_bench.py [--n 2000] [--mcp 500] [--ops 200]``
 
-Starts two servers on loopback, both as users run them (isolated sandboxes when
+Starts three servers on loopback, all as users run them (isolated sandboxes when
 root, the shipped templates, the per-user limits of ``bench/served.py`` raised
-in both): ``sandlot serve``, and ``langgraph dev`` serving ``examples/langgraph``
+in all): ``sandlot serve``; ``langgraph dev`` serving ``examples/langgraph``
 (sandlot's app mounted in the LangGraph server, its auth handler, its threads;
-``tests/servers.py``, from the virtualenv ``SANDLOT_LANGGRAPH_VENV``). Measures,
-each interleaved in blocks of calls (a new order every round):
+``tests/servers.py``, from the virtualenv ``SANDLOT_LANGGRAPH_VENV``), with its
+development settings; and the same example served with LangGraph's production
+settings (``bench/langgraph_production.py``: the server app under uvicorn as the
+production image runs it, JSON logs, no private-network middleware; the in-memory
+runtime still). Measures, each interleaved in blocks of calls (a new order every
+round):
 
 1. **ensure** on a thread whose sandbox is live (``POST /v1/sandbox/sessions``
    with a fresh ``Idempotency-Key``, a stock httpx client): as a LangGraph user
-   (LangGraph's auth, then sandlot's check that the user may see the thread: an
-   in-process ``GET /threads/{id}``), with a sandlot API key through the LangGraph
-   server (which skips LangGraph's auth), and on ``sandlot serve``.
+   (LangGraph's auth, then sandlot's check that the user may see the thread:
+   LangGraph's threads operation in process with the user's auth context) and with
+   a sandlot API key (which skips LangGraph's auth), through both LangGraph
+   servers, and on ``sandlot serve``.
 2. **exec ``true``** through MCP (the official client, one session kept open) and
    through the SDK's ``AsyncSandbox.exec`` on the same sandbox; the same through
    the LangGraph server (``/sandlot/mcp``, ``/dp``).
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import statistics
 import sys
@@ -48,7 +54,19 @@ from deepagents_bench import ScriptSandbox, file_ops
 from measure import ainterleave, interleave, pct
 from served import Served
 from targets import report
-from tests.servers import LangGraphDev
+from tests.servers import LANGGRAPH_VENV, LangGraphDev
+
+PRODUCTION = Path(__file__).resolve().parent / "langgraph_production.py"
+
+
+class LangGraphProduction(LangGraphDev):
+    """The same example served as LangGraph's production image runs its server
+    (``bench/langgraph_production.py``: uvicorn, JSON logs, no development settings)."""
+
+    def command(self) -> list[str]:
+        python = LANGGRAPH_VENV / "bin" / "python"
+        return [str(python), str(PRODUCTION), "127.0.0.1", str(self.port)]
+
 
 NEGOTIATE = "/v1/sandbox/sessions"
 #: A body of about 3 KiB, as ``deepagents_bench`` reads and writes.
@@ -75,19 +93,29 @@ def keyed(headers: dict[str, str]) -> dict[str, str]:
 
 
 class Setting:
-    """The two servers and what the measurements share: alice's LangGraph thread and its
-    live sandbox, her sandlot key on the LangGraph server, keys on ``sandlot serve``."""
+    """The servers and what the measurements share: alice's LangGraph thread and its
+    live sandbox, her sandlot key on the LangGraph server, keys on ``sandlot serve``;
+    on the LangGraph server with production settings, her thread and key there."""
 
-    def __init__(self, served: Served, lg: LangGraphDev) -> None:
+    def __init__(self, served: Served, lg: LangGraphDev, prod: LangGraphDev) -> None:
         self.served = served
         self.lg = lg
+        self.prod = prod
         self.alice = lg.users["alice"]
         self.lg_key = lg.key("alice")
+        self.prod_key = prod.key("alice")
         self.agent_key = served.server.key("bench", "agent")
-        created = httpx.post(f"{lg.url}/threads", json={}, headers=bearer(self.alice), timeout=30)
-        created.raise_for_status()
-        self.thread: str = created.json()["thread_id"]
+        self.thread = thread(lg.url, self.alice)
         self.sandbox = live(lg.url, self.alice, self.thread)
+        self.prod_thread = thread(prod.url, self.alice)
+        live(prod.url, self.alice, self.prod_thread)
+
+
+def thread(url: str, token: str) -> str:
+    """A new LangGraph thread of the token's user."""
+    created = httpx.post(f"{url}/threads", json={}, headers=bearer(token), timeout=30)
+    created.raise_for_status()
+    return str(created.json()["thread_id"])
 
 
 def live(url: str, key: str, thread: str) -> str:
@@ -104,18 +132,44 @@ def live(url: str, key: str, thread: str) -> str:
 class EnsureFigures(TypedDict):
     lg_user: list[float]
     lg_key: list[float]
+    prod_user: list[float]
+    prod_key: list[float]
     serve: list[float]
     lg_thread: list[float]
     lg_floor: list[float]
+    prod_floor: list[float]
     serve_floor: list[float]
+    cpu: dict[str, float]
+
+
+#: Calls in a row per path for its server's CPU time per request.
+CPU_CALLS = 300
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) the process has used so far (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_per_call(pid: int | None, call: Callable[[], None]) -> float:
+    """The server's CPU ms per call over :data:`CPU_CALLS` calls in a row (NaN without
+    a process to read)."""
+    if pid is None:
+        return float("nan")
+    start = process_cpu(pid)
+    for _ in range(CPU_CALLS):
+        call()
+    return (process_cpu(pid) - start) * 1000 / CPU_CALLS
 
 
 def measure_ensure(s: Setting, n: int, rng: random.Random) -> EnsureFigures:
     serve_thread = "bench-ensure"
     live(s.served.url, s.served.key, serve_thread)
     lg = httpx.Client(base_url=s.lg.url, timeout=30)
+    prod = httpx.Client(base_url=s.prod.url, timeout=30)
     serve = httpx.Client(base_url=s.served.url, timeout=30)
-    sandboxes: dict[str, set[str]] = {"lg": set(), "serve": set()}
+    sandboxes: dict[str, set[str]] = {"lg": set(), "prod": set(), "serve": set()}
     thread_path, alice = f"/threads/{s.thread}", bearer(s.alice)
 
     def ensure(client: httpx.Client, token: str, thread: str, side: str) -> Callable[[], None]:
@@ -132,29 +186,52 @@ def measure_ensure(s: Setting, n: int, rng: random.Random) -> EnsureFigures:
     figures: EnsureFigures = {
         "lg_user": [],
         "lg_key": [],
+        "prod_user": [],
+        "prod_key": [],
         "serve": [],
         "lg_thread": [],
         "lg_floor": [],
+        "prod_floor": [],
         "serve_floor": [],
+        "cpu": {},
+    }
+    calls = {
+        "lg_user": ensure(lg, s.alice, s.thread, "lg"),
+        "lg_key": ensure(lg, s.lg_key, s.thread, "lg"),
+        "prod_user": ensure(prod, s.alice, s.prod_thread, "prod"),
+        "prod_key": ensure(prod, s.prod_key, s.prod_thread, "prod"),
+        "serve": ensure(serve, s.served.key, serve_thread, "serve"),
     }
     interleave(
         [
-            (figures["lg_user"], ensure(lg, s.alice, s.thread, "lg"), 1),
-            (figures["lg_key"], ensure(lg, s.lg_key, s.thread, "lg"), 1),
-            (figures["serve"], ensure(serve, s.served.key, serve_thread, "serve"), 1),
+            (figures["lg_user"], calls["lg_user"], 1),
+            (figures["lg_key"], calls["lg_key"], 1),
+            (figures["prod_user"], calls["prod_user"], 1),
+            (figures["prod_key"], calls["prod_key"], 1),
+            (figures["serve"], calls["serve"], 1),
             (
                 figures["lg_thread"],
                 lambda: lg.get(thread_path, headers=alice).raise_for_status(),
                 1,
             ),
             (figures["lg_floor"], lambda: lg.get("/ok").raise_for_status(), 1),
+            (figures["prod_floor"], lambda: prod.get("/ok").raise_for_status(), 1),
             (figures["serve_floor"], lambda: serve.get("/healthz").raise_for_status(), 1),
         ],
         n,
         rng,
     )
-    lg.close()
-    serve.close()
+    # Each server's own CPU time per ensure, path by path (calls in a row): what the
+    # server spends, whatever else the shared machine runs meanwhile.
+    pids = {
+        "lg": s.lg.proc.pid if s.lg.proc else None,
+        "prod": s.prod.proc.pid if s.prod.proc else None,
+        "serve": s.served.server.proc.pid if s.served.server.proc else None,
+    }
+    for name, call in calls.items():
+        figures["cpu"][name] = cpu_per_call(pids[name.partition("_")[0]], call)
+    for client in (lg, prod, serve):
+        client.close()
     # Every ensure found the one live sandbox of its thread (a warm ensure, not a new one).
     assert all(len(ids) == 1 for ids in sandboxes.values()), sandboxes
     return figures
@@ -166,42 +243,63 @@ def print_ensure(f: EnsureFigures, n: int) -> float:
         f"\n### ensure on a thread with a live sandbox: through the LangGraph server vs "
         f"`sandlot serve` ({n} each, httpx, a fresh Idempotency-Key each)\n"
     )
-    print("| path | p50 ms | p95 ms | vs `sandlot serve` |")
-    print("|---|---|---|---|")
+    print(
+        "`langgraph dev` runs with its development settings (colored console logs, a "
+        "private-network CORS middleware); *production settings* is the same app and "
+        "in-memory runtime as LangGraph's production image runs its server "
+        "(`bench/langgraph_production.py`: uvicorn, JSON logs, none of those).\n"
+    )
+    print("| path | p50 ms | p95 ms | vs `sandlot serve` | server CPU ms per call |")
+    print("|---|---|---|---|---|")
+    cpu, table = f["cpu"], dict(f)
     rows = [
-        ("LangGraph server, as a LangGraph user (its auth + thread visibility)", f["lg_user"]),
-        ("LangGraph server, sandlot API key (skips LangGraph's auth)", f["lg_key"]),
-        ("`sandlot serve`, sandlot API key", f["serve"]),
-        (
-            "LangGraph's own `GET /threads/{id}` as the user (what the visibility check asks)",
-            f["lg_thread"],
-        ),
-        ("HTTP floor: LangGraph's `GET /ok`", f["lg_floor"]),
-        ("HTTP floor: `sandlot serve`'s `GET /healthz`", f["serve_floor"]),
+        ("`langgraph dev`, as a LangGraph user (its auth + thread visibility)", "lg_user"),
+        ("`langgraph dev`, sandlot API key (skips LangGraph's auth)", "lg_key"),
+        ("LangGraph, production settings, as a LangGraph user", "prod_user"),
+        ("LangGraph, production settings, sandlot API key", "prod_key"),
+        ("`sandlot serve`, sandlot API key", "serve"),
+        ("LangGraph's own `GET /threads/{id}` as the user (`langgraph dev`)", "lg_thread"),
+        ("HTTP floor: LangGraph's `GET /ok` (`langgraph dev`)", "lg_floor"),
+        ("HTTP floor: LangGraph's `GET /ok` (production settings)", "prod_floor"),
+        ("HTTP floor: `sandlot serve`'s `GET /healthz`", "serve_floor"),
     ]
-    for name, samples in rows:
-        print(f"| {name} | {ms(samples):.2f} | {p95(samples):.2f} | {ms(samples) / base:.2f}x |")
-    ratio = ms(f["lg_user"]) / base
-    user, key, serve = ms(f["lg_user"]), ms(f["lg_key"]), base
+    for name, which in rows:
+        samples: list[float] = table[which]
+        spent = f"{cpu[which]:.2f}" if which in cpu else ""
+        print(
+            f"| {name} | {ms(samples):.2f} | {p95(samples):.2f} | {ms(samples) / base:.2f}x "
+            f"| {spent} |"
+        )
+    user, key = ms(f["lg_user"]), ms(f["lg_key"])
+    prod_user, prod_key = ms(f["prod_user"]), ms(f["prod_key"])
+    ratio, prod_ratio = user / base, prod_user / base
     made_of = (
-        f"as a LangGraph user {user:.2f} ms is a sandlot key through the same server "
-        f"({key:.2f} ms) plus {user - key:.2f} ms: LangGraph's middleware and auth handler, "
-        "then the visibility check's in-process `GET /threads/{id}` with the user's "
-        "credentials (through LangGraph's auth again) in place of the key's ownership lookup; "
-        f"the key through LangGraph costs {key - serve:.2f} ms more than on `sandlot serve` "
-        "(its ownership check looks the thread up through LangGraph's in-process SDK client; "
-        "`sandlot serve` has no threads to check). LangGraph answers `GET /threads/{id}` "
-        f"over HTTP in {ms(f['lg_thread']):.2f} ms; HTTP floors {ms(f['lg_floor']):.2f} ms "
-        f"(LangGraph) and {ms(f['serve_floor']):.2f} ms (`sandlot serve`)"
+        f"as a LangGraph user {prod_user:.2f} ms with production settings and {user:.2f} ms "
+        f"under `langgraph dev`; with a sandlot key {prod_key:.2f} and {key:.2f} ms. A "
+        "user's request passes LangGraph's middleware and authentication (its auth handler, "
+        "and a log line LangGraph hands to a thread on every authenticated request), then "
+        "sandlot's visibility check (LangGraph's threads operation in process, with the "
+        "user's auth context); a key's request goes straight to sandlot, whose ownership "
+        "check reads the thread through the same operation. `langgraph dev` adds its "
+        "development settings to every request (colored console logging, a private-network "
+        f"`BaseHTTPMiddleware`): HTTP floors {ms(f['lg_floor']):.2f} ms (`langgraph dev`), "
+        f"{ms(f['prod_floor']):.2f} ms (production settings) and "
+        f"{ms(f['serve_floor']):.2f} ms (`sandlot serve`); LangGraph answers its own "
+        f"`GET /threads/{{id}}` over HTTP in {ms(f['lg_thread']):.2f} ms. Each server's "
+        f"own CPU time per ensure: {cpu['prod_user']:.2f} ms as a LangGraph user and "
+        f"{cpu['prod_key']:.2f} ms with a key (production settings), {cpu['lg_user']:.2f} "
+        f"and {cpu['lg_key']:.2f} ms (`langgraph dev`), {cpu['serve']:.2f} ms "
+        "(`sandlot serve`)"
     )
     print(f"\nWhere the time goes: {made_of}.")
     report(
         "integrations",
         "ensure through the LangGraph-mounted app (a LangGraph user) vs `sandlot serve`: "
-        "≤ 1.5\u00d7",
-        f"{ratio:.2f}\u00d7 ({ms(f['lg_user']):.2f} vs {base:.2f} ms p50; with a sandlot key "
-        f"through LangGraph {ms(f['lg_key']):.2f} ms)",
-        ratio <= 1.5,
+        "\u2264 1.5\u00d7",
+        f"{prod_ratio:.2f}\u00d7 with LangGraph's production settings ({prod_user:.2f} vs "
+        f"{base:.2f} ms p50); {ratio:.2f}\u00d7 under `langgraph dev`'s development "
+        f"settings ({user:.2f} ms); with a sandlot key {prod_key:.2f} and {key:.2f} ms",
+        prod_ratio <= 1.5,
         made_of,
     )
     return ratio
@@ -417,37 +515,60 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=2000, help="ensure samples per path")
     ap.add_argument("--mcp", type=int, default=500, help="exec samples per path")
     ap.add_argument("--ops", type=int, default=200, help="deepagents calls per side and op")
+    ap.add_argument(
+        "--only",
+        choices=("ensure", "exec", "deepagents"),
+        action="append",
+        help="measure only this (repeatable; default: all three)",
+    )
     args = ap.parse_args()
+    only = set(args.only or ("ensure", "exec", "deepagents"))
     rng = random.Random(20260501)
     with tempfile.TemporaryDirectory(prefix="sandlot-integrations-") as tmp:
         root = Path(tmp)
         served = Served(root / "serve").start()
         assert served.server.config_path is not None
-        # The LangGraph server's sandlot gets the same configuration (the raised limits).
-        lg = LangGraphDev(
-            root / "langgraph",
-            root / "langgraph" / "sandlot-data",
-            env={"SANDLOT_CONFIG": str(served.server.config_path)},
-        )
+        # The LangGraph servers' sandlot gets the same configuration (the raised limits).
+        env = {"SANDLOT_CONFIG": str(served.server.config_path)}
+        lg = LangGraphDev(root / "langgraph", root / "langgraph" / "sandlot-data", env=env)
+        prod = LangGraphProduction(root / "prod", root / "prod" / "sandlot-data", env=env)
+        started: list[LangGraphDev] = []
         try:
-            lg.start()
-            setting = Setting(served, lg)
-            ensure = measure_ensure(setting, args.n, rng)
-            exec_ = asyncio.run(measure_exec(setting, args.mcp, rng))
-            deepagents, run_sandbox = measure_deepagents(setting, args.ops, rng)
+            for server in (lg, prod):
+                started.append(server)
+                server.start()
+                if server.proc is not None:  # for a profiler to attach to
+                    print(
+                        f"{type(server).__name__} pid {server.proc.pid}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+            setting = Setting(served, lg, prod)
+            ensure = exec_ = deepagents = None
+            if "ensure" in only:
+                ensure = measure_ensure(setting, args.n, rng)
+            if "exec" in only:
+                exec_ = asyncio.run(measure_exec(setting, args.mcp, rng))
+            if "deepagents" in only:
+                deepagents = measure_deepagents(setting, args.ops, rng)
         finally:
             mode = served.mode
-            lg.stop()
-            lg.cleanup()
+            for server in started:
+                server.stop()
+                server.cleanup()
             served.stop()
 
     print(
         f"Sandlot's integrations ({mode} sandboxes, the shipped templates; `langgraph dev` "
-        "serving examples/langgraph, in the same run as `sandlot serve`)"
+        "serving examples/langgraph, and for ensure the same example with LangGraph's "
+        "production settings, in the same run as `sandlot serve`)"
     )
-    print_ensure(ensure, args.n)
-    print_exec(exec_, args.mcp)
-    print_deepagents(deepagents, run_sandbox, setting.sandbox, args.ops)
+    if ensure is not None:
+        print_ensure(ensure, args.n)
+    if exec_ is not None:
+        print_exec(exec_, args.mcp)
+    if deepagents is not None:
+        print_deepagents(*deepagents, setting.sandbox, args.ops)
 
 
 if __name__ == "__main__":

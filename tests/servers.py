@@ -298,12 +298,16 @@ class LangGraphDev:
     def data_dir(self) -> Path:
         return Path(self.env["SANDLOT_DATA_DIR"])
 
-    def start(self, timeout: float = 120.0) -> LangGraphDev:
+    def command(self) -> list[str]:
+        """How the server starts: ``langgraph dev`` (its development settings)."""
         binary = LANGGRAPH_VENV / "bin" / "langgraph"
         if not binary.exists():
             raise RuntimeError(f"{binary} is missing: ./scripts/test makes it")
         argv = [str(binary), "dev", "--no-browser", "--no-reload", "--allow-blocking"]
-        argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+        return [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
+
+    def start(self, timeout: float = 120.0) -> LangGraphDev:
+        argv = self.command()
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT

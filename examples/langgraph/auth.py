@@ -10,6 +10,7 @@ is recorded as an agent, ``sandlot:admin`` is a sandlot admin.
 
 from __future__ import annotations
 
+import functools
 import os
 
 from langgraph_sdk import Auth
@@ -18,8 +19,14 @@ auth = Auth()
 
 
 def _users() -> dict[str, tuple[str, list[str]]]:
+    return _parse(os.environ.get("EXAMPLE_USERS", ""))
+
+
+@functools.lru_cache(maxsize=1)
+def _parse(spec: str) -> dict[str, tuple[str, list[str]]]:
+    """The token → (user, permissions) table, parsed once per value of the variable."""
     users = {}
-    for entry in os.environ.get("EXAMPLE_USERS", "").split(","):
+    for entry in spec.split(","):
         token, _, rest = entry.partition(":")
         user, _, permissions = rest.partition("/")
         if token and user:

@@ -21,9 +21,10 @@ What a request meets (docs/INTEGRATIONS.md, "LangGraph"):
   the LangGraph server's auth, and the LangGraph user is the sandlot user
   (:data:`PERMISSIONS` maps its permissions to an actor type).
 - A thread-scoped session is refused (403) unless the caller may see the thread in this
-  LangGraph server: a LangGraph user is checked through the threads API with its own
-  credentials; a sandlot key's user must be the thread's ``metadata.owner`` when the
-  thread has one.
+  LangGraph server: a LangGraph user is checked through the server's own threads
+  operation with the auth context its auth gave the request (its ``@auth.on`` filters
+  apply); a sandlot key's user must be the thread's ``metadata.owner`` when the thread
+  has one.
 - ``DELETE /threads/{id}`` that succeeds ends the thread's sandbox at once; a pass every
   ``reconcile_seconds`` ends the sandboxes of threads deleted otherwise (TTL, prune, or
   while sandlot was down) and of runs that ended (``run`` scopes named ``THREAD/RUN``).
@@ -37,11 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import logging
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -96,15 +98,15 @@ RUNTIME_USER, RUNTIME_PRINCIPAL, RUNTIME_KEY_NAME = "langgraph", "langgraph-runs
 #: Run states after which a run's sandbox ends.
 LIVE_RUN_STATES = frozenset({"pending", "running"})
 _THREAD_PATH = re.compile(r"^/threads/([^/]+)/?$")
-_FORWARDED_OUT = {b"host", b"content-length", b"content-type", b"transfer-encoding", b"connection"}
 
 
 @dataclass(frozen=True)
 class _Caller:
-    """A control-plane request that passed the LangGraph server's auth."""
+    """A control-plane request that passed the LangGraph server's auth: the user and the
+    permissions its auth handler returned (``scope["user"]``, ``scope["auth"]``)."""
 
-    headers: list[tuple[bytes, bytes]]
-    app: ASGIApp
+    user: Any
+    permissions: tuple[str, ...]
 
 
 _caller: ContextVar[_Caller | None] = ContextVar("sandlot_langgraph_caller", default=None)
@@ -249,13 +251,11 @@ class SandlotInLangGraph:
             )
 
     async def _visible_to(self, caller: _Caller, thread_id: str) -> bool:
-        """Whether the LangGraph server shows the thread to the caller (its own credentials,
-        its auth handlers: ``GET /threads/{id}`` in process)."""
-        headers = [(k, v) for k, v in caller.headers if k not in _FORWARDED_OUT]
-        status, _ = await _asgi_get(caller.app, f"/threads/{quote(thread_id, safe='')}", headers)
-        if status >= 500:
-            raise ProviderUnavailable("the LangGraph server could not look the thread up; retry")
-        return status == 200
+        """Whether the LangGraph server shows the thread to the caller: the threads
+        operation its own ``GET /threads/{id}`` runs, in process, with the caller's auth
+        context (its auth handlers and their filters apply; its HTTP stack is not
+        passed a second time)."""
+        return await _read_thread(thread_id, caller.user, caller.permissions)
 
     async def _owned_by(self, principal: Principal, thread_id: str) -> bool:
         """For a sandlot key: the thread exists, and is the user's if it names an owner."""
@@ -268,13 +268,18 @@ class SandlotInLangGraph:
     async def _thread(self, thread_id: str) -> dict[str, Any] | None:
         """The thread as the server itself sees it (no user's auth), or ``None``.
 
-        In process, as the LangGraph SDK's own loopback client asks (``root_path``
-        ``/noauth``, which only an in-process caller can set); before the server has met
-        its first request, through that client.
+        In process: the threads operation of its ``GET /threads/{id}`` with no auth
+        context, its fields decrypted as that route does. Should the thread's metadata
+        not read as a plain mapping there (a runtime that hands out raw JSON), it is
+        asked as the LangGraph SDK's own loopback client asks (``root_path``
+        ``/noauth``, which only an in-process caller can set); before the server has
+        met its first request, through that client.
         """
         server = self.langgraph
         if server is None:
             return await _thread(thread_id)
+        with contextlib.suppress(_Unreadable):
+            return await _server_thread(thread_id)
         status, body = await _asgi_get(
             server, f"/threads/{quote(thread_id, safe='')}", [], root_path="/noauth"
         )
@@ -360,15 +365,17 @@ class _Paths(BaseRoute):
 
 
 class _WithCaller:
-    """Remembers, for the request it passes on, the caller's credentials and the server."""
+    """Remembers, for the request it passes on, the LangGraph user its auth found."""
 
     def __init__(self, app: ASGIApp, sandlot: SandlotInLangGraph) -> None:
         self.app = app
         self.sandlot = sandlot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        server = self.sandlot.langgraph
-        token = _caller.set(_Caller(list(scope.get("headers", ())), server) if server else None)
+        auth = scope.get("auth")
+        permissions = tuple(str(p) for p in getattr(auth, "scopes", None) or ())
+        user = scope.get("user")
+        token = _caller.set(_Caller(user, permissions) if user is not None else None)
         try:
             await self.app(scope, receive, send)
         finally:
@@ -500,6 +507,81 @@ async def _asgi_get(
 
     await app(scope, receive, send)
     return status, b"".join(body)
+
+
+def _threads_api() -> Any:
+    """The module of the LangGraph server's threads API: its runtime's ``Threads`` and
+    ``connect``, and how its routes decrypt a thread."""
+    return importlib.import_module("langgraph_api.api.threads")
+
+
+def _unless_not_found(exc: Exception) -> None:
+    """Pass a threads operation's error meaning "no such thread for this caller" (its
+    routes answer 404, or the caller's auth handler refused); raise any other as the
+    server not answering."""
+    from starlette.exceptions import HTTPException
+
+    if isinstance(exc, HTTPException) and exc.status_code in (401, 403, 404, 422):
+        return
+    raise ProviderUnavailable("the LangGraph server could not look the thread up") from exc
+
+
+async def _read_thread(thread_id: str, user: Any, permissions: tuple[str, ...]) -> bool:
+    """Whether ``Threads.get`` of the LangGraph server's threads API finds the thread for
+    this user: its auth handlers run for ``threads``/``read`` and their filters apply."""
+    from langgraph_sdk import Auth
+
+    try:
+        thread_uuid = uuid.UUID(thread_id)
+    except ValueError:
+        return False  # LangGraph's thread ids are UUIDs: no such thread
+    ctx = Auth.types.BaseAuthContext(permissions=list(permissions), user=user)
+    api = _threads_api()
+    try:
+        async with api.connect() as conn:
+            async for _ in await api.Threads.get(conn, thread_uuid, ctx=ctx):
+                return True
+    except Exception as exc:
+        _unless_not_found(exc)
+    return False
+
+
+class _Unreadable(Exception):
+    """The thread's metadata did not read as a plain mapping in process."""
+
+
+async def _server_thread(thread_id: str) -> dict[str, Any] | None:
+    """The thread as ``GET /threads/{id}`` finds it with no user (the server's own view),
+    in process, or ``None``; :class:`_Unreadable` if its metadata is not a mapping."""
+    try:
+        thread_uuid = uuid.UUID(thread_id)
+    except ValueError:
+        return None
+    api = _threads_api()
+    # No user's auth context: the handlers and their filters are not applied.
+    auth_context = importlib.import_module("langgraph_api.utils").AuthContext
+    token = auth_context.set(None)
+    try:
+        async with api.connect() as conn:
+            rows = await api.Threads.get(conn, thread_uuid)
+            row = await anext(aiter(rows), None)
+        if row is None:
+            return None
+        thread = await api.decrypt_response(
+            row,
+            "thread",
+            api.THREAD_ENCRYPTION_FIELDS,
+            plaintext_from_core=api.IS_POSTGRES_OR_GRPC_BACKEND and api.using_custom_encryption(),
+        )
+    except Exception as exc:
+        _unless_not_found(exc)
+        return None
+    finally:
+        auth_context.reset(token)
+    metadata = thread.get("metadata")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise _Unreadable(thread_id)
+    return {"thread_id": str(thread.get("thread_id")), "metadata": dict(metadata or {})}
 
 
 _loopback: Any = None
