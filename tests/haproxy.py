@@ -43,6 +43,9 @@ def haproxy_config(port: int, replicas: Mapping[str, int | str], bind: str = "12
         "    timeout connect 2s",
         "    timeout client 120s",
         "    timeout server 120s",
+        # A health check's answer may take this long (without it, the check interval:
+        # 300 ms, which a replica busy with a storm of requests can exceed).
+        "    timeout check 2s",
         # Once upgraded, a WebSocket (an exec stream, a shell) idles as long as it likes.
         "    timeout tunnel 1h",
         "    timeout http-keep-alive 10s",

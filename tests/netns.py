@@ -189,6 +189,10 @@ class Topology:
             with contextlib.suppress(Exception):
                 proc.wait(10)
         for node in self.nodes.values():
+            # Deleting one end of a veth deletes the pair at once; a namespace's own
+            # links go with it only when the kernel gets round to it, later.
+            for port in node.ports.values():
+                _ip("link", "del", port, check=False)
             _ip("netns", "del", node.netns, check=False)
         for net in self.networks.values():
             _ip("link", "del", net.bridge, check=False)
@@ -200,7 +204,7 @@ class Topology:
 
     def leftovers(self) -> list[str]:
         """What of this run still exists (empty after :meth:`close`)."""
-        found = []
+        found: list[str] = []
         names = _ip("netns", "list").stdout
         links = _ip("-br", "link").stdout
         routes = _ip("route", "show", "table", "all").stdout

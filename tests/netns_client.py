@@ -83,7 +83,9 @@ async def _ensure(
     tally: Tally,
     deadline: float,
 ) -> dict[str, Any] | None:
-    """One ensure, retried with its Idempotency-Key until answered or ``deadline``."""
+    """One ensure, retried with its Idempotency-Key until answered or ``deadline``
+    seconds have passed."""
+    until = time.monotonic() + deadline
     key = str(uuid.uuid4())
     keyed = {**headers, "Idempotency-Key": key}
     body = {"thread_id": thread, "mode": "ensure"}
@@ -115,7 +117,7 @@ async def _ensure(
         tally.retried[seen] += 1
         tally.retries += 1
         attempt += 1
-        if time.monotonic() > deadline:
+        if time.monotonic() > until:
             tally.gave_up += 1
             return None
         await asyncio.sleep(min(0.05 * 2**attempt, 1.0) * random.uniform(0.5, 1.0))
@@ -128,23 +130,22 @@ async def op_storm(
     threads: Sequence[str],
     per_thread: int,
     connections: int = 64,
-    deadline: float = 600,
+    deadline: float = 120,
     replays: int = 50,
 ) -> dict[str, Any]:
-    """``per_thread`` concurrent ensures of each thread in turn, through ``base``; an
-    event after each thread (``{"event": "thread", "done": n}``). Then the requests that
-    needed retries are sent again with their key: each must be answered with the same
-    binding (replayed)."""
+    """``per_thread`` concurrent ensures of each thread in turn, through ``base``, each
+    retried for up to ``deadline`` seconds; an event after each thread (``{"event":
+    "thread", "done": n}``). Then the requests that needed retries are sent again with
+    their key: each must be answered with the same binding (replayed)."""
     tally = Tally()
     limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
-    until = time.monotonic() + deadline
     per: dict[str, dict[str, list[str]]] = {}
     started = time.monotonic()
     url = f"{base}/v1/sandbox/sessions"
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
         for n, thread in enumerate(threads, 1):
             grants = await asyncio.gather(
-                *(_ensure(client, url, headers, thread, tally, until) for _ in range(per_thread))
+                *(_ensure(client, url, headers, thread, tally, deadline) for _ in range(per_thread))
             )
             got = [g for g in grants if g is not None]
             per[thread] = {

@@ -111,7 +111,6 @@ def test_ensure_storm_over_three_replicas(run: Run, record_property: RecordPrope
     result["per_thread"] = PER_THREAD
     figure = assert_exactly_once(run, result)
     spread = hosts_of(result)
-    assert result["retries"] == 0, result["retried"]
     assert set(spread) == set(run.cluster.names), spread
     report(
         record_property,
@@ -276,19 +275,22 @@ def test_replica_cut_from_the_database(run: Run, record_property: RecordProperty
 
     def probe_then_heal() -> None:
         # Asked directly meanwhile, the cut replica answers (its connections to the
-        # database time out in seconds), and says the store is unavailable.
-        for n in range(2):
-            r = c.driver.call(
-                "request",
-                method="POST",
-                url=f"{c.url('r3')}/v1/sandbox/sessions",
-                json={"thread_id": f"dbcut_direct_{n}", "mode": "ensure"},
-                headers=run.headers,
-                timeout=20,
-            )
-            body = r["body"] if isinstance(r["body"], dict) else {}
-            direct.append(f"{r['status']} {body.get('error', {}).get('code', '')}".strip())
-        c.topo.heal("r3", "back")
+        # database time out in seconds, not when TCP gives up), and says the store is
+        # unavailable.
+        try:
+            for n in range(2):
+                r = c.driver.call(
+                    "request",
+                    method="POST",
+                    url=f"{c.url('r3')}/v1/sandbox/sessions",
+                    json={"thread_id": f"dbcut_direct_{n}", "mode": "ensure"},
+                    headers=run.headers,
+                    timeout=60,
+                )
+                body = r["body"] if isinstance(r["body"], dict) else {}
+                direct.append(f"{r['status']} {body.get('error', {}).get('code', '')}".strip())
+        finally:
+            c.topo.heal("r3", "back")
         # Back by itself: the balancer's health checks pass again, no restart.
         c.wait_balanced({"r3"})
 
