@@ -63,7 +63,7 @@ class LangGraphProduction(LangGraphDev):
     """The same example served as LangGraph's production image runs its server
     (``bench/langgraph_production.py``: uvicorn, JSON logs, no development settings)."""
 
-    def command(self) -> list[str]:
+    def server_argv(self) -> list[str]:
         python = LANGGRAPH_VENV / "bin" / "python"
         return [str(python), str(PRODUCTION), "127.0.0.1", str(self.port)]
 

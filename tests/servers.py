@@ -298,7 +298,7 @@ class LangGraphDev:
     def data_dir(self) -> Path:
         return Path(self.env["SANDLOT_DATA_DIR"])
 
-    def command(self) -> list[str]:
+    def server_argv(self) -> list[str]:
         """How the server starts: ``langgraph dev`` (its development settings)."""
         binary = LANGGRAPH_VENV / "bin" / "langgraph"
         if not binary.exists():
@@ -307,7 +307,7 @@ class LangGraphDev:
         return [*argv, "--host", "127.0.0.1", "--port", str(self.port)]
 
     def start(self, timeout: float = 120.0) -> LangGraphDev:
-        argv = self.command()
+        argv = self.server_argv()
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
                 argv, cwd=self.workdir, env=self.env, stdout=log, stderr=subprocess.STDOUT
@@ -335,7 +335,7 @@ class LangGraphDev:
         argv += ["--actor", actor, "--data-dir", str(self.data_dir), "--json"]
         if "SANDLOT_CONFIG" in self.env:
             argv += ["--config", self.env["SANDLOT_CONFIG"]]
-        out = subprocess.run(self.command(argv), capture_output=True, check=True, timeout=60)
+        out = subprocess.run(argv, capture_output=True, check=True, timeout=60)
         return str(json.loads(out.stdout)["key"])
 
     def stop(self) -> None:
