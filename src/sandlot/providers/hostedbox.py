@@ -16,6 +16,7 @@ quoted for the shell (:func:`q`), to the commands it runs there.
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import shlex
@@ -36,6 +37,12 @@ from sandlot.protocol.errors import (
 MAX_FRAME_BYTES = 16 << 20
 
 
+@functools.lru_cache(maxsize=64)
+def _timeout(read: float | None) -> httpx.Timeout:
+    """The box call's timeouts (built once per value: not on every call)."""
+    return httpx.Timeout(read, connect=10.0)
+
+
 def q(value: str) -> str:
     """``value`` as one shell word."""
     return shlex.quote(value)
@@ -49,6 +56,7 @@ class Box:
     ) -> None:
         self.url = url.rstrip("/")
         self._key = key
+        self._headers = {"X-Api-Key": key}
         self.client = client
         self.workspace = workspace
         #: Whether the box serves ``/glob`` and ``/grep`` (None: not asked yet).
@@ -89,8 +97,8 @@ class Box:
                 params=params,
                 json=json_body,
                 files=files,
-                headers={**self.headers, **(headers or {})},
-                timeout=httpx.Timeout(timeout, connect=10.0),
+                headers={**self._headers, **headers} if headers else self._headers,
+                timeout=_timeout(timeout),
             )
         except httpx.TransportError as exc:
             raise ProviderUnavailable("the hosted box is unreachable") from exc
@@ -107,7 +115,7 @@ class Box:
             f"{self.url}{route}",
             params=params,
             headers={**self.headers, **headers},
-            timeout=httpx.Timeout(None, connect=10.0),
+            timeout=_timeout(None),
         )
         try:
             resp = await self.client.send(req, stream=True)

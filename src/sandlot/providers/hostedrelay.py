@@ -139,7 +139,8 @@ class HostedRelay(RelayCore):
             path: str = scope["path"]
             route = path[len(root) :] if root and path.startswith(root) else path
             sandbox_id, sep, rest = route[1:].partition("/v1/")
-            hit = self.fast.get("/" + rest) if sep and sandbox_id and "/" not in sandbox_id else None
+            well_formed = sep and sandbox_id and "/" not in sandbox_id
+            hit = self.fast.get("/" + rest) if well_formed else None
             if hit is not None and scope["method"] in hit[0]:
                 child = dict(scope)
                 child["app"] = self.app
