@@ -133,7 +133,7 @@ async def measure(
             f"relay overhead on {what} ≤ 1 ms added",
             f"{ms(added)} added",
             added <= 1.0,
-            "token verification, the relay's own route and a second HTTP hop in one process",
+            "a second process on the way (its ASGI stack, the call to the box, its wake-ups)",
         )
 
 

@@ -9,6 +9,11 @@ nothing it raises carries it: the box's own error bodies are reduced to their co
 and message, and a refusal of the key (401/403 from the box) is the provider's
 failure (503), never the caller's.
 
+Calls without a multipart body (``/execute``, ``/download`` read whole, ``HEAD``,
+``/glob``, ``/grep``) go over the SDK's keep-alive HTTP/1.1 pool
+(:class:`~sandlot.sdk._async._wire.AsyncWire`), one send per request, when the box is
+given one; uploads and streamed downloads over httpx.
+
 Paths are the box's own: the relay resolves a relative path against the box's
 workspace (:attr:`Box.workspace`) and passes only absolute, normalised paths, each
 quoted for the shell (:func:`q`), to the commands it runs there.
