@@ -12,16 +12,21 @@ Each operation, side by side in one run, from one client with a kept-alive conne
 - directly: the same box's ``POST /execute`` and ``GET /download`` with the key, what
   a client holding the key would call.
 
-The difference of the medians is the relay's added time (target ≤ 1 ms).
+The difference of the medians is the relay's added time (target ≤ 1 ms). On a loaded
+machine that difference is mostly waiting for a core, so the broker's own CPU time per
+relayed operation (``/proc/PID/stat`` of the broker's process over each loop, divided by
+the relayed calls; the direct calls never reach the broker) is printed beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -50,6 +55,12 @@ async def run(args: argparse.Namespace) -> None:
             )
         finally:
             await client.aclose()
+
+
+def cpu_ms(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far, in ms."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) * 1000 / os.sysconf("SC_CLK_TCK")
 
 
 async def measure(
@@ -81,25 +92,40 @@ async def measure(
             )
             assert r.status_code == 200 and r.text == CONTENT
 
+        # The broker's CPU while idle (its reaper, its clocks), per ms, is taken off.
+        pid = p.broker.proc.pid  # type: ignore[attr-defined]
+        t0, c0 = time.monotonic(), cpu_ms(pid)
+        await asyncio.sleep(3.0)
+        t1, c1 = time.monotonic(), cpu_ms(pid)
+        idle = (c1 - c0) / ((t1 - t0) * 1000)
         await ainterleave(
             [(samples["re"], relay_exec, 1), (samples["de"], direct_exec, 1)], args.n, rng
         )
+        t2, c2 = time.monotonic(), cpu_ms(pid)
         await ainterleave(
             [(samples["rr"], relay_read, 1), (samples["dr"], direct_read, 1)], args.n, rng
         )
+        t3, c3 = time.monotonic(), cpu_ms(pid)
+        cpu_exec = (c2 - c1 - idle * (t2 - t1) * 1000) / len(samples["re"])
+        cpu_read = (c3 - c2 - idle * (t3 - t2) * 1000) / len(samples["rr"])
+        print(f"broker idle: {idle * 1000:.1f} ms of CPU per second")
     re50, re99 = stats(samples["re"])
     de50, de99 = stats(samples["de"])
     rr50, rr99 = stats(samples["rr"])
     dr50, dr99 = stats(samples["dr"])
-    print("| operation | through the relay | the box directly | added | ratio |")
-    print("|---|---|---|---|---|")
+    print(
+        "| operation | through the relay | the box directly | added | ratio | broker CPU per call |"
+    )
+    print("|---|---|---|---|---|---|")
     print(
         f"| `exec true` (median / p99 of {len(samples['re'])}) | {ms(re50)} / {ms(re99)} | "
-        f"{ms(de50)} / {ms(de99)} (`POST /execute`) | {ms(re50 - de50)} | {ratio(re50, de50)} |"
+        f"{ms(de50)} / {ms(de99)} (`POST /execute`) | {ms(re50 - de50)} | {ratio(re50, de50)} "
+        f"| {ms(cpu_exec)} |"
     )
     print(
         f"| 4 KiB read (median / p99 of {len(samples['rr'])}) | {ms(rr50)} / {ms(rr99)} | "
-        f"{ms(dr50)} / {ms(dr99)} (`GET /download`) | {ms(rr50 - dr50)} | {ratio(rr50, dr50)} |"
+        f"{ms(dr50)} / {ms(dr99)} (`GET /download`) | {ms(rr50 - dr50)} | {ratio(rr50, dr50)} "
+        f"| {ms(cpu_read)} |"
     )
     for what, added in (("exec true", re50 - de50), ("a 4 KiB read", rr50 - dr50)):
         report(
@@ -107,7 +133,7 @@ async def measure(
             f"relay overhead on {what} ≤ 1 ms added",
             f"{ms(added)} added",
             added <= 1.0,
-            "token verification, the relay's own route and a second HTTP hop in one process",
+            "a second process on the way (its ASGI stack, the call to the box, its wake-ups)",
         )
 
 

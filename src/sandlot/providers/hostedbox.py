@@ -9,6 +9,11 @@ nothing it raises carries it: the box's own error bodies are reduced to their co
 and message, and a refusal of the key (401/403 from the box) is the provider's
 failure (503), never the caller's.
 
+Calls without a multipart body (``/execute``, ``/download`` read whole, ``HEAD``,
+``/glob``, ``/grep``) go over the SDK's keep-alive HTTP/1.1 pool
+(:class:`~sandlot.sdk._async._wire.AsyncWire`), one send per request, when the box is
+given one; uploads and streamed downloads over httpx.
+
 Paths are the box's own: the relay resolves a relative path against the box's
 workspace (:attr:`Box.workspace`) and passes only absolute, normalised paths, each
 quoted for the shell (:func:`q`), to the commands it runs there.
@@ -16,11 +21,13 @@ quoted for the shell (:func:`q`), to the commands it runs there.
 
 from __future__ import annotations
 
+import functools
 import json
 import posixpath
 import shlex
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
@@ -29,11 +36,21 @@ from sandlot.protocol.errors import (
     FileNotFound,
     InvalidRequest,
     ProviderUnavailable,
+    RequestTimeout,
     SandlotError,
+    TransportError,
     exception_for,
 )
+from sandlot.sdk._async._wire import AsyncWire
+from sandlot.sdk.transport import Deadline, Response
 
 MAX_FRAME_BYTES = 16 << 20
+
+
+@functools.lru_cache(maxsize=64)
+def _timeout(read: float | None) -> httpx.Timeout:
+    """The box call's timeouts (built once per value: not on every call)."""
+    return httpx.Timeout(read, connect=10.0)
 
 
 def q(value: str) -> str:
@@ -45,11 +62,22 @@ class Box:
     """A box's dataplane (``url``, e.g. ``https://…/v1``) reached with the provider's key."""
 
     def __init__(
-        self, url: str, key: str, client: httpx.AsyncClient, *, workspace: str = "/workspace"
+        self,
+        url: str,
+        key: str,
+        client: httpx.AsyncClient,
+        *,
+        workspace: str = "/workspace",
+        wire: AsyncWire | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self._key = key
+        self._headers = {"X-Api-Key": key}
+        self._wire_headers = [("X-Api-Key", key), ("Accept", "*/*")]
         self.client = client
+        #: The keep-alive HTTP/1.1 pool of the calls without a multipart body (one send
+        #: per request, a fraction of httpx's client code); httpx for uploads and streams.
+        self.wire = wire
         self.workspace = workspace
         #: Whether the box serves ``/glob`` and ``/grep`` (None: not asked yet).
         self.has_search: bool | None = None
@@ -81,7 +109,9 @@ class Box:
         files: Any = None,
         headers: Mapping[str, str] | None = None,
         timeout: float | None = 60.0,
-    ) -> httpx.Response:
+    ) -> httpx.Response | Response:
+        if self.wire is not None and files is None:
+            return await self._wire_request(method, route, params, json_body, headers, timeout)
         try:
             resp = await self.client.request(
                 method,
@@ -89,10 +119,42 @@ class Box:
                 params=params,
                 json=json_body,
                 files=files,
-                headers={**self.headers, **(headers or {})},
-                timeout=httpx.Timeout(timeout, connect=10.0),
+                headers={**self._headers, **headers} if headers else self._headers,
+                timeout=_timeout(timeout),
             )
         except httpx.TransportError as exc:
+            raise ProviderUnavailable("the hosted box is unreachable") from exc
+        if resp.status_code >= 400:
+            raise box_error(resp.status_code, resp.content)
+        return resp
+
+    async def _wire_request(
+        self,
+        method: str,
+        route: str,
+        params: Mapping[str, str] | None,
+        json_body: Any,
+        headers: Mapping[str, str] | None,
+        timeout: float | None,
+    ) -> Response:
+        assert self.wire is not None
+        url = f"{self.url}{route}"
+        if params:
+            url = f"{url}?{urlencode(params)}"
+        head = list(self._wire_headers)
+        if headers:
+            head += headers.items()
+        body = None
+        if json_body is not None:
+            body = json.dumps(json_body, separators=(",", ":")).encode()
+            head.append(("Content-Type", "application/json"))
+        try:
+            resp = await self.wire.request(
+                method, url, headers=head, body=body, deadline=Deadline(timeout)
+            )
+        except RequestTimeout as exc:
+            raise ProviderUnavailable("the hosted box did not answer in time") from exc
+        except TransportError as exc:
             raise ProviderUnavailable("the hosted box is unreachable") from exc
         if resp.status_code >= 400:
             raise box_error(resp.status_code, resp.content)
@@ -107,7 +169,7 @@ class Box:
             f"{self.url}{route}",
             params=params,
             headers={**self.headers, **headers},
-            timeout=httpx.Timeout(None, connect=10.0),
+            timeout=_timeout(None),
         )
         try:
             resp = await self.client.send(req, stream=True)

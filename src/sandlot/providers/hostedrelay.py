@@ -125,8 +125,29 @@ class HostedRelay(RelayCore):
             exception_handlers={404: _not_found, 405: _method_not_allowed},
         )
         self.app.state.relay = self
+        #: HTTP routes without parameters, by path: one dict look-up instead of trying each
+        #: route's pattern in turn (the others, WebSockets, 404 and 405 go through ``app``).
+        self.fast: dict[str, tuple[frozenset[str], Any]] = {
+            r.path: (frozenset(r.methods or ()), r.endpoint)
+            for r in routes
+            if isinstance(r, Route) and "{" not in r.path
+        }
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            root = scope.get("root_path", "")
+            path: str = scope["path"]
+            route = path[len(root) :] if root and path.startswith(root) else path
+            sandbox_id, sep, rest = route[1:].partition("/v1/")
+            well_formed = sep and sandbox_id and "/" not in sandbox_id
+            hit = self.fast.get("/" + rest) if well_formed else None
+            if hit is not None and scope["method"] in hit[0]:
+                child = dict(scope)
+                child["app"] = self.app
+                child["path_params"] = {"sandbox_id": sandbox_id}
+                response = await hit[1](Request(child, receive, send))
+                await response(child, receive, send)
+                return
         await self.app(scope, receive, send)
 
 

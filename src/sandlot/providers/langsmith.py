@@ -59,6 +59,7 @@ from sandlot.providers.base import (
 from sandlot.providers.hostedbox import Box, box_error
 from sandlot.providers.hostedrelay import HostedRelay
 from sandlot.providers.hostedstate import Hosted
+from sandlot.sdk._async._wire import AsyncWire
 
 log = logging.getLogger("sandlot.providers.langsmith")
 
@@ -113,6 +114,7 @@ class LangSmithProvider(Provider):
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listener: StatusListener | None = None
         self._client: httpx.AsyncClient | None = None
+        self._wire: AsyncWire | None = None
         #: The ASGI app the embedded server mounts at ``/dp``.
         self.app = HostedRelay(self._hosted, self.verifier)
 
@@ -129,6 +131,7 @@ class LangSmithProvider(Provider):
             timeout=httpx.Timeout(60.0, connect=10.0),
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
         )
+        self._wire = AsyncWire()
 
     async def close(self) -> None:
         for task in list(self._tasks.values()):
@@ -139,6 +142,9 @@ class LangSmithProvider(Provider):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._wire is not None:
+            await self._wire.aclose()
+            self._wire = None
 
     def readiness(self) -> dict[str, Any]:
         return {"ok": self._client is not None, "sandboxes": len(self._sandboxes)}
@@ -214,7 +220,7 @@ class LangSmithProvider(Provider):
             hosted.box_name = name
             await self._wait_ready(name, doc)
             url = await self._dataplane_url(name, doc)
-            hosted.box = Box(url, self._key, self.client, workspace=self.workspace)
+            hosted.box = Box(url, self._key, self.client, workspace=self.workspace, wire=self._wire)
             hosted.state, hosted.reason = SandboxState.ACTIVE, "box ready"
             hosted.events.append(
                 "sandbox.ready",
@@ -309,7 +315,7 @@ class LangSmithProvider(Provider):
                 lost.append(rec.sandbox_id)
                 continue
             hosted.box_name = name
-            hosted.box = Box(url, self._key, self.client, workspace=self.workspace)
+            hosted.box = Box(url, self._key, self.client, workspace=self.workspace, wire=self._wire)
             hosted.state, hosted.reason = SandboxState.ACTIVE, "re-adopted after restart"
             hosted.settled.set()
             self._sandboxes[rec.sandbox_id] = hosted
