@@ -18,7 +18,10 @@ A replica cut from the *back* network has lost its database and nothing else; cu
 the *front* network, the balancer and the clients cannot reach it (nor the sandboxes
 it hosts), while it still reaches the database. Sandbox hosts separate from the
 brokers are more nodes: :meth:`MultiHost.add_node` makes one on the networks it names,
-and :meth:`netns.Node.popen` starts anything in it.
+and :meth:`netns.Node.popen` starts anything in it; :meth:`MultiHost.add_sandbox_host`
+starts ``sandlot host`` in a node on both networks (the store on the back one; its
+dataplane and provider API on its front address, its public URL, which the clients and
+the replicas reach directly).
 """
 
 from __future__ import annotations

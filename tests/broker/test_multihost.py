@@ -1,7 +1,9 @@
 """The multi-host run: 3 replicas on PostgreSQL behind HAProxy, each its own host, clients
 in their own namespace (``tests/multihost.py``), and faults: kill -9 of a replica in the
 middle of ensures, a replica cut from the database, PostgreSQL restarted, a replica that
-hosts sandboxes cut from the balancer and the clients.
+hosts sandboxes cut from the balancer and the clients; and, in a topology of its own,
+2 ``sandlot host`` nodes the replicas place on (``registered``), one partitioned from
+both networks and healed.
 
 Each fault runs during an ensure storm whose clients retry what is retryable (a
 balancer's 502/503/504, ``503 BACKEND_UNAVAILABLE``) with the request's Idempotency-Key;
