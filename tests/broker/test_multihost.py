@@ -467,13 +467,16 @@ def _partition_a_sandbox_host(c: MultiHost, record_property: RecordProperty) -> 
         grants[thread] = r["body"]
     placed = {t: host_of(g) for t, g in grants.items()}
     spread = {n: sorted(placed.values()).count(n) for n in c.hosts}
-    # Most free slots first: the hosts take turns.
-    assert spread == {"h1": HOST_THREADS // 2, "h2": HOST_THREADS // 2}, placed
+    # Most free slots first: the hosts take turns (while both beat in time: a host whose
+    # heartbeat is late on a loaded machine is skipped meanwhile, so no exact split).
+    assert all(spread.values()), placed
     for thread, grant in grants.items():
         got = exec_until_ok(grant, f"echo {thread} > mark && cat mark")
         assert got == (200, f"{thread}\n"), (thread, got, c.hosts[placed[thread]].output[-2000:])
 
-    victim, survivor = "h1", "h2"
+    # The host with more of them is cut (the survivor has room for their new sandboxes).
+    victim = max(spread, key=lambda n: spread[n])
+    (survivor,) = set(spread) - {victim}
     lost = [t for t in threads if placed[t] == victim]
     kept = [t for t in threads if placed[t] == survivor]
     watched = grants[lost[0]]
