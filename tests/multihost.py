@@ -18,7 +18,10 @@ A replica cut from the *back* network has lost its database and nothing else; cu
 the *front* network, the balancer and the clients cannot reach it (nor the sandboxes
 it hosts), while it still reaches the database. Sandbox hosts separate from the
 brokers are more nodes: :meth:`MultiHost.add_node` makes one on the networks it names,
-and :meth:`netns.Node.popen` starts anything in it.
+and :meth:`netns.Node.popen` starts anything in it; :meth:`MultiHost.add_sandbox_host`
+starts ``sandlot host`` in a node on both networks (the store on the back one; its
+dataplane and provider API on its front address, its public URL, which the clients and
+the replicas reach directly).
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tests.broker.test_crash_recovery import existing_on_host
 from tests.broker.test_e2e import FAST_REAPER
@@ -39,10 +45,12 @@ from tests.haproxy import haproxy_config
 from tests.netns import Node, Topology, topology
 from tests.netns_client import Driver
 from tests.pg import _as_postgres, _bin
-from tests.servers import ROOT, SandlotServer
+from tests.servers import ROOT, SandlotServer, isolation_mode, remove_sandboxes
 
 #: Where the replicas listen in their namespaces (each has its own addresses).
 PORT = 8765
+#: Where ``sandlot host`` nodes listen (dataplane and provider API).
+HOST_PORT = 8766
 PG_PORT = 5432
 LB_PORT = 80
 
@@ -75,6 +83,68 @@ class NodeServer(SandlotServer):
     def _wait_ready(self, deadline: float) -> None:
         left = max(1.0, deadline - time.monotonic())
         self.driver.call("ready", wait=left + 5, url=f"{self.own}/readyz", timeout=left)
+
+
+class NodeHost:
+    """``sandlot host`` in a node on both networks: the store on the back network, its
+    dataplane and provider API on its front-network address. Clients reach its dataplane
+    there directly (its public URL), brokers its provider API."""
+
+    def __init__(self, node: Node, driver: Driver, data_dir: Path, **kw: Any) -> None:
+        self.node = node
+        self.driver = driver
+        self.data_dir = data_dir
+        self.store: str = kw["store"]
+        self.broker_url: str = kw["broker_url"]
+        self.capacity: int = kw["capacity"]
+        self.config: str = kw["config"]
+        self.mode = isolation_mode()
+        self.url = f"http://{node.addresses['front']}:{HOST_PORT}"
+        self.host_id = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = data_dir.parent / f"{data_dir.name}.log"
+
+    def argv(self) -> list[str]:
+        config = self.data_dir.parent / f"{self.data_dir.name}-config.toml"
+        config.write_text(self.config)
+        argv = [
+            *(sys.executable, "-m", "sandlot.cli.main", "host"),
+            *("--store", self.store, "--broker-url", self.broker_url),
+            *("--listen", f"{self.node.addresses['front']}:{HOST_PORT}"),
+            *("--public-url", self.url, "--provider-url", self.url),
+            *("--capacity", str(self.capacity), "--data-dir", str(self.data_dir)),
+            *("--config", str(config)),
+        ]
+        return [*argv, "--unisolated"] if self.mode == "unisolated" else argv
+
+    def start(self, timeout: float = 90.0) -> NodeHost:
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "src")}
+        # Output to a file: the sandboxes it starts would hold a pipe open.
+        with self.log.open("ab") as out:
+            self.proc = self.node.popen(
+                self.argv(), stdout=out, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT)
+            )
+        self.driver.call("ready", wait=timeout + 5, url=f"{self.url}/readyz", timeout=timeout)
+        self.host_id = (self.data_dir / "host-id").read_text().strip()
+        return self
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def cleanup(self) -> None:
+        remove_sandboxes(self.data_dir, self.mode)
 
 
 class Postgres:
@@ -158,17 +228,35 @@ class MultiHost:
         self.lb = f"http://{self.lb_node.addresses['front']}:{LB_PORT}"
         self.pg = Postgres(self.db_node, str(topo.networks["back"].subnet))
         self.replicas: dict[str, NodeServer] = {}
+        self.hosts: dict[str, NodeHost] = {}
         self.haproxy: subprocess.Popen[bytes] | None = None
 
     def add_node(self, name: str, networks: list[str]) -> Node:
         """Another host (a sandbox host, say) on ``networks``."""
         return self.topo.node(name, networks)
 
-    def start(self, settings: str = FAST_REAPER) -> None:
+    def add_sandbox_host(self, name: str, capacity: int, config: str) -> NodeHost:
+        """A ``sandlot host`` node on both networks, started (after :meth:`start`)."""
+        node = self.add_node(name, ["front", "back"])
+        host = NodeHost(
+            node,
+            self.driver,
+            self.base / name,
+            store=self.pg.url,
+            broker_url=self.lb,
+            capacity=capacity,
+            config=config,
+        )
+        self.hosts[name] = host
+        return host.start()
+
+    def start(self, settings: str = FAST_REAPER, extra: dict[str, str] | None = None) -> None:
+        """``extra``: more variables for every replica (``SANDLOT_SANDBOX_HOSTS``, say)."""
         self.pg.start()
         config = settings + f'\n[server]\nstore_url = "{self.pg.url}"\n'
         for name in self.names:
             env = {
+                **(extra or {}),
                 "SANDLOT_PUBLIC_URL": self.lb,
                 "SANDLOT_DATAPLANE_URL": f"{self.lb}/replicas/{name}",
             }
@@ -294,12 +382,24 @@ class MultiHost:
                 on_host = existing_on_host(srv.data_dir, srv.mode)
                 if live != on_host:
                     differ[name] = (live, on_host)
+            for name, host in self.hosts.items():
+                live = {
+                    r[0]
+                    for r in self.pg.query(
+                        "SELECT id FROM sandboxes WHERE state NOT IN ('terminated', 'failed') "
+                        f"AND host = '{host.host_id}'"
+                    )
+                }
+                on_host = existing_on_host(host.data_dir, host.mode)
+                if live != on_host:
+                    differ[name] = (live, on_host)
             if not differ or time.monotonic() > deadline:
                 return differ
             time.sleep(0.3)
 
     def close(self) -> None:
         stoppers = [threading.Thread(target=srv.stop) for srv in self.replicas.values()]
+        stoppers += [threading.Thread(target=host.stop) for host in self.hosts.values()]
         for t in stoppers:
             t.start()
         for t in stoppers:
@@ -314,15 +414,23 @@ class MultiHost:
         for srv in self.replicas.values():
             with contextlib.suppress(Exception):
                 srv.cleanup()
+        for host in self.hosts.values():
+            with contextlib.suppress(Exception):
+                host.cleanup()
 
 
 @contextlib.contextmanager
-def multihost(base: Path, replicas: int = 3, settings: str = FAST_REAPER) -> Iterator[MultiHost]:
+def multihost(
+    base: Path,
+    replicas: int = 3,
+    settings: str = FAST_REAPER,
+    extra: dict[str, str] | None = None,
+) -> Iterator[MultiHost]:
     """The deployment above, started; everything torn down after (failure or not)."""
     with topology() as topo:
         cluster = MultiHost(topo, base, replicas)
         try:
-            cluster.start(settings)
+            cluster.start(settings, extra)
             yield cluster
         finally:
             cluster.close()

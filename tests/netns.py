@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import itertools
 import os
 import random
 import signal
@@ -109,9 +110,14 @@ class Node:
         return [int(p) for p in out.split()]
 
 
+#: Topologies made by this process so far (two can be up at once: tags differ).
+_made = itertools.count()
+
+
 class Topology:
     def __init__(self) -> None:
-        self.tag = f"{os.getpid() % 0xFFFF:04x}"
+        # Link names are at most 15 characters: "sl" + 5 + a node's name and index.
+        self.tag = f"{os.getpid() % 0xFFFF:04x}{next(_made) % 16:x}"
         self.route: str | None = None
         #: The run's /24, kept after :meth:`close` for :meth:`leftovers`.
         self.claimed = ""

@@ -264,7 +264,47 @@ async def op_revoke(
     return {"latencies": latencies}
 
 
+async def op_events(
+    emit: Emit,
+    url: str,
+    headers: dict[str, str],
+    until: str,
+    linger: float = 2.0,
+    timeout: float = 120,
+) -> dict[str, Any]:
+    """Subscribe to a binding's events (``url``: its ``…/events?after=N``); an event
+    ``open`` once subscribed; every event up to the first ``until`` and ``linger`` seconds
+    after it (a second one would be seen), or until ``timeout`` seconds have passed."""
+    events: list[dict[str, Any]] = []
+    seen = asyncio.Event()
+
+    async def read(client: httpx.AsyncClient) -> None:
+        async with client.stream("GET", url, headers=headers) as resp:
+            if resp.status_code != 200:
+                raise AssertionError(f"subscribe: {resp.status_code} {(await resp.aread())!r}")
+            async for line in resp.aiter_lines():
+                if line.startswith(": stream open"):
+                    emit({"event": "open"})
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                    if events[-1].get("event_type") == until:
+                        seen.set()
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=60)) as client:
+        reader = asyncio.create_task(read(client))
+        waiter = asyncio.create_task(seen.wait())
+        await asyncio.wait({reader, waiter}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if seen.is_set() and not reader.done():
+            await asyncio.wait({reader}, timeout=linger)
+        for task in (reader, waiter):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return {"events": events}
+
+
 OPS: dict[str, Callable[..., Any]] = {
+    "events": op_events,
     "request": op_request,
     "ready": op_ready,
     "storm": op_storm,

@@ -1,7 +1,9 @@
 """The multi-host run: 3 replicas on PostgreSQL behind HAProxy, each its own host, clients
 in their own namespace (``tests/multihost.py``), and faults: kill -9 of a replica in the
 middle of ensures, a replica cut from the database, PostgreSQL restarted, a replica that
-hosts sandboxes cut from the balancer and the clients.
+hosts sandboxes cut from the balancer and the clients; and, in a topology of its own,
+2 ``sandlot host`` nodes the replicas place on (``registered``), one partitioned from
+both networks and healed.
 
 Each fault runs during an ensure storm whose clients retry what is retryable (a
 balancer's 502/503/504, ``503 BACKEND_UNAVAILABLE``) with the request's Idempotency-Key;
@@ -23,6 +25,7 @@ from typing import Any
 
 import pytest
 
+from tests.broker.test_e2e import FAST_REAPER
 from tests.figures import FULL, RecordProperty, report
 from tests.multihost import MultiHost, multihost
 from tests.sdk.test_server_crash import PRODUCER, expected_digest
@@ -398,3 +401,169 @@ def _exec(run: Run, dataplane: str, token: str, command: str) -> tuple[int, str]
     )
     body = r["body"]
     return r["status"], body.get("stdout", "") if isinstance(body, dict) else ""
+
+
+#: Sandbox hosts apart from the replicas: heartbeats and loss short enough for CI, long
+#: enough that a healthy host on a loaded machine never misses them.
+HOST_HEARTBEAT, HOST_LOST_AFTER = 0.5, 6.0
+HOSTS = FAST_REAPER + (
+    f"[hosts]\nheartbeat_seconds = {HOST_HEARTBEAT}\nlost_after_seconds = {HOST_LOST_AFTER}\n"
+)
+HOST_THREADS = 6
+
+
+@pytest.mark.timeout(300)
+def test_sandbox_host_partitioned_from_everything(
+    tmp_path_factory: pytest.TempPathFactory, record_property: RecordProperty
+) -> None:
+    """Two ``sandlot host`` nodes, the replicas placing on them (``registered``): one host
+    cut from both networks has its sandboxes failed (``host_lost``) once; their threads
+    say so (410) and start over on the other host; healed, it is ``up`` again and removes
+    what it still ran."""
+    base = tmp_path_factory.mktemp("multihost-hosts")
+    with multihost(base, settings=HOSTS, extra={"SANDLOT_SANDBOX_HOSTS": "registered"}) as c:
+        for name in ("h1", "h2"):
+            c.add_sandbox_host(name, capacity=HOST_THREADS, config=HOSTS)
+        _partition_a_sandbox_host(c, record_property)
+    assert c.topo.leftovers() == []
+
+
+def _partition_a_sandbox_host(c: MultiHost, record_property: RecordProperty) -> None:
+    run = Run(c)
+    statuses: list[int] = []
+
+    def ensure(thread: str, mode: str = "ensure") -> dict[str, Any]:
+        r = c.driver.call(
+            "request",
+            method="POST",
+            url=f"{c.lb}/v1/sandbox/sessions",
+            json={"thread_id": thread, "mode": mode},
+            headers={**run.headers, "Idempotency-Key": str(uuid.uuid4())},
+            timeout=60,
+        )
+        statuses.append(r["status"])
+        return dict(r)
+
+    def host_of(grant: dict[str, Any]) -> str:
+        url = grant["dataplane"]["http_base_url"]
+        (name,) = [n for n, h in c.hosts.items() if url.startswith(h.url + "/dp/")]
+        return name
+
+    def exec_until_ok(grant: dict[str, Any], command: str) -> tuple[int, str]:
+        # The sandbox may still be starting: its dataplane says so (retryable).
+        deadline = time.monotonic() + 60
+        while True:
+            got = _exec(run, grant["dataplane"]["http_base_url"], grant["token"], command)
+            if got[0] == 200 or time.monotonic() > deadline:
+                return got
+            time.sleep(0.2)
+
+    tag = uuid.uuid4().hex[:6]
+    threads = [f"hosts_{tag}_{i}" for i in range(HOST_THREADS)]
+    grants = {}
+    for thread in threads:
+        r = ensure(thread)
+        assert r["status"] == 200, r
+        grants[thread] = r["body"]
+    placed = {t: host_of(g) for t, g in grants.items()}
+    spread = {n: sorted(placed.values()).count(n) for n in c.hosts}
+    # Most free slots first: the hosts take turns (while both beat in time: a host whose
+    # heartbeat is late on a loaded machine is skipped meanwhile, so no exact split).
+    assert all(spread.values()), placed
+    for thread, grant in grants.items():
+        got = exec_until_ok(grant, f"echo {thread} > mark && cat mark")
+        assert got == (200, f"{thread}\n"), (thread, got, c.hosts[placed[thread]].output[-2000:])
+
+    # The host with more of them is cut (the survivor has room for their new sandboxes).
+    victim = max(spread, key=lambda n: spread[n])
+    (survivor,) = set(spread) - {victim}
+    lost = [t for t in threads if placed[t] == victim]
+    kept = [t for t in threads if placed[t] == survivor]
+    watched = grants[lost[0]]
+    sid = watched["session_id"]
+    snap = c.driver.call(
+        "request", method="GET", url=f"{c.url('r2')}/v1/sandbox/sessions/{sid}", headers=run.headers
+    )["body"]
+    subscriber = c.driver.start(
+        "events",
+        url=f"{c.url('r2')}/v1/sandbox/sessions/{sid}/events"
+        f"?after={snap['binding']['last_event_sequence']}",
+        headers=run.headers,
+        until="binding.failed",
+        linger=3.0,
+        timeout=HOST_LOST_AFTER + 60,
+    )
+    subscriber.wait_event("open", timeout=30)
+
+    c.topo.partition(victim, "front")
+    c.topo.partition(victim, "back")
+    cut_at = time.monotonic()
+    try:
+        events = subscriber.result(HOST_LOST_AFTER + 90)["events"]
+        failed_after = time.monotonic() - cut_at
+        failed = [e for e in events if e["event_type"] == "binding.failed"]
+        assert len(failed) == 1, events
+        assert failed[0]["details"]["phase"] == {
+            "from": "active",
+            "to": "failed",
+            "reason": "host_lost",
+        }, failed
+        victim_id = c.hosts[victim].host_id
+        assert c.pg.query(f"SELECT state FROM hosts WHERE id = '{victim_id}'") == [["lost"]]
+        rows = c.pg.query(
+            "SELECT state, reason FROM sandboxes WHERE id IN ("
+            + ", ".join(f"'{grants[t]['sandbox']['id']}'" for t in lost)
+            + ")"
+        )
+        assert rows == [["failed", "host_lost"]] * len(lost), rows
+        # Each thread of the lost host says what happened; the others go on as before.
+        for thread in lost:
+            r = ensure(thread)
+            assert r["status"] == 410, r
+            err = r["body"]["error"]
+            assert err["code"] == "SESSION_EXPIRED", err
+            assert err["metadata"]["reason"] == "host_lost", err
+        for thread in kept:
+            r = ensure(thread)
+            assert r["status"] == 200, r
+            assert r["body"]["session_id"] == grants[thread]["session_id"], r
+            assert exec_until_ok(r["body"], "cat mark") == (200, f"{thread}\n")
+        # Starting over knowingly lands on the surviving host.
+        r = ensure(lost[0], mode="create_only")
+        assert r["status"] == 200, r
+        fresh = r["body"]
+        assert host_of(fresh) == survivor, fresh
+        assert exec_until_ok(fresh, "cat mark 2>/dev/null; echo new") == (200, "new\n")
+    finally:
+        c.topo.heal(victim, "front")
+        c.topo.heal(victim, "back")
+
+    # Healed: the host beats again (up), and removes the failed sandboxes it still ran.
+    deadline = time.monotonic() + 60
+    while c.pg.query(f"SELECT state FROM hosts WHERE id = '{victim_id}'") != [["up"]]:
+        assert time.monotonic() < deadline, c.hosts[victim].output[-3000:]
+        time.sleep(0.2)
+    assert c.orphans(timeout=60) == {}
+    like = f"thread:hosts_{tag}_%"
+    live = c.pg.query(
+        "SELECT scope_key, count(*) FROM sandboxes WHERE scope_key LIKE "
+        f"'{like}' AND state NOT IN ('terminated', 'failed') GROUP BY scope_key"
+    )
+    assert sorted(live) == sorted([[f"thread:{t}", "1"] for t in threads if t not in lost[1:]]), (
+        live
+    )
+    assert c.counts("bindings", like).get(f"thread:{lost[0]}") == 2
+    r = ensure(lost[0])
+    assert r["status"] == 200 and r["body"]["session_id"] == fresh["session_id"], r
+    assert [s for s in statuses if s >= 500] == [], statuses
+    report(
+        record_property,
+        f"multi-host with 2 sandbox hosts (sandlot host nodes; 3 replicas placing on them): "
+        f"{HOST_THREADS} threads placed {spread}, exec on each through its host's dataplane; "
+        f"one host cut from both networks: its {len(lost)} sandboxes failed (host_lost) "
+        f"once, seen by a subscriber {failed_after:.1f} s after the cut (lost_after "
+        f"{HOST_LOST_AFTER:.0f} s), their ensures 410 SESSION_EXPIRED (host_lost), "
+        f"create_only on the surviving host, the other host's {len(kept)} threads unchanged; "
+        f"healed: the host up again, the failed sandboxes removed from it, 0 orphans, "
+        f"0 duplicates, 0 server errors in {len(statuses)} requests",
+    )
