@@ -95,6 +95,9 @@ def test_names_are_valid_and_distinct_and_bad_ids_are_refused() -> None:
         pod_manifest(SETTINGS, spec("x" * 64))
     trust = trust_manifest(SETTINGS, spec(), '{"keys": []}')
     assert json.loads(trust["data"]["revoked.json"]) == {"revoked": []}
+    assert "control.key" not in trust["data"]
+    keyed = trust_manifest(SETTINGS, spec(), '{"keys": []}', "k" * 43)
+    assert keyed["data"]["control.key"] == "k" * 43
 
 
 def test_the_reason_a_pod_failed() -> None:

@@ -12,15 +12,21 @@ date and mounts read-only (the sandbox cannot change it):
 - ``jwks.json``: the broker's public keys (the ``/.well-known/jwks.json`` document),
   re-read when a token names a key it does not know;
 - ``revoked.json``: ``{"revoked": [{"jti": …, "expires_at": …}]}``, re-read on
-  ``POST /__control/reload``.
+  ``POST /__control/reload``;
+- ``control.key`` (optional): the secret a provider that cannot reach the trust
+  directory at once (a kubelet syncs a mounted ConfigMap tens of seconds late) presents
+  to push revocations.
 
 Alternatively ``--jwks-url`` fetches the keys from the broker (a sandbox with network).
 
-Two control routes answer on the socket beside the sandbox's ``/v1/…`` and
+Control routes answer on the socket beside the sandbox's ``/v1/…`` and
 ``/{sandbox_id}/v1/…``: ``GET /__control/status`` (state and last event sequence, read
 together, and the activity the idle reaper weighs: running commands, attached clients,
-last operation) and ``POST /__control/reload`` (re-read the trust directory). Neither takes
-input nor says anything secret; the provider's relay does not forward them.
+last operation), ``POST /__control/reload`` (re-read the trust directory) and
+``POST /__control/revoke`` (a ``revoked.json`` document in the body, added to the revoked
+tokens at once; ``X-Sandlot-Control`` must carry ``control.key``, else 403). None says
+anything secret, revocations only ever add to the set, and the provider's relay forwards
+none of them.
 
 Tuning comes from ``SANDLOT_DP_*`` (:class:`~sandlot.dataplane.settings.DataplaneSettings`).
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hmac
 import importlib.util
 import json
 import logging
@@ -57,6 +64,10 @@ log = logging.getLogger("sandlot.dataplane.standalone")
 CONTROL_PREFIX = "/__control/"
 JWKS_FILE = "jwks.json"
 REVOKED_FILE = "revoked.json"
+CONTROL_KEY_FILE = "control.key"
+CONTROL_HEADER = b"x-sandlot-control"
+#: A pushed revocation list is small: a few hundred tokens at most.
+MAX_PUSH_BYTES = 1 << 20
 COMMAND_OOM_SCORE_ADJ = 800
 
 
@@ -106,6 +117,11 @@ def read_revoked(trust_dir: Path) -> list[RevokedToken]:
         doc = json.loads((trust_dir / REVOKED_FILE).read_text())
     except (OSError, ValueError):
         return []
+    return parse_revoked(doc)
+
+
+def parse_revoked(doc: Any) -> list[RevokedToken]:
+    """The tokens of a ``revoked.json`` document (malformed entries are skipped)."""
     out = []
     for item in doc.get("revoked", []) if isinstance(doc, dict) else []:
         try:
@@ -157,7 +173,7 @@ class StandaloneDataplane:
             await self.inner(scope, self._starting(receive), send)
             return
         if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX):
-            await self._control(scope, send)
+            await self._control(scope, receive, send)
             return
         await self.inner(scope, receive, send)
 
@@ -176,7 +192,40 @@ class StandaloneDataplane:
 
         return wrapped
 
-    async def _control(self, scope: Any, send: Any) -> None:
+    def _control_key(self) -> bytes | None:
+        if self.options.trust_dir is None:
+            return None
+        try:
+            key = (self.options.trust_dir / CONTROL_KEY_FILE).read_bytes().strip()
+        except OSError:
+            return None
+        return key or None
+
+    async def _push(self, scope: Any, receive: Any) -> tuple[int, dict[str, Any]]:
+        """``POST /__control/revoke``: the pushed revocations, if the key matches."""
+        key = await asyncio.to_thread(self._control_key)
+        given = dict(scope.get("headers") or []).get(CONTROL_HEADER, b"")
+        if key is None or not hmac.compare_digest(given, key):
+            return 403, {"error": "the control key does not match"}
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return 400, {"error": "the request ended early"}
+            body += message.get("body", b"")
+            if len(body) > MAX_PUSH_BYTES:
+                return 413, {"error": "the revocation list is too large"}
+            if not message.get("more_body", False):
+                break
+        try:
+            doc = json.loads(body)
+        except ValueError:
+            return 400, {"error": "the body is not JSON"}
+        tokens = parse_revoked(doc)
+        self.host.revoke(tokens)
+        return 200, {"revoked": len(tokens)}
+
+    async def _control(self, scope: Any, receive: Any, send: Any) -> None:
         action = scope["path"][len(CONTROL_PREFIX) :]
         status, body = 404, {"error": "no such control route"}
         if action == "status" and scope["method"] == "GET":
@@ -200,6 +249,8 @@ class StandaloneDataplane:
         elif action == "reload" and scope["method"] == "POST":
             await asyncio.to_thread(self.reload)
             status, body = 200, {}
+        elif action == "revoke" and scope["method"] == "POST":
+            status, body = await self._push(scope, receive)
         data = json.dumps(body).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
         await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -8,9 +8,9 @@ service-account token, a read-only root filesystem with a private ``/tmp``, and 
 workspace on an ``emptyDir`` (or a PersistentVolumeClaim that outlives the pod). Its main
 container runs the dataplane in its standalone mode (``python -m sandlot.dataplane``) on
 the pod's address; the dataplane verifies the broker's tokens itself, from a per-sandbox
-ConfigMap (``jwks.json``, ``revoked.json``) mounted read-only. A NetworkPolicy of the
-provider's instance denies egress to sandboxes whose template has no network, and admits
-ingress only to the dataplane's port.
+ConfigMap (``jwks.json``, ``revoked.json``, ``control.key``) mounted read-only. A
+NetworkPolicy of the provider's instance denies egress to sandboxes whose template has no
+network, and admits ingress only to the dataplane's port.
 
 Clients reach a sandbox through the server's relay at ``/dp`` (as with ``docker``):
 :attr:`KubernetesProvider.app` forwards ``/{sandbox_id}/v1/…`` to the pod's address.
@@ -46,8 +46,13 @@ wired in by the server):
 - ``network_policy``: create the instance's NetworkPolicy (default true).
 - ``node_selector``, ``tolerations``, ``runtime_class``: passed to the pod.
 - ``start_timeout_seconds`` (default 120), ``jwks_refresh_seconds`` (default 2).
-- ``revocation_sync_seconds``: how long after a revocation the dataplane is asked, every
-  second, to re-read its trust directory (default 90: the kubelet's ConfigMap sync).
+- ``revocation_sync_seconds``: how long after a revocation whose push failed the
+  dataplane is asked, every second, to re-read its trust directory (default 90: the
+  kubelet's ConfigMap sync).
+
+Revocations are pushed to the pod's dataplane (``POST /__control/revoke`` on the same
+address the relay uses, with the sandbox's ``control.key``): they hold there at once. The
+ConfigMap keeps the list for a dataplane that starts again.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -123,6 +129,8 @@ class _Sandbox:
         self.stale_uids: set[str] = set()
         self.last_event_sequence = 0
         self.revoked: dict[str, float] = {}
+        #: The secret its dataplane wants on pushed revocations (in its trust ConfigMap).
+        self.control_key = ""
         self.probing: asyncio.Task[None] | None = None
         self.reloading: asyncio.Task[None] | None = None
         #: Set once creation ended (ready or failed) or the sandbox was deleted.
@@ -489,7 +497,8 @@ class KubernetesProvider(Provider):
             box.stale_uids.add(old.metadata.uid)
             await self._api(self._core.delete_namespaced_pod, pod_name, ns, grace_period_seconds=0)
             await self._wait_gone(pod_name)
-        trust = trust_manifest(self.settings, spec, self._jwks_text)
+        box.control_key = secrets.token_urlsafe(32)
+        trust = trust_manifest(self.settings, spec, self._jwks_text, box.control_key)
         try:
             await self._api(self._core.create_namespaced_config_map, ns, trust)
         except ApiException as exc:
@@ -601,9 +610,10 @@ class KubernetesProvider(Provider):
         return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
 
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
-        """The sandbox's ConfigMap gets the revocations; the kubelet updates the mounted
-        copy on its next sync, and the dataplane is asked to re-read it now and once the
-        copy could have changed."""
+        """The revocations are pushed to the pod's dataplane, where they hold at once, and
+        written to the sandbox's ConfigMap, the copy a dataplane that starts again reads.
+        Should the push fail, the dataplane is asked to re-read its trust directory every
+        second until the kubelet has surely updated the mounted copy."""
         box = self._sandboxes.get(sandbox_id)
         if box is None:
             return
@@ -611,10 +621,47 @@ class KubernetesProvider(Provider):
         box.revoked = {j: e for j, e in box.revoked.items() if e > now - 60}
         box.revoked.update({t.jti: t.expires_at for t in tokens})
         doc = {"revoked": [{"jti": j, "expires_at": e} for j, e in box.revoked.items()]}
+        pushed = await self._push_revoked(box, doc)
         await self._patch_trust(sandbox_id, {"revoked.json": json.dumps(doc)})
         if box.reloading is not None:
             box.reloading.cancel()
-        box.reloading = asyncio.get_running_loop().create_task(self._reload_for(box))
+            box.reloading = None
+        if not pushed:
+            box.reloading = asyncio.get_running_loop().create_task(self._reload_for(box))
+
+    async def _push_revoked(self, box: _Sandbox, doc: Mapping[str, Any]) -> bool:
+        """``POST /__control/revoke`` to the pod's dataplane; whether it took them."""
+        upstream = box.upstream
+        if upstream is None or box.state is not SandboxState.ACTIVE or not box.control_key:
+            return False
+        headers = {"X-Sandlot-Control": box.control_key}
+        try:
+            resp = await upstream.client.post(
+                "/__control/revoke", json=doc, headers=headers, timeout=0.5
+            )
+        except httpx.TransportError as exc:
+            log.warning("pushing revocations to a pod failed: %s", type(exc).__name__)
+            return False
+        if resp.status_code != 200:
+            log.warning("a pod's dataplane refused pushed revocations (%d)", resp.status_code)
+            return False
+        return True
+
+    async def _read_trust(self, sandbox_id: str, box: _Sandbox) -> None:
+        """A re-adopted sandbox's control key and revocations, from its ConfigMap."""
+        name = object_name(self.instance, sandbox_id, "trust")
+        try:
+            cm = await self._api(self._core.read_namespaced_config_map, name, self.namespace)
+        except (ApiException, ProviderUnavailable):
+            return
+        data = cm.data or {}
+        box.control_key = str(data.get("control.key", ""))
+        try:
+            doc = json.loads(data.get("revoked.json", "{}"))
+            items = doc.get("revoked", []) if isinstance(doc, dict) else []
+            box.revoked = {str(i["jti"]): float(i["expires_at"]) for i in items}
+        except (ValueError, TypeError, KeyError):
+            box.revoked = {}
 
     async def _reload_for(self, box: _Sandbox) -> None:
         """Ask the dataplane to re-read its trust directory every second until the kubelet
@@ -688,6 +735,7 @@ class KubernetesProvider(Provider):
             box.last_event_sequence = seq
             box.settled.set()
             self._sandboxes[rec.sandbox_id] = box
+            await self._read_trust(rec.sandbox_id, box)
             # The broker's keys may have changed while nobody watched.
             with contextlib.suppress(ApiException, ProviderUnavailable):
                 await self._patch_trust(rec.sandbox_id, {"jwks.json": self._jwks_text})

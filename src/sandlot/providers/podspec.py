@@ -223,8 +223,14 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
     }
 
 
-def trust_manifest(settings: PodSettings, spec: SandboxSpec, jwks_text: str) -> dict[str, Any]:
-    """The ConfigMap mounted read-only at the dataplane's trust directory."""
+def trust_manifest(
+    settings: PodSettings, spec: SandboxSpec, jwks_text: str, control_key: str = ""
+) -> dict[str, Any]:
+    """The ConfigMap mounted read-only at the dataplane's trust directory; ``control_key``
+    is the secret the provider presents to push revocations to the dataplane."""
+    data = {"jwks.json": jwks_text, "revoked.json": json.dumps({"revoked": []})}
+    if control_key:
+        data["control.key"] = control_key
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -232,7 +238,7 @@ def trust_manifest(settings: PodSettings, spec: SandboxSpec, jwks_text: str) -> 
             "name": object_name(settings.instance, spec.sandbox_id, "trust"),
             "labels": labels(settings, spec),
         },
-        "data": {"jwks.json": jwks_text, "revoked.json": json.dumps({"revoked": []})},
+        "data": data,
     }
 
 
