@@ -341,7 +341,7 @@ def test_events_sse_says_when_its_backlog_is_through(server: Server, client: htt
     u = server.url
     for i in range(3):
         client.put(u("/fs/write"), json={"path": f"held-{i}.txt", "content": "1"})
-    head = server.call(lambda: server.host.status(server.sandbox_id)[1])
+    head = server.last_sequence()
     seen: list[str] = []
     with client.stream("GET", u("/events"), params={"after": head - 2}) as r:
         assert r.status_code == 200
@@ -354,7 +354,7 @@ def test_events_sse_says_when_its_backlog_is_through(server: Server, client: htt
                 break
     assert seen[:3] == [f"id: {head - 1}", f"id: {head}", ": live"], seen
     assert int(seen[3][4:]) > head and seen.count(": live") == 1, seen
-    now = server.call(lambda: server.host.status(server.sandbox_id)[1])
+    now = server.last_sequence()
     with client.stream("GET", u("/events"), params={"after": now}) as r:
         lines = r.iter_lines()
         assert [next(lines), next(lines), next(lines)] == [": connected", "", ": live"]
