@@ -240,16 +240,9 @@ def start_server(
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "server" not in metafunc.fixturenames:
         return
-    kinds: list[Any] = ["local"]
+    kinds = ["local"]
     if metafunc.definition.get_closest_marker("local_only") is None:
-        gap = metafunc.definition.get_closest_marker("docker_gap")
-        if gap is None:
-            kinds.append("docker")
-        else:
-            # A known difference of the docker variant: expected to fail until fixed.
-            run = bool(gap.kwargs.get("run", True))
-            mark = pytest.mark.xfail(strict=True, run=run, reason=str(gap.args[0]))
-            kinds.append(pytest.param("docker", marks=mark))
+        kinds.append("docker")
     metafunc.parametrize("server", kinds, indirect=True)
 
 

@@ -357,7 +357,6 @@ def test_token_attacks(server: Server, record_property: RecordProperty) -> None:
 
 
 @pytest.mark.reliability
-@pytest.mark.docker_gap("through the relay, a socket the dataplane closes on revocation stays open")
 def test_revocation_closes_socket_within_a_second(
     server: Server, record_property: RecordProperty
 ) -> None:
@@ -389,10 +388,6 @@ def test_revocation_closes_socket_within_a_second(
     )
 
 
-@pytest.mark.docker_gap(
-    "the relay refuses a socket to an unknown sandbox or shell at the handshake "
-    "(HTTP 403), not with the 4404 close the dataplane sends"
-)
 def test_ws_auth_failures(server: Server) -> None:
     async def code(url: str, frame: Any = None, headers: Any = None) -> int:
         async with websockets.connect(url, additional_headers=headers) as ws:
@@ -568,10 +563,6 @@ def test_grep_and_glob_work_as_the_sandbox_user(confined: Server) -> None:
         assert [m["path"] for m in g.json()["matches"]] == ["/workspace/inside.txt"]
 
 
-@pytest.mark.docker_gap(
-    "the relay cuts the event stream the dataplane ends on revocation without its last chunk",
-    run=False,
-)
 def test_revocation_ends_event_streams(server: Server) -> None:
     from sandlot.protocol.tokens import RevokedToken
 

@@ -165,8 +165,16 @@ class StandaloneDataplane:
         self.host = self.inner.host
 
     def reload(self) -> None:
+        """Read the revoked tokens (at start-up, before the server runs)."""
         if self.options.trust_dir is not None:
             self.host.revoke(read_revoked(self.options.trust_dir))
+
+    async def reload_running(self) -> None:
+        """Re-read the revoked tokens while serving: the file in a thread, the revocation
+        on the loop (it closes the tokens' open sockets and streams, tasks of the loop)."""
+        if self.options.trust_dir is not None:
+            revoked = await asyncio.to_thread(read_revoked, self.options.trust_dir)
+            self.host.revoke(revoked)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -247,7 +255,7 @@ class StandaloneDataplane:
                     },
                 )
         elif action == "reload" and scope["method"] == "POST":
-            await asyncio.to_thread(self.reload)
+            await self.reload_running()
             status, body = 200, {}
         elif action == "revoke" and scope["method"] == "POST":
             status, body = await self._push(scope, receive)

@@ -34,6 +34,7 @@ from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 
 from sandlot.protocol.errors import (
+    NotFound,
     ProviderUnavailable,
     ResourceNotFound,
     SandboxStarting,
@@ -301,13 +302,24 @@ async def _stream_response(
                     await task
 
 
+def _close_code(exc: SandlotError) -> int:
+    """The close code the dataplane sends for ``exc`` (PROTOCOL.md: 4404 unknown)."""
+    if isinstance(exc, NotFound):
+        return 4404
+    return 1013 if exc.retryable else 1008
+
+
 async def _refuse(
     scope: Any, receive: Any, send: Any, exc: SandlotError, *, started: bool = False
 ) -> None:
     if scope["type"] == "websocket":
+        # As the dataplane does: the socket is accepted, then closed with the code of the
+        # error (4404 unknown sandbox, 1013 try again later), so the client reads it.
         if not started:
             await receive()
-        await send({"type": "websocket.close", "code": 1013 if exc.retryable else 1008})
+        await send({"type": "websocket.accept"})
+        reason = exc.message.encode()[:120].decode(errors="ignore")
+        await send({"type": "websocket.close", "code": _close_code(exc), "reason": reason})
         return
     body = json.dumps(exc.to_wire()).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
