@@ -661,6 +661,7 @@ async def events_sse(request: Request) -> Response:
 
     async def stream() -> AsyncIterator[bytes]:
         cursor = after
+        live = False
         wake = asyncio.Event()
         log.listen(wake)
         try:
@@ -678,6 +679,10 @@ async def events_sse(request: Request) -> Response:
                         f"id: {seq}\nevent: {etype}\ndata: {data}\n\n" for seq, etype, data in batch
                     ).encode()
                     continue
+                if not live:
+                    # Caught up, as the dataplane says it: what follows is live.
+                    live = True
+                    yield b": live\n\n"
                 try:
                     await asyncio.wait_for(wake.wait(), 15.0)
                 except TimeoutError:
