@@ -60,7 +60,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,17 +75,17 @@ from sandlot.protocol.errors import (
     SandboxNotFound,
     SandboxStarting,
 )
-from sandlot.protocol.sessions import DataplaneCoordinates, NetworkMode, SandboxActivity, Template
+from sandlot.protocol.sessions import NetworkMode, Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import (
     AdoptionRecord,
-    Provider,
     ProviderStatus,
     SandboxSpec,
     StatusListener,
 )
-from sandlot.providers.socketrelay import SocketRelay, Upstream, open_socket
+from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
+from sandlot.providers.socketrelay import Upstream, open_socket
 
 log = logging.getLogger("sandlot.providers.docker")
 
@@ -97,24 +97,12 @@ TRUST_MOUNT = "/run/sandlot-trust"
 SOCKET_NAME = "dp.sock"
 WORKSPACE = "/workspace"
 
-JwksSource = Callable[[], Awaitable[Mapping[str, Any]]]
 
-
-class _Sandbox:
+class _Sandbox(InboxSandbox):
     """What the provider knows of one container."""
 
-    def __init__(self, spec: SandboxSpec, state: SandboxState) -> None:
-        self.spec = spec
-        self.state = state
-        self.reason: str | None = None
-        self.upstream: Upstream | None = None
-        self.last_event_sequence = 0
-        self.revoked: dict[str, float] = {}
-        #: Set once creation ended (ready or failed) or the sandbox was deleted.
-        self.settled = asyncio.Event()
 
-
-class DockerProvider(Provider):
+class DockerProvider(InboxProvider[_Sandbox]):
     name = "docker"
     supports_suspend = True
 
@@ -146,18 +134,9 @@ class DockerProvider(Provider):
         if jwks is None or not self.issuer:
             raise InvalidRequest("the docker provider needs the broker's issuer and JWKS source")
         self._jwks: JwksSource = jwks
-        self._jwks_text = ""
         self._client: Any = None
-        self._listener: StatusListener | None = None
-        self._sandboxes: dict[str, _Sandbox] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._refresher: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._events: Any = None
         self._watcher: threading.Thread | None = None
-        self._closing = threading.Event()
-        #: The ASGI app the embedded server mounts at ``/dp``.
-        self.app = SocketRelay(self._upstream, until_started=self._until_started)
 
     # --- lifecycle of the provider --------------------------------------------------
 
@@ -183,16 +162,7 @@ class DockerProvider(Provider):
         if self._events is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self._events.close)
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-        for task in list(self._tasks.values()):
-            task.cancel()
-        for box in self._sandboxes.values():
-            if box.upstream is not None:
-                await box.upstream.close()
-                box.upstream = None
+        await self._close_sandboxes()
         if self._client is not None:
             await asyncio.to_thread(self._client.close)
         if self._watcher is not None:
@@ -204,9 +174,6 @@ class DockerProvider(Provider):
             "engine": self.url,
             "sandboxes": len(self._sandboxes),
         }
-
-    async def _notify(self, sandbox_id: str) -> None:
-        await self.report_status(self._listener, sandbox_id)
 
     async def _docker(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One blocking SDK call, off the event loop."""
@@ -303,40 +270,14 @@ class DockerProvider(Provider):
         tmp.chmod(0o644)
         tmp.replace(trust / name)
 
-    async def _refresh_keys(self) -> bool:
-        """Fetch the broker's keys; rewrite every sandbox's copy if they changed."""
-        doc = await self._jwks()
-        text = json.dumps(doc, sort_keys=True)
-        if text == self._jwks_text:
-            return False
-        self._jwks_text = text
-        for sandbox_id in list(self._sandboxes):
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(self._write_trust, sandbox_id, "jwks.json", doc)
-        return True
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.jwks_refresh)
-            try:
-                await self._refresh_keys()
-            except Exception:
-                log.exception("refreshing the broker's keys failed")
+    async def _write_keys(self, sandbox_id: str, doc: Mapping[str, Any]) -> None:
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(self._write_trust, sandbox_id, "jwks.json", doc)
 
     # --- the contract -----------------------------------------------------------------
 
-    async def create(self, spec: SandboxSpec) -> ProviderStatus:
-        sid = spec.sandbox_id
-        box = self._sandboxes.get(sid)
-        if box is not None and box.spec.generation == spec.generation:
-            return await self.status(sid)
-        if box is not None:
-            await self.delete(sid)
-        self._sandboxes[sid] = _Sandbox(spec, SandboxState.PROVISIONING)
-        task = asyncio.get_running_loop().create_task(self._create(spec))
-        self._tasks[sid] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(sid, None))
-        return await self.status(sid)
+    def _new_box(self, spec: SandboxSpec, state: SandboxState) -> _Sandbox:
+        return _Sandbox(spec, state)
 
     async def _create(self, spec: SandboxSpec) -> None:
         sid = spec.sandbox_id
@@ -491,42 +432,12 @@ class DockerProvider(Provider):
                     raise ProviderUnavailable(f"the sandbox's container exited: {tail}")
             await asyncio.sleep(0.005)
 
-    def _box(self, sandbox_id: str) -> _Sandbox:
-        box = self._sandboxes.get(sandbox_id)
-        if box is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id}")
-        return box
-
-    async def _until_started(self, sandbox_id: str) -> None:
-        """Wait while the sandbox is being created (bounded by the start timeout)."""
-        box = self._sandboxes.get(sandbox_id)
-        if box is None or box.state is not SandboxState.PROVISIONING:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(box.settled.wait(), self.start_timeout)
-
-    def _upstream(self, sandbox_id: str) -> Upstream:
-        box = self._box(sandbox_id)
-        if box.state is SandboxState.PROVISIONING or box.upstream is None:
-            if box.state is SandboxState.FAILED:
-                raise ProviderUnavailable(box.reason or "the sandbox failed")
-            raise SandboxStarting("sandbox is starting", retry_after=1.0)
+    def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.SUSPENDED:
             raise SandboxStarting("sandbox is suspended", retry_after=1.0)
-        if not box.state.live:
-            raise SandboxNotFound("sandbox is no longer running")
-        return box.upstream
 
-    async def status(self, sandbox_id: str) -> ProviderStatus:
-        box = self._box(sandbox_id)
-        if box.state is SandboxState.ACTIVE and box.upstream is not None:
-            try:
-                resp = await box.upstream.client.get("/__control/status")
-                if resp.status_code == 200:
-                    box.last_event_sequence = int(resp.json()["last_event_sequence"])
-            except httpx.TransportError:
-                await self._check_alive(sandbox_id, box)
-        return ProviderStatus(box.state, box.last_event_sequence, box.reason)
+    async def _unanswered(self, sandbox_id: str, box: _Sandbox) -> None:
+        await self._check_alive(sandbox_id, box)
 
     async def _check_alive(self, sandbox_id: str, box: _Sandbox) -> bool:
         """A container that stopped fails the sandbox: whether it did."""
@@ -569,19 +480,6 @@ class DockerProvider(Provider):
         except docker.errors.NotFound as exc:
             raise SandboxNotFound(f"no container for {sandbox_id}") from exc
 
-    async def delete(self, sandbox_id: str) -> None:
-        box = self._sandboxes.pop(sandbox_id, None)
-        task = self._tasks.pop(sandbox_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if box is not None:
-            box.settled.set()
-            if box.upstream is not None:
-                await box.upstream.close()
-        await self._remove(sandbox_id)
-
     async def _remove(self, sandbox_id: str) -> None:
         """Container, workspace volume (unless kept) and run directory. Idempotent."""
         with contextlib.suppress(docker.errors.NotFound):
@@ -595,40 +493,15 @@ class DockerProvider(Provider):
                 await self._docker(volume.remove, force=True)
         await asyncio.to_thread(shutil.rmtree, self._dir(sandbox_id), True)
 
-    def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
-        http = f"{self.public_url}/dp/{sandbox_id}/v1"
-        ws = "ws" + http[4:] if http.startswith("http") else http
-        return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
-
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
         box = self._sandboxes.get(sandbox_id)
         if box is None:
             return
-        now = time.time()
-        box.revoked = {j: e for j, e in box.revoked.items() if e > now - 60}
-        box.revoked.update({t.jti: t.expires_at for t in tokens})
-        doc = {"revoked": [{"jti": j, "expires_at": e} for j, e in box.revoked.items()]}
+        doc = box.note_revoked(tokens)
         await asyncio.to_thread(self._write_trust, sandbox_id, "revoked.json", doc)
         if box.upstream is not None and box.state is SandboxState.ACTIVE:
             with contextlib.suppress(httpx.TransportError):
                 await box.upstream.client.post("/__control/reload")
-
-    async def activity(self, sandbox_id: str) -> SandboxActivity:
-        """What the dataplane in the container reports (nothing while it is paused)."""
-        box = self._box(sandbox_id)
-        if box.state is not SandboxState.ACTIVE or box.upstream is None:
-            return SandboxActivity()
-        try:
-            resp = await box.upstream.client.get("/__control/status", timeout=5.0)
-            doc = resp.json() if resp.status_code == 200 else {}
-        except (httpx.TransportError, ValueError):
-            return SandboxActivity()
-        last = doc.get("last_active_at")
-        return SandboxActivity(
-            running_execs=int(doc.get("running_execs", 0)),
-            attached_clients=int(doc.get("attached_clients", 0)),
-            last_active_at=float(last) if last is not None else None,
-        )
 
     async def load_state(self, records: Sequence[AdoptionRecord]) -> list[str]:
         containers = await self._docker(

@@ -65,7 +65,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,19 +78,16 @@ from kubernetes.client.exceptions import ApiException
 from sandlot.protocol.errors import (
     InvalidRequest,
     ProviderUnavailable,
-    SandboxNotFound,
-    SandboxStarting,
 )
-from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
+from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import (
     AdoptionRecord,
-    Provider,
-    ProviderStatus,
     SandboxSpec,
     StatusListener,
 )
+from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
 from sandlot.providers.podspec import (
     LABEL_GENERATION,
     LABEL_INSTANCE,
@@ -103,7 +100,7 @@ from sandlot.providers.podspec import (
     pod_manifest,
     trust_manifest,
 )
-from sandlot.providers.socketrelay import SocketRelay, TcpUpstream
+from sandlot.providers.socketrelay import TcpUpstream
 
 log = logging.getLogger("sandlot.providers.kubernetes")
 
@@ -112,34 +109,28 @@ k8s: Any = kubernetes.client
 k8s_config: Any = kubernetes.config
 k8s_watch: Any = kubernetes.watch
 
-JwksSource = Callable[[], Awaitable[Mapping[str, Any]]]
 
-
-class _Sandbox:
+class _Sandbox(InboxSandbox):
     """What the provider knows of one pod."""
 
     def __init__(self, spec: SandboxSpec, state: SandboxState) -> None:
-        self.spec = spec
-        self.state = state
-        self.reason: str | None = None
-        self.upstream: TcpUpstream | None = None
+        super().__init__(spec, state)
         self.pod_ip: str | None = None
         #: The uid of its pod once created; pods of an earlier attempt it replaced.
         self.pod_uid: str | None = None
         self.stale_uids: set[str] = set()
-        self.last_event_sequence = 0
-        self.revoked: dict[str, float] = {}
         #: The secret its dataplane wants on pushed revocations (in its trust ConfigMap).
         self.control_key = ""
         self.probing: asyncio.Task[None] | None = None
         self.reloading: asyncio.Task[None] | None = None
-        #: Set once creation ended (ready or failed) or the sandbox was deleted.
-        self.settled = asyncio.Event()
 
 
-class KubernetesProvider(Provider):
+class KubernetesProvider(InboxProvider[_Sandbox]):
     name = "kubernetes"
     host_bound = False
+    status_timeout = 5.0
+    # A pod that ended is reported by the watch.
+    status_errors = (httpx.TransportError, ValueError, KeyError)
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         super().__init__(config)
@@ -188,20 +179,11 @@ class KubernetesProvider(Provider):
         if jwks is None or not self.settings.issuer:
             raise InvalidRequest("the kubernetes provider needs the broker's issuer and JWKS")
         self._jwks: JwksSource = jwks
-        self._jwks_text = ""
         self._api_client: Any = None
         self._core: Any = None
-        self._listener: StatusListener | None = None
-        self._sandboxes: dict[str, _Sandbox] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._refresher: asyncio.Task[None] | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._watcher: threading.Thread | None = None
-        self._closing = threading.Event()
         #: The last resourceVersion the watch saw (it resumes from there).
         self.resource_version: str | None = None
-        #: The ASGI app the embedded server mounts at ``/dp``.
-        self.app = SocketRelay(self._upstream, until_started=self._until_started)
 
     # --- lifecycle of the provider --------------------------------------------------
 
@@ -238,19 +220,7 @@ class KubernetesProvider(Provider):
 
     async def close(self) -> None:
         self._closing.set()
-        if self._refresher is not None:
-            self._refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._refresher
-        for task in list(self._tasks.values()):
-            task.cancel()
-        for box in self._sandboxes.values():
-            for pending in (box.probing, box.reloading):
-                if pending is not None:
-                    pending.cancel()
-            if box.upstream is not None:
-                await box.upstream.close()
-                box.upstream = None
+        await self._close_sandboxes()
         if self._api_client is not None:
             await asyncio.to_thread(self._api_client.close)
         # The watch thread ends within its read timeout; it is a daemon thread.
@@ -261,9 +231,6 @@ class KubernetesProvider(Provider):
             "namespace": self.namespace,
             "sandboxes": len(self._sandboxes),
         }
-
-    async def _notify(self, sandbox_id: str) -> None:
-        await self.report_status(self._listener, sandbox_id)
 
     async def _api(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One blocking client call, off the event loop; 404 passes as ``ApiException``."""
@@ -412,25 +379,9 @@ class KubernetesProvider(Provider):
 
     # --- keys ---------------------------------------------------------------------------
 
-    async def _refresh_keys(self) -> bool:
-        """Fetch the broker's keys; rewrite every sandbox's trust ConfigMap if they changed."""
-        doc = await self._jwks()
-        text = json.dumps(doc, sort_keys=True)
-        if text == self._jwks_text:
-            return False
-        self._jwks_text = text
-        for sandbox_id in list(self._sandboxes):
-            with contextlib.suppress(ApiException, ProviderUnavailable):
-                await self._patch_trust(sandbox_id, {"jwks.json": text})
-        return True
-
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.jwks_refresh)
-            try:
-                await self._refresh_keys()
-            except Exception:
-                log.exception("refreshing the broker's keys failed")
+    async def _write_keys(self, sandbox_id: str, doc: Mapping[str, Any]) -> None:
+        with contextlib.suppress(ApiException, ProviderUnavailable):
+            await self._patch_trust(sandbox_id, {"jwks.json": self._jwks_text})
 
     async def _patch_trust(self, sandbox_id: str, data: Mapping[str, str]) -> None:
         name = object_name(self.instance, sandbox_id, "trust")
@@ -440,18 +391,8 @@ class KubernetesProvider(Provider):
 
     # --- the contract -----------------------------------------------------------------
 
-    async def create(self, spec: SandboxSpec) -> ProviderStatus:
-        sid = spec.sandbox_id
-        box = self._sandboxes.get(sid)
-        if box is not None and box.spec.generation == spec.generation:
-            return await self.status(sid)
-        if box is not None:
-            await self.delete(sid)
-        self._sandboxes[sid] = _Sandbox(spec, SandboxState.PROVISIONING)
-        task = asyncio.get_running_loop().create_task(self._create(spec))
-        self._tasks[sid] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(sid, None))
-        return await self.status(sid)
+    def _new_box(self, spec: SandboxSpec, state: SandboxState) -> _Sandbox:
+        return _Sandbox(spec, state)
 
     async def _create(self, spec: SandboxSpec) -> None:
         sid = spec.sandbox_id
@@ -530,55 +471,14 @@ class KubernetesProvider(Provider):
                 raise
             await asyncio.sleep(0.1)
 
-    def _box(self, sandbox_id: str) -> _Sandbox:
-        box = self._sandboxes.get(sandbox_id)
-        if box is None:
-            raise SandboxNotFound(f"no sandbox {sandbox_id}")
-        return box
-
-    async def _until_started(self, sandbox_id: str) -> None:
-        box = self._sandboxes.get(sandbox_id)
-        if box is None or box.state is not SandboxState.PROVISIONING:
-            return
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(box.settled.wait(), self.start_timeout)
-
-    def _upstream(self, sandbox_id: str) -> TcpUpstream:
-        box = self._box(sandbox_id)
+    def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.FAILED:
             raise ProviderUnavailable(box.reason or "the sandbox failed")
-        if box.state is SandboxState.PROVISIONING or box.upstream is None:
-            raise SandboxStarting("sandbox is starting", retry_after=1.0)
-        if not box.state.live:
-            raise SandboxNotFound("sandbox is no longer running")
-        return box.upstream
 
-    async def status(self, sandbox_id: str) -> ProviderStatus:
-        box = self._box(sandbox_id)
-        if box.state is SandboxState.ACTIVE and box.upstream is not None:
-            try:
-                resp = await box.upstream.client.get("/__control/status", timeout=5.0)
-                if resp.status_code == 200:
-                    box.last_event_sequence = int(resp.json()["last_event_sequence"])
-            except (httpx.TransportError, ValueError, KeyError):
-                pass  # the watch reports a pod that ended
-        return ProviderStatus(box.state, box.last_event_sequence, box.reason)
-
-    async def delete(self, sandbox_id: str) -> None:
-        box = self._sandboxes.pop(sandbox_id, None)
-        task = self._tasks.pop(sandbox_id, None)
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
-        if box is not None:
-            box.settled.set()
-            for task in (box.probing, box.reloading):
-                if task is not None:
-                    task.cancel()
-            if box.upstream is not None:
-                await box.upstream.close()
-        await self._remove(sandbox_id)
+    def _forget(self, box: _Sandbox) -> None:
+        for pending in (box.probing, box.reloading):
+            if pending is not None:
+                pending.cancel()
 
     async def _remove(self, sandbox_id: str) -> None:
         """Pod, trust ConfigMap and workspace claim (unless kept). Idempotent."""
@@ -604,11 +504,6 @@ class KubernetesProvider(Provider):
                     ns,
                 )
 
-    def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
-        http = f"{self.public_url}/dp/{sandbox_id}/v1"
-        ws = "ws" + http[4:] if http.startswith("http") else http
-        return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
-
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
         """The revocations are pushed to the pod's dataplane, where they hold at once, and
         written to the sandbox's ConfigMap, the copy a dataplane that starts again reads.
@@ -617,10 +512,7 @@ class KubernetesProvider(Provider):
         box = self._sandboxes.get(sandbox_id)
         if box is None:
             return
-        now = time.time()
-        box.revoked = {j: e for j, e in box.revoked.items() if e > now - 60}
-        box.revoked.update({t.jti: t.expires_at for t in tokens})
-        doc = {"revoked": [{"jti": j, "expires_at": e} for j, e in box.revoked.items()]}
+        doc = box.note_revoked(tokens)
         pushed = await self._push_revoked(box, doc)
         await self._patch_trust(sandbox_id, {"revoked.json": json.dumps(doc)})
         if box.reloading is not None:
@@ -674,22 +566,6 @@ class KubernetesProvider(Provider):
             with contextlib.suppress(httpx.TransportError):
                 await upstream.client.post("/__control/reload", timeout=5.0)
             await asyncio.sleep(1.0)
-
-    async def activity(self, sandbox_id: str) -> SandboxActivity:
-        box = self._box(sandbox_id)
-        if box.state is not SandboxState.ACTIVE or box.upstream is None:
-            return SandboxActivity()
-        try:
-            resp = await box.upstream.client.get("/__control/status", timeout=5.0)
-            doc = resp.json() if resp.status_code == 200 else {}
-        except (httpx.TransportError, ValueError):
-            return SandboxActivity()
-        last = doc.get("last_active_at")
-        return SandboxActivity(
-            running_execs=int(doc.get("running_execs", 0)),
-            attached_clients=int(doc.get("attached_clients", 0)),
-            last_active_at=float(last) if last is not None else None,
-        )
 
     async def _instance_pods(self) -> list[Any]:
         pods = await self._api(
