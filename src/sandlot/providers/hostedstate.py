@@ -67,6 +67,11 @@ class RelayExec:
         }
 
 
+#: Finished commands a sandbox's relay remembers (for ``/execs`` and reattaches); past
+#: it, the oldest finished ones without a client are forgotten, as the dataplane does.
+MAX_RELAY_EXECS = 1_000
+
+
 class Hosted:
     """What the relay knows of one sandbox (one box)."""
 
@@ -115,6 +120,8 @@ class Hosted:
         self, command: str | list[str], command_id: str | None, actor: Actor | None, pty: bool
     ) -> RelayExec:
         ex = RelayExec(new_id("ex", 10), command_id or new_id("cmd", 8), command, actor, pty)
+        if len(self.execs) >= MAX_RELAY_EXECS:
+            self._forget_finished(len(self.execs) - MAX_RELAY_EXECS * 9 // 10)
         self.execs[ex.exec_id] = ex
         self.by_command[ex.command_id] = ex.exec_id
         self.running += 1
@@ -122,6 +129,14 @@ class Hosted:
             "exec.started", "exec", {"exec_id": ex.exec_id, "command_id": ex.command_id}, actor
         )
         return ex
+
+    def _forget_finished(self, count: int) -> None:
+        """Forget up to ``count`` of the oldest finished commands no client watches."""
+        done = [e for e in self.execs.values() if e.state != "running" and e.clients == 0]
+        for e in done[:count]:
+            del self.execs[e.exec_id]
+            if self.by_command.get(e.command_id) == e.exec_id:
+                del self.by_command[e.command_id]
 
     def ended(self, ex: RelayExec, exit_code: int | None, *, state: str = "exited") -> None:
         if ex.state != "running":
