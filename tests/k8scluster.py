@@ -47,7 +47,12 @@ def _env() -> dict[str, str]:
 
 
 def start() -> Cluster:
-    if subprocess.run([SCRIPT, "status"], capture_output=True).returncode == 0:
+    status = subprocess.run([SCRIPT, "status"], capture_output=True, text=True)
+    if status.returncode == 0:
+        if "provisioner: running" not in status.stdout:
+            # Up, from a version of the script without the volume provisioner: ``up``
+            # starts what is missing and leaves the rest running.
+            subprocess.run([SCRIPT, "up"], check=True, capture_output=True)
         env = _env()
         return Cluster(env["KUBECONFIG"], env["DOCKER_HOST"], False, 0.0, 0.0)
     # What a stopped cluster left behind (its state, bridge, rules) goes first.
