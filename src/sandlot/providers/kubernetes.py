@@ -41,7 +41,8 @@ wired in by the server):
   ``Guaranteed``; lower packs more sandboxes on a node).
 - ``workspace``: ``emptyDir`` (default) or ``pvc``; ``storage_class``,
   ``workspace_size_mb`` (default 1024) for claims; ``keep_volumes``: keep claims when
-  sandboxes are deleted.
+  sandboxes are deleted. With ``pvc`` sandboxes can be suspended: the pod is deleted,
+  the claim kept, and resume makes the pod again on it (:mod:`~sandlot.providers.podlife`).
 - ``tmp_mb``: size of ``/tmp`` (default 256); ``read_only_root`` (default true).
 - ``network_policy``: create the instance's NetworkPolicy (default true).
 - ``node_selector``, ``tolerations``, ``runtime_class``: passed to the pod.
@@ -82,8 +83,10 @@ from sandlot.protocol.errors import (
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers import podlife
 from sandlot.providers.base import (
     AdoptionRecord,
+    ProviderStatus,
     SandboxSpec,
     StatusListener,
 )
@@ -94,6 +97,7 @@ from sandlot.providers.podspec import (
     LABEL_SANDBOX,
     PodSettings,
     claim_manifest,
+    failure_code,
     network_policy_manifests,
     object_name,
     pod_failure,
@@ -169,6 +173,8 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             runtime_class=cfg.get("runtime_class"),
             issuer=str(cfg.get("issuer", "")),
         )
+        # Suspending deletes the pod: only a claim keeps the workspace.
+        self.supports_suspend = workspace == "pvc"
         self.keep_volumes = bool(cfg.get("keep_volumes", False))
         self.network_policy = bool(cfg.get("network_policy", True))
         self.start_timeout = float(cfg.get("start_timeout_seconds", 120.0))
@@ -327,7 +333,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         if box.state not in (SandboxState.PROVISIONING, SandboxState.ACTIVE):
             return
         if kind == "DELETED":
-            await self._fail(sid, box, "the pod was deleted")
+            await self._fail(sid, box, "DELETED: the pod was deleted")
             return
         failure = pod_failure(pod)
         if failure is not None:
@@ -346,6 +352,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     async def _fail(self, sid: str, box: _Sandbox, reason: str) -> None:
         box.state, box.reason = SandboxState.FAILED, reason[:500]
+        box.failure = failure_code(reason)
         box.settled.set()
         if box.probing is not None and box.probing is not asyncio.current_task():
             box.probing.cancel()
@@ -415,7 +422,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     async def _pending_reason(self, sid: str) -> str:
         """Why a pod is not running yet (its conditions), for the timeout's message."""
-        base = f"the pod was not ready in {self.start_timeout} s"
+        base = f"TIMEOUT: the pod was not ready in {self.start_timeout} s"
         try:
             pod = await self._api(
                 self._core.read_namespaced_pod, object_name(self.instance, sid), self.namespace
@@ -439,7 +446,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             await self._api(self._core.delete_namespaced_pod, pod_name, ns, grace_period_seconds=0)
             await self._wait_gone(pod_name)
         box.control_key = secrets.token_urlsafe(32)
-        trust = trust_manifest(self.settings, spec, self._jwks_text, box.control_key)
+        # A resumed sandbox's revocations hold in its new pod from the start.
+        revoked = podlife.revoked_doc(box.revoked)
+        trust = trust_manifest(self.settings, spec, self._jwks_text, box.control_key, revoked)
         try:
             await self._api(self._core.create_namespaced_config_map, ns, trust)
         except ApiException as exc:
@@ -473,23 +482,27 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.FAILED:
-            raise ProviderUnavailable(box.reason or "the sandbox failed")
+            metadata = {"reason": box.failure} if box.failure else None
+            raise ProviderUnavailable(box.reason or "the sandbox failed", metadata=metadata)
 
     def _forget(self, box: _Sandbox) -> None:
         for pending in (box.probing, box.reloading):
             if pending is not None:
                 pending.cancel()
 
-    async def _remove(self, sandbox_id: str) -> None:
-        """Pod, trust ConfigMap and workspace claim (unless kept). Idempotent."""
-        ns = self.namespace
+    async def _remove_pod(self, sandbox_id: str) -> None:
         with contextlib.suppress(ApiException):
             await self._api(
                 self._core.delete_namespaced_pod,
                 object_name(self.instance, sandbox_id),
-                ns,
+                self.namespace,
                 grace_period_seconds=0,
             )
+
+    async def _remove(self, sandbox_id: str) -> None:
+        """Pod, trust ConfigMap and workspace claim (unless kept). Idempotent."""
+        ns = self.namespace
+        await self._remove_pod(sandbox_id)
         with contextlib.suppress(ApiException):
             await self._api(
                 self._core.delete_namespaced_config_map,
@@ -503,6 +516,14 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                     object_name(self.instance, sandbox_id, "workspace"),
                     ns,
                 )
+
+    async def suspend(self, sandbox_id: str) -> ProviderStatus:
+        """Delete the pod, keep the workspace claim (:mod:`sandlot.providers.podlife`)."""
+        return await podlife.suspend(self, sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> ProviderStatus:
+        """Make the pod again on the same claim; return once it serves."""
+        return await podlife.resume(self, sandbox_id)
 
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
         """The revocations are pushed to the pod's dataplane, where they hold at once, and
@@ -581,6 +602,13 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         lost: list[str] = []
         for rec in records:
             pod = by_id.get(rec.sandbox_id)
+            suspended = podlife.adopt_suspended(self, rec, _Sandbox)
+            if suspended is not None:
+                self._sandboxes[rec.sandbox_id] = suspended
+                await self._read_trust(rec.sandbox_id, suspended)
+                if pod is not None:  # a suspend cut short: its pod goes now
+                    await self._remove_pod(rec.sandbox_id)
+                continue
             ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
             if (
                 rec.state is SandboxState.PROVISIONING
