@@ -81,7 +81,8 @@ async def run(args: argparse.Namespace) -> None:
     try:
         image = node_image(cluster)
         with tempfile.TemporaryDirectory(prefix="sandlot-k8s-bench-") as tmp:
-            async with serving(cluster, image, Path(tmp)) as h:
+            config = {"requests_fraction": args.requests_fraction}
+            async with serving(cluster, image, Path(tmp), **config) as h:
                 await table(h, cluster, image, args, rng)
     finally:
         stop_cluster(cluster)
@@ -146,6 +147,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--creates", type=int, default=5)
     parser.add_argument("--execs", type=int, default=30)
+    parser.add_argument(
+        "--requests-fraction",
+        type=float,
+        default=1.0,
+        help="the provider's requests_fraction (its default 1.0: Guaranteed pods)",
+    )
     asyncio.run(run(parser.parse_args()))
 
 

@@ -375,7 +375,8 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             except (httpx.TransportError, ValueError, KeyError):
                 pass
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            # Refused connections cost nothing: ask often while it starts.
+            delay = min(delay * 2, 0.025)
         if box.state is not SandboxState.PROVISIONING or self._sandboxes.get(sid) is not box:
             await upstream.close()
             return
