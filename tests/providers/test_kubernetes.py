@@ -6,15 +6,18 @@ restart, cleanup of leftovers, and the dataplane's streams through the relay."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jwt
 import pytest
+from kubernetes import client as k8s_client
 
-from sandlot.protocol.errors import InvalidRequest, SandboxNotFound
+from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable, SandboxNotFound
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
@@ -386,3 +389,80 @@ async def test_revocation_and_a_rotated_key_reach_the_pod(
                 ).status_code != 200:
                     await asyncio.sleep(0.5)
         await h.provider.delete("sb_tok")
+
+
+# The agent-sandbox CRD as this test installs it: the group, kind and version its
+# project serves, with a schema that keeps every field (the project's own is stricter).
+SANDBOX_CRD = {
+    "apiVersion": "apiextensions.k8s.io/v1",
+    "kind": "CustomResourceDefinition",
+    "metadata": {"name": "sandboxes.agents.x-k8s.io"},
+    "spec": {
+        "group": "agents.x-k8s.io",
+        "scope": "Namespaced",
+        "names": {"plural": "sandboxes", "singular": "sandbox", "kind": "Sandbox"},
+        "versions": [
+            {
+                "name": "v1alpha1",
+                "served": True,
+                "storage": True,
+                "schema": {
+                    "openAPIV3Schema": {
+                        "type": "object",
+                        "x-kubernetes-preserve-unknown-fields": True,
+                    }
+                },
+            }
+        ],
+    },
+}
+
+
+def crd_served(api: Any) -> bool:
+    groups = k8s_client.ApisApi(api).get_api_versions().groups or []
+    return any(g.name == "agents.x-k8s.io" for g in groups)
+
+
+async def test_agent_sandbox_crds_are_detected(
+    k8s_cluster: Cluster, k8s_image: str, tmp_path: Path
+) -> None:
+    """What runs: the CRD installed and removed, and the provider's detection of it
+    through discovery in each mode. What does not: a ``Sandbox`` object created (the API
+    server of scripts/k8s-cluster crashes on any custom object: its vendored reflect2
+    1.0.1 under Go 1.19, docs/KUBERNETES.md) and agent-sandbox's controller (not
+    installed). The ``Sandbox`` the provider would write is checked as data
+    (test_podspec.py)."""
+    core = core_api(k8s_cluster)
+    ext = k8s_client.ApiextensionsV1Api(core.api_client)
+    try:
+        async with serving(k8s_cluster, k8s_image, tmp_path, agent_sandbox="auto") as h:
+            # No CRD: bare pods.
+            assert h.provider.sandbox_resources is None
+            assert h.provider.readiness()["agent_sandbox"] is None
+        with pytest.raises(ProviderUnavailable, match="agent-sandbox"):
+            async with serving(k8s_cluster, k8s_image, tmp_path, agent_sandbox="on"):
+                pass
+        with contextlib.suppress(k8s_client.ApiException):
+            ext.create_custom_resource_definition(SANDBOX_CRD)
+        async with asyncio.timeout(60):
+            while not crd_served(core.api_client):
+                await asyncio.sleep(0.2)
+        async with serving(k8s_cluster, k8s_image, tmp_path) as h:
+            assert h.provider.sandbox_resources is None  # the default never looks
+            assert h.provider.can_suspend("sb_any") is False  # (emptyDir)
+        config = {"agent_sandbox": "auto", "workspace": "pvc"}
+        async with serving(k8s_cluster, k8s_image, tmp_path, **config) as h:
+            resources = h.provider.sandbox_resources
+            assert resources is not None and resources.version == "v1alpha1"
+            assert h.provider.readiness()["agent_sandbox"] == "v1alpha1"
+            # Suspend is not wired to the controller's replicas: not offered.
+            assert not h.provider.can_suspend("sb_any")
+        async with serving(k8s_cluster, k8s_image, tmp_path, agent_sandbox="on") as h:
+            assert h.provider.sandbox_resources is not None
+    finally:
+        with contextlib.suppress(k8s_client.ApiException):
+            ext.delete_custom_resource_definition(SANDBOX_CRD["metadata"]["name"])
+        async with asyncio.timeout(60):
+            while crd_served(core.api_client):
+                await asyncio.sleep(0.2)
+        core.api_client.close()

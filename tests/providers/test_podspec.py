@@ -17,6 +17,7 @@ from kubernetes.client import (
 
 from sandlot.protocol.errors import InvalidRequest
 from sandlot.protocol.sessions import Template
+from sandlot.providers.agentsandbox import sandbox_manifest
 from sandlot.providers.base import SandboxSpec
 from sandlot.providers.podspec import (
     STATE_MOUNT,
@@ -150,3 +151,17 @@ def test_a_claim_workspace_keeps_the_dataplanes_log_beside_it() -> None:
     doc = {"revoked": [{"jti": "j1", "expires_at": 5.0}]}
     trust = trust_manifest(settings, spec(), "{}", "k", doc)
     assert json.loads(trust["data"]["revoked.json"]) == doc
+
+
+def test_an_agent_sandbox_resource_carries_the_pod() -> None:
+    pod = pod_manifest(SETTINGS, spec())
+    body = sandbox_manifest("v1alpha1", pod)
+    assert body["apiVersion"] == "agents.x-k8s.io/v1alpha1" and body["kind"] == "Sandbox"
+    # Named as the pod: agent-sandbox's controller names its pod after the Sandbox.
+    assert body["metadata"]["name"] == pod["metadata"]["name"]
+    assert body["metadata"]["labels"] == pod["metadata"]["labels"]
+    template = body["spec"]["podTemplate"]
+    assert template["metadata"]["labels"] == pod["metadata"]["labels"]
+    assert template["metadata"]["annotations"] == pod["metadata"]["annotations"]
+    assert template["spec"] == pod["spec"]
+    assert body["spec"]["replicas"] == 1

@@ -46,6 +46,9 @@ wired in by the server):
 - ``tmp_mb``: size of ``/tmp`` (default 256); ``read_only_root`` (default true).
 - ``network_policy``: create the instance's NetworkPolicy (default true).
 - ``node_selector``, ``tolerations``, ``runtime_class``: passed to the pod.
+- ``agent_sandbox``: ``off`` (default), ``auto`` (a ``Sandbox`` resource of
+  kubernetes-sigs/agent-sandbox instead of a bare pod where its CRD is installed) or ``on``
+  (required): :mod:`~sandlot.providers.agentsandbox`.
 - ``start_timeout_seconds`` (default 120), ``jwks_refresh_seconds`` (default 2).
 - ``revocation_sync_seconds``: how long after a revocation whose push failed the
   dataplane is asked, every second, to re-read its trust directory (default 90: the
@@ -83,7 +86,7 @@ from sandlot.protocol.errors import (
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
-from sandlot.providers import podlife
+from sandlot.providers import agentsandbox, podlife
 from sandlot.providers.base import (
     AdoptionRecord,
     ProviderStatus,
@@ -176,6 +179,11 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         # Suspending deletes the pod: only a claim keeps the workspace.
         self.supports_suspend = workspace == "pvc"
         self.keep_volumes = bool(cfg.get("keep_volumes", False))
+        self.agent_sandbox = str(cfg.get("agent_sandbox", "off"))
+        if self.agent_sandbox not in agentsandbox.MODES:
+            raise InvalidRequest("agent_sandbox is 'off', 'auto' or 'on'")
+        #: The ``Sandbox`` resources sandboxes are made as (None: bare pods).
+        self.sandbox_resources: agentsandbox.SandboxResources | None = None
         self.network_policy = bool(cfg.get("network_policy", True))
         self.start_timeout = float(cfg.get("start_timeout_seconds", 120.0))
         self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
@@ -216,6 +224,16 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             raise ProviderUnavailable(f"the cluster is unreachable: {exc}") from exc
         if self.network_policy:
             await self._ensure_network_policy()
+        if self.agent_sandbox != "off":
+            version = await agentsandbox.detect(self._api_client)
+            if version is None and self.agent_sandbox == "on":
+                await asyncio.to_thread(self._api_client.close)
+                raise ProviderUnavailable("the agent-sandbox CRDs are not installed")
+            if version is not None:
+                self.sandbox_resources = agentsandbox.SandboxResources(
+                    self._api_client, self.namespace, version
+                )
+                self.supports_suspend = False
         await self._refresh_keys()
         self._loop = asyncio.get_running_loop()
         self._refresher = self._loop.create_task(self._refresh_loop())
@@ -235,6 +253,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         return {
             "ok": self._core is not None,
             "namespace": self.namespace,
+            "agent_sandbox": self.sandbox_resources.version if self.sandbox_resources else None,
             "sandboxes": len(self._sandboxes),
         }
 
@@ -465,10 +484,30 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                     ns,
                     claim_manifest(self.settings, spec),
                 )
-        pod = await self._api(
-            self._core.create_namespaced_pod, ns, pod_manifest(self.settings, spec)
-        )
+        manifest = pod_manifest(self.settings, spec)
+        if self.sandbox_resources is not None:
+            # agent-sandbox's controller makes the pod; the watch knows it by its labels.
+            await self._create_sandbox_resource(manifest)
+            return
+        pod = await self._api(self._core.create_namespaced_pod, ns, manifest)
         box.pod_uid = pod.metadata.uid
+
+    async def _create_sandbox_resource(self, pod: Mapping[str, Any]) -> None:
+        resources = self.sandbox_resources
+        assert resources is not None
+        body = agentsandbox.sandbox_manifest(resources.version, pod)
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                await self._api(resources.create, body)
+                return
+            except ApiException as exc:
+                # One of an earlier attempt: it goes first (its pod with it).
+                if exc.status != 409 or time.monotonic() > deadline:
+                    raise
+                with contextlib.suppress(ApiException):
+                    await self._api(resources.delete, body["metadata"]["name"])
+                await asyncio.sleep(0.2)
 
     async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -501,8 +540,14 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             )
 
     async def _remove(self, sandbox_id: str) -> None:
-        """Pod, trust ConfigMap and workspace claim (unless kept). Idempotent."""
+        """Pod (and its ``Sandbox`` resource), trust ConfigMap and workspace claim (unless
+        kept). Idempotent."""
         ns = self.namespace
+        if self.sandbox_resources is not None:
+            with contextlib.suppress(ApiException):
+                await self._api(
+                    self.sandbox_resources.delete, object_name(self.instance, sandbox_id)
+                )
         await self._remove_pod(sandbox_id)
         with contextlib.suppress(ApiException):
             await self._api(
@@ -656,6 +701,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             self._core.list_namespaced_config_map, self.namespace, label_selector=selector
         )
         found |= {(m.metadata.labels or {}).get(LABEL_SANDBOX) for m in maps.items}
+        if self.sandbox_resources is not None:
+            made = await self._api(self.sandbox_resources.labelled, selector)
+            found |= {(r["metadata"].get("labels") or {}).get(LABEL_SANDBOX) for r in made}
         if not self.keep_volumes:
             claims = await self._api(
                 self._core.list_namespaced_persistent_volume_claim,

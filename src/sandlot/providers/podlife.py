@@ -19,23 +19,61 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from kubernetes.client.exceptions import ApiException
 
 from sandlot.protocol.errors import InvalidRequest, ProviderUnavailable
 from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import AdoptionRecord, ProviderStatus, SandboxSpec
-from sandlot.providers.podspec import object_name
+from sandlot.providers.podspec import PodSettings, object_name
 
-if TYPE_CHECKING:
-    from sandlot.providers.kubernetes import KubernetesProvider, _Sandbox
+
+class PodBox(Protocol):
+    """What suspend and resume change of the provider's record of a sandbox."""
+
+    spec: SandboxSpec
+    state: SandboxState
+    reason: str | None
+    pod_uid: str | None
+    stale_uids: set[str]
+    probing: asyncio.Task[None] | None
+    reloading: asyncio.Task[None] | None
+    upstream: Any
+    settled: asyncio.Event
+
+
+class PodProvider(Protocol):
+    """What suspend and resume use of the ``kubernetes`` provider."""
+
+    namespace: str
+    instance: str
+
+    @property
+    def settings(self) -> PodSettings: ...
+    @property
+    def _core(self) -> Any: ...
+    @property
+    def _sandboxes(self) -> Mapping[str, PodBox]: ...
+    @property
+    def _tasks(self) -> dict[str, asyncio.Task[None]]: ...
+    def can_suspend(self, sandbox_id: str) -> bool: ...
+    def _box(self, sandbox_id: str) -> PodBox: ...
+    async def status(self, sandbox_id: str) -> ProviderStatus: ...
+    async def _api(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
+    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None: ...
+    async def _notify(self, sandbox_id: str) -> None: ...
+    async def _create(self, spec: SandboxSpec) -> None: ...
+
+
+BoxT = TypeVar("BoxT", bound=PodBox)
 
 #: Seconds the kubelet gives a suspended pod's processes after SIGTERM.
 SUSPEND_GRACE_SECONDS = 2
 
 
-async def suspend(provider: KubernetesProvider, sandbox_id: str) -> ProviderStatus:
+async def suspend(provider: PodProvider, sandbox_id: str) -> ProviderStatus:
     """Delete the pod of an active sandbox, keeping its claim (idempotent)."""
     if not provider.can_suspend(sandbox_id):
         raise InvalidRequest("only sandboxes with a pvc workspace can be suspended")
@@ -68,7 +106,7 @@ async def suspend(provider: KubernetesProvider, sandbox_id: str) -> ProviderStat
     return await provider.status(sandbox_id)
 
 
-async def resume(provider: KubernetesProvider, sandbox_id: str) -> ProviderStatus:
+async def resume(provider: PodProvider, sandbox_id: str) -> ProviderStatus:
     """Make a suspended sandbox's pod again on its claim; return once it serves or failed."""
     box = provider._box(sandbox_id)
     if box.state is not SandboxState.SUSPENDED:
@@ -86,8 +124,10 @@ async def resume(provider: KubernetesProvider, sandbox_id: str) -> ProviderStatu
 
 
 def adopt_suspended(
-    provider: KubernetesProvider, rec: AdoptionRecord, box_type: type[_Sandbox]
-) -> _Sandbox | None:
+    provider: PodProvider,
+    rec: AdoptionRecord,
+    box_type: Callable[[SandboxSpec, SandboxState], BoxT],
+) -> BoxT | None:
     """The record of a sandbox a previous server suspended (``None``: it cannot be, the
     workspace being no claim)."""
     if rec.state is not SandboxState.SUSPENDED or provider.settings.workspace != "pvc":
@@ -103,4 +143,4 @@ def revoked_doc(revoked: dict[str, float]) -> dict[str, Any]:
     return {"revoked": [{"jti": j, "expires_at": e} for j, e in revoked.items()]}
 
 
-__all__ = ["adopt_suspended", "resume", "revoked_doc", "suspend"]
+__all__ = ["PodBox", "PodProvider", "adopt_suspended", "resume", "revoked_doc", "suspend"]
