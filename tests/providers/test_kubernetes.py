@@ -259,7 +259,7 @@ async def test_a_missing_image_fails_with_the_pods_reason(
         template = Template(name="t", image="sandlot-no-such-image:1")
         await h.provider.create(SandboxSpec("sb_noimg", 1, template))
         reason = await failed(h, "sb_noimg")
-        assert reason.startswith("ErrImageNeverPull")
+        assert reason.startswith("IMAGE: ErrImageNeverPull"), reason
         assert (await h.provider.status("sb_noimg")).state is SandboxState.FAILED
         await h.provider.delete("sb_noimg")
 
