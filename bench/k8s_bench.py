@@ -9,7 +9,10 @@ Figures, each side by side with Kubernetes' own operation in the same run:
 
 - create → ready: ``KubernetesProvider.create`` until the dataplane in the pod answers,
   against ``kubectl run`` of the same image (``--restart=Never``, a ``sleep``) followed
-  by ``kubectl wait --for=condition=Ready``;
+  by ``kubectl wait --for=condition=Ready``; the provider with its default
+  ``requests_fraction`` (1.0: the pod is ``Guaranteed``, its CPU weight a core's) unless
+  ``--requests-fraction`` says otherwise (the tests' 0.01 gives the pod a hundredth of a
+  core's weight: on a loaded node the dataplane's Python start then waits for CPU);
 - ``exec true`` through the relay and the dataplane in the pod (the SDK's ``run``),
   against ``kubectl exec POD -- true`` on the same pod.
 """
