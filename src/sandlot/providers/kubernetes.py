@@ -509,16 +509,18 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                     await self._api(resources.delete, body["metadata"]["name"])
                 await asyncio.sleep(0.2)
 
-    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None:
+    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> bool:
+        """Whether the pod is gone within ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 await self._api(self._core.read_namespaced_pod, pod_name, self.namespace)
             except ApiException as exc:
                 if exc.status == 404:
-                    return
+                    return True
                 raise
             await asyncio.sleep(0.1)
+        return False
 
     def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.FAILED:

@@ -4,7 +4,8 @@ Kubernetes cannot freeze a pod, so a suspended sandbox is one whose pod is gone 
 workspace claim and its trust ConfigMap stay: **suspend** reads the dataplane's last event
 sequence, deletes the pod (its processes end, as on a machine's shutdown; the kubelet
 stops it within its grace period) and waits until it is gone, so nothing writes to the
-claim any more. **resume** makes the pod again on the same claim, with the revocations
+claim any more (a pod still there after a minute is deleted at once, without grace).
+**resume** makes the pod again on the same claim, with the revocations
 the sandbox had (the ConfigMap written again with them and a new control key), and
 returns once its dataplane answers (``active``) or the pod failed (``failed``): the files
 are those of the suspend, and the event log carries on its sequence (the dataplane keeps
@@ -62,7 +63,7 @@ class PodProvider(Protocol):
     def _box(self, sandbox_id: str) -> PodBox: ...
     async def status(self, sandbox_id: str) -> ProviderStatus: ...
     async def _api(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any: ...
-    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None: ...
+    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> bool: ...
     async def _notify(self, sandbox_id: str) -> None: ...
     async def _create(self, spec: SandboxSpec) -> None: ...
 
@@ -71,6 +72,8 @@ BoxT = TypeVar("BoxT", bound=PodBox)
 
 #: Seconds the kubelet gives a suspended pod's processes after SIGTERM.
 SUSPEND_GRACE_SECONDS = 2
+#: How long suspend waits for the kubelet to stop the pod before deleting it at once.
+SUSPEND_WAIT_SECONDS = 60.0
 
 
 async def suspend(provider: PodProvider, sandbox_id: str) -> ProviderStatus:
@@ -94,14 +97,17 @@ async def suspend(provider: PodProvider, sandbox_id: str) -> ProviderStatus:
         await box.upstream.close()
         box.upstream = None
     pod_name = object_name(provider.instance, sandbox_id)
-    with contextlib.suppress(ApiException):
-        await provider._api(
-            provider._core.delete_namespaced_pod,
-            pod_name,
-            provider.namespace,
-            grace_period_seconds=SUSPEND_GRACE_SECONDS,
-        )
-    await provider._wait_gone(pod_name)
+    for grace in (SUSPEND_GRACE_SECONDS, 0):
+        with contextlib.suppress(ApiException):
+            await provider._api(
+                provider._core.delete_namespaced_pod,
+                pod_name,
+                provider.namespace,
+                grace_period_seconds=grace,
+            )
+        # A kubelet too busy to stop it within a minute: the pod is deleted at once.
+        if await provider._wait_gone(pod_name, SUSPEND_WAIT_SECONDS):
+            break
     await provider._notify(sandbox_id)
     return await provider.status(sandbox_id)
 
