@@ -71,7 +71,7 @@ provider = "hosted"
 
 
 @contextlib.contextmanager
-def pair(tmp_path: Path, *, with_local: bool = False) -> Iterator[Pair]:
+def pair(tmp_path: Path, *, with_local: bool = False, workers: int = 1) -> Iterator[Pair]:
     service = SandlotServer(tmp_path / "service").start()
     broker: SandlotServer | None = None
     try:
@@ -80,7 +80,9 @@ def pair(tmp_path: Path, *, with_local: bool = False) -> Iterator[Pair]:
         key_file.write_text(key + "\n")
         key_file.chmod(0o600)
         broker = SandlotServer(
-            tmp_path / "broker", config=broker_config(service.url, key_file, with_local=with_local)
+            tmp_path / "broker",
+            config=broker_config(service.url, key_file, with_local=with_local),
+            workers=workers,
         ).start()
         yield Pair(service, broker, key)
     except BaseException:
