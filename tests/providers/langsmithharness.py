@@ -35,7 +35,9 @@ class Pair:
         return list(r.json()["sandboxes"])
 
 
-def broker_config(service_url: str, key_file: Path, *, with_local: bool) -> str:
+def broker_config(
+    service_url: str, key_file: Path, *, with_local: bool, reaper_interval: float = 0.5
+) -> str:
     """What a user writes: the hosted service as a provider (and the machine's own)."""
     langsmith = f"""
 kind = "langsmith"
@@ -46,7 +48,7 @@ poll_seconds = 0.05
     if not with_local:
         return f"""
 [policy]
-reaper_interval_seconds = 0.5
+reaper_interval_seconds = {reaper_interval}
 
 [provider]
 name = "langsmith"
@@ -56,7 +58,7 @@ name = "langsmith"
 default_provider = "local"
 
 [policy]
-reaper_interval_seconds = 0.5
+reaper_interval_seconds = {reaper_interval}
 
 [providers.local]
 kind = "local"
@@ -71,7 +73,10 @@ provider = "hosted"
 
 
 @contextlib.contextmanager
-def pair(tmp_path: Path, *, with_local: bool = False) -> Iterator[Pair]:
+def pair(
+    tmp_path: Path, *, with_local: bool = False, workers: int = 1, reaper_interval: float = 0.5
+) -> Iterator[Pair]:
+    """The service and the broker (``reaper_interval``: the broker's, in seconds)."""
     service = SandlotServer(tmp_path / "service").start()
     broker: SandlotServer | None = None
     try:
@@ -80,7 +85,11 @@ def pair(tmp_path: Path, *, with_local: bool = False) -> Iterator[Pair]:
         key_file.write_text(key + "\n")
         key_file.chmod(0o600)
         broker = SandlotServer(
-            tmp_path / "broker", config=broker_config(service.url, key_file, with_local=with_local)
+            tmp_path / "broker",
+            config=broker_config(
+                service.url, key_file, with_local=with_local, reaper_interval=reaper_interval
+            ),
+            workers=workers,
         ).start()
         yield Pair(service, broker, key)
     except BaseException:

@@ -10,6 +10,7 @@ sandbox is gone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -595,6 +596,10 @@ class SandboxService:
         return done
 
     async def suspend(self, sandbox_id: str, *, reason: str) -> None:
+        with contextlib.suppress(SandboxNotFound):
+            # Which configured provider runs it (a worker may not have seen it yet).
+            row = await anyio.to_thread.run_sync(self.get, sandbox_id)
+            self.provider.assign(row.id, row.provider)
         if not self.provider.can_suspend(sandbox_id):
             await self.terminate(sandbox_id, reason=reason)
             return

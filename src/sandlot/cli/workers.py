@@ -5,8 +5,10 @@ Layout (all forked from this supervisor, which only watches them):
 - N broker workers share the main listening socket (the kernel spreads
   connections among them). They use the store for everything and reach the
   sandboxes through :class:`sandlot.providers.remote.RemoteProvider`.
-- One sandbox host runs the local provider, its dataplane and the reaper. It
-  serves the dataplane on its own port (``--port`` + 1 unless
+- One sandbox host runs the configured providers (all of them, when there are
+  several ``[providers.NAME]``: a hosted provider's relay, its commands and
+  streams live in this one process too), their dataplanes and the reaper. It
+  serves the dataplanes on its own port (``--port`` + 1 unless
   ``--dataplane-port`` says otherwise; grants carry that URL) and its
   provider API on a Unix socket in the data directory.
 
@@ -30,7 +32,7 @@ from fastapi import FastAPI
 
 from sandlot.broker.app import create_app
 from sandlot.broker.core import Broker, prepare_store
-from sandlot.broker.settings import BrokerSettings, ConfigError
+from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.server import (
     banner,
     bind_socket,
@@ -68,6 +70,13 @@ def _run_worker(
                 "secret": secret,
                 "dataplane_url": dp_url,
                 "name": settings.provider_name,
+                # Several configured providers: the host runs them all (one process holds
+                # every sandbox, relay and stream); workers choose among them by name.
+                **(
+                    {"members": list(settings.providers), "default": settings.default_provider}
+                    if len(settings.providers) > 1
+                    else {}
+                ),
             }
         )
     )
@@ -123,9 +132,6 @@ def _wait_for_uds(path: str, timeout: float = 30.0) -> None:
 
 
 def serve_workers(settings: BrokerSettings) -> None:
-    if len(settings.providers) > 1:
-        # The workers' remote provider reaches one provider of the sandbox host.
-        raise ConfigError("several [providers] need a single worker (--workers 1)")
     requested = settings.port
     sock = bind_socket(settings.host, requested)
     settings = replace(settings, port=sock.getsockname()[1])

@@ -5,6 +5,7 @@ authorized there (:func:`authorize`): see :mod:`sandlot.providers.hostedrelay`."
 from __future__ import annotations
 
 import asyncio
+import secrets
 import shlex
 import time
 from collections.abc import Awaitable, Callable
@@ -15,7 +16,7 @@ from starlette.requests import Request
 
 from sandlot.dataplane.services.auth import AuthContext, TokenVerifier, bearer_from_header
 from sandlot.dataplane.services.events import EventLog
-from sandlot.protocol.common import Actor, Capability, new_id, rfc3339
+from sandlot.protocol.common import Actor, Capability, rfc3339
 from sandlot.protocol.errors import (
     ExecNotFound,
     SandboxNotFound,
@@ -119,7 +120,9 @@ class Hosted:
     def new_exec(
         self, command: str | list[str], command_id: str | None, actor: Actor | None, pty: bool
     ) -> RelayExec:
-        ex = RelayExec(new_id("ex", 10), command_id or new_id("cmd", 8), command, actor, pty)
+        # One draw of randomness for both ids (each draw is a system call).
+        token = secrets.token_hex(18)
+        ex = RelayExec(f"ex_{token[:20]}", command_id or f"cmd_{token[20:]}", command, actor, pty)
         if len(self.execs) >= MAX_RELAY_EXECS:
             self._forget_finished(len(self.execs) - MAX_RELAY_EXECS * 9 // 10)
         self.execs[ex.exec_id] = ex

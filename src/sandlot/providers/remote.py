@@ -13,6 +13,7 @@ by its credential, and brokers reach it through :class:`RemoteProvider` too
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,11 +21,22 @@ from typing import Any
 import httpx
 from fastapi import APIRouter, Request
 
-from sandlot.protocol.errors import ProviderUnavailable, SandlotError, error_from_wire
+from sandlot.protocol.errors import (
+    InvalidRequest,
+    ProviderUnavailable,
+    SandlotError,
+    error_from_wire,
+)
 from sandlot.protocol.sessions import DataplaneCoordinates, SandboxActivity, Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
-from sandlot.providers.base import AdoptionRecord, Provider, ProviderStatus, SandboxSpec
+from sandlot.providers.base import (
+    AdoptionRecord,
+    Provider,
+    ProviderStatus,
+    SandboxSpec,
+    StatusListener,
+)
 
 SECRET_HEADER = "x-sandlot-provider-secret"
 
@@ -50,6 +62,23 @@ def dataplane_coordinates(dataplane_url: str, sandbox_id: str) -> DataplaneCoord
     return DataplaneCoordinates(http_base_url=http, ws_base_url=ws)
 
 
+def members_json(provider: Provider) -> dict[str, Any]:
+    """The configured providers a host runs (several behind a :class:`MultiProvider`):
+    name → kind and whether it keeps sandboxes across a suspend, and the default."""
+    found = getattr(provider, "members", None)
+    members: Mapping[str, Provider] = found if isinstance(found, dict) else {}
+    default = str(getattr(provider, "default", provider.name))
+    if not members:
+        members = {provider.name: provider}
+    return {
+        "default": default,
+        "members": {
+            name: {"kind": m.name, "supports_suspend": m.supports_suspend}
+            for name, m in members.items()
+        },
+    }
+
+
 def provider_router(provider: Provider, secret: str) -> APIRouter:
     """Expose ``provider`` over HTTP to callers that present ``secret`` (a private Unix
     socket, or a host's port where brokers hold the credential)."""
@@ -72,8 +101,14 @@ def provider_router(provider: Provider, secret: str) -> APIRouter:
             template=Template.model_validate(body["template"]),
             owner_user_id=body.get("owner_user_id"),
             name=body.get("name"),
+            provider=body.get("provider"),
         )
         return _status_json(await provider.create(spec))
+
+    @router.get("/members")
+    async def members(request: Request) -> Any:
+        check(request)
+        return members_json(provider)
 
     @router.get("/sandboxes")
     async def list_all(request: Request) -> Any:
@@ -119,7 +154,13 @@ def provider_router(provider: Provider, secret: str) -> APIRouter:
 
 
 class RemoteProvider(Provider):
-    """A provider reached over HTTP (config: ``url``, ``uds``, ``secret``, ``dataplane_url``)."""
+    """A provider reached over HTTP (config: ``url``, ``uds``, ``secret``, ``dataplane_url``).
+
+    With ``members`` (the names of several configured providers the host runs behind a
+    :class:`~sandlot.providers.multi.MultiProvider`) and ``default``, it chooses among
+    them as that provider does, tells the host which one makes each sandbox, and learns
+    from the host, when started, which of them keep a sandbox across a suspend.
+    """
 
     name = "local"
 
@@ -127,6 +168,13 @@ class RemoteProvider(Provider):
         self.name = str(config.get("name", "local"))  # type: ignore[misc]
         self.supports_suspend = bool(config.get("supports_suspend", True))
         self.dataplane_url = str(config["dataplane_url"]).rstrip("/")
+        #: The host's configured providers (empty: one, this provider's ``name``).
+        self.members: tuple[str, ...] = tuple(config.get("members", ()))
+        self.default = str(config.get("default", self.name))
+        #: Member name → whether it suspends (from the host; until then, ``supports_suspend``).
+        self._suspends: dict[str, bool] = {}
+        #: Sandbox id → the member that runs it (as the broker's rows say).
+        self._owner: dict[str, str] = {}
         transport = httpx.AsyncHTTPTransport(uds=config["uds"]) if config.get("uds") else None
         self._client = httpx.AsyncClient(
             base_url=str(config.get("url", "http://sandbox-host")),
@@ -135,8 +183,58 @@ class RemoteProvider(Provider):
             timeout=httpx.Timeout(30.0, connect=5.0),
         )
 
+    async def start(self, listener: StatusListener | None = None) -> None:
+        if not self.members:
+            return
+        # The host is up before its workers; a restarted one may take a moment.
+        for attempt in range(100):
+            try:
+                doc = await self._call("GET", "/members")
+                break
+            except ProviderUnavailable:
+                if attempt == 99:
+                    raise
+                await asyncio.sleep(0.1)
+        self._suspends = {
+            str(name): bool(m.get("supports_suspend")) for name, m in doc["members"].items()
+        }
+
     async def close(self) -> None:
         await self._client.aclose()
+
+    # --- several configured providers on the host -------------------------------------
+
+    def choose(self, template: Template, preference: str = "auto") -> str:
+        if not self.members:
+            return super().choose(template, preference)
+        wanted = template.provider or (None if preference == "auto" else preference)
+        if wanted is None:
+            return self.default
+        if wanted not in self.members:
+            configured = sorted(self.members)
+            raise InvalidRequest(
+                f"provider {wanted!r} is not configured (configured: {', '.join(configured)})",
+                metadata={"provider": wanted, "configured": configured},
+            )
+        return wanted
+
+    def member(self, name: str) -> Provider:
+        if not self.members:
+            return super().member(name)
+        if name not in self.members:
+            raise InvalidRequest(f"provider {name!r} is not configured")
+        return self
+
+    def assign(self, sandbox_id: str, provider: str | None) -> Provider:
+        if self.members:
+            self._owner[sandbox_id] = provider if provider in self.members else self.default
+        return self
+
+    def can_suspend(self, sandbox_id: str) -> bool:
+        if not self.members:
+            return self.supports_suspend
+        owner = self._owner.get(sandbox_id, self.default)
+        return self._suspends.get(owner, self.supports_suspend)
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         try:
@@ -158,7 +256,9 @@ class RemoteProvider(Provider):
             "template": spec.template.model_dump(mode="json"),
             "owner_user_id": spec.owner_user_id,
             "name": spec.name,
+            "provider": spec.provider,
         }
+        self.assign(spec.sandbox_id, spec.provider)
         return _status(await self._call("POST", "/sandboxes", body))
 
     async def status(self, sandbox_id: str) -> ProviderStatus:
@@ -172,6 +272,7 @@ class RemoteProvider(Provider):
 
     async def delete(self, sandbox_id: str) -> None:
         await self._call("DELETE", f"/sandboxes/{sandbox_id}")
+        self._owner.pop(sandbox_id, None)
 
     def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
         return dataplane_coordinates(self.dataplane_url, sandbox_id)

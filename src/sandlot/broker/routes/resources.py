@@ -249,7 +249,7 @@ async def suspend_sandbox(
     row = await anyio.to_thread.run_sync(visible_sandbox, broker, principal, sandbox_id)
     if row.state not in (SandboxState.ACTIVE, SandboxState.IDLE, SandboxState.SUSPENDED):
         raise InvalidRequest(f"a {row.state} sandbox cannot be suspended")
-    if not broker.provider.can_suspend(sandbox_id):
+    if not broker.provider.assign(row.id, row.provider).can_suspend(sandbox_id):
         raise InvalidRequest(f"provider {row.provider} cannot suspend sandboxes")
     await broker.sandboxes.suspend(sandbox_id, reason="suspended by request")
     await audited(request, principal, "sandbox.suspend", sandbox_id=sandbox_id)

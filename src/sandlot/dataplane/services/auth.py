@@ -6,9 +6,10 @@ pinned to EdDSA before anything else, the key comes from the broker's JWKS
 an unknown ``kid`` shows up, so a stream of forged kids cannot hammer the
 broker), then ``iss``, ``aud``, ``typ``, ``exp``/``nbf`` (with leeway),
 ``sandbox_id``, ``gen``, revocation and the capability of the operation.
-Verified tokens are cached by their text, so the signature is checked once per
-token rather than once per request; everything that can change (expiry,
-revocation, the sandbox and capability asked for) is checked every time.
+Verified tokens (and the caller each stands for) are cached by their text, so the
+signature is checked once per token rather than once per request; everything that
+can change (expiry, revocation, the sandbox and capability asked for) is checked
+every time.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class TokenVerifier:
         self._fetched_at = -1.0
         self._fetch_lock = asyncio.Lock()
         self._cache: dict[str, TokenClaims] = {}
+        #: The caller each verified token stands for (made once per token, not per call).
+        self._contexts: dict[str, AuthContext] = {}
         self._cache_size = cache_size
         #: jti → expiry (epoch seconds); forgotten once the token would be expired anyway.
         self._revoked: dict[str, float] = {}
@@ -200,16 +203,21 @@ class TokenVerifier:
             raise Unauthenticated("token is for another generation of this sandbox")
         if claims.jti in self._revoked:
             raise Unauthenticated("token revoked")
-        ctx = AuthContext(
-            principal_id=claims.sub,
-            actor=claims.act,
-            caps=expand_capabilities(frozenset(claims.caps)),
-            sandbox_id=claims.sandbox_id,
-            session_id=claims.sid,
-            jti=claims.jti,
-            expires_at=float(claims.exp),
-            generation=claims.gen,
-        )
+        ctx = self._contexts.get(token)
+        if ctx is None:
+            ctx = AuthContext(
+                principal_id=claims.sub,
+                actor=claims.act,
+                caps=expand_capabilities(frozenset(claims.caps)),
+                sandbox_id=claims.sandbox_id,
+                session_id=claims.sid,
+                jti=claims.jti,
+                expires_at=float(claims.exp),
+                generation=claims.gen,
+            )
+            if len(self._contexts) >= self._cache_size:
+                self._contexts.clear()
+            self._contexts[token] = ctx
         if capability is not None:
             ctx.require(capability)
         return ctx

@@ -1,11 +1,12 @@
 """The ordered per-sandbox event log (PROTOCOL.md 3.7) and the workspace watcher.
 
 The dataplane issues the sequence. Events are kept in a bounded deque and
-serialised once, when appended; a cursor older than what is kept gets 410
-SEQUENCE_EXPIRED. Where the sandbox has a directory that outlives the server
-(an isolated sandbox's spool), each event is also appended to a journal there,
-one line per event, so a restarted server carries on the same sequence with
-the same retained events: a client's cursor stays valid across a crash.
+serialised once: when appended where there is a journal, else when first read (the
+broker's relay appends two events per command, most of which nobody reads); a cursor
+older than what is kept gets 410 SEQUENCE_EXPIRED. Where the sandbox has a directory
+that outlives the server (an isolated sandbox's spool), each event is also appended
+to a journal there, one line per event, so a restarted server carries on the same
+sequence with the same retained events: a client's cursor stays valid across a crash.
 
 Changes made by commands are picked up with ``watchfiles`` (coalesced over
 ``watch_debounce_ms``); a change the API itself just made (reported with its
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from sandlot.dataplane.services.watch import Tree, shared
-from sandlot.protocol.common import Actor, rfc3339
+from sandlot.protocol.common import Actor
 from sandlot.protocol.errors import SequenceExpired
 
 log = logging.getLogger("sandlot.dataplane.services.events")
@@ -35,16 +36,60 @@ log = logging.getLogger("sandlot.dataplane.services.events")
 JOURNAL = "events.jsonl"
 
 
+#: The second an event's timestamp was last formatted in, and its text up to the second.
+_stamp_second: tuple[int, str] = (-1, "")
+
+
+def timestamp(now: float) -> str:
+    """``now`` as RFC 3339 UTC with milliseconds (what :func:`rfc3339` gives), the text
+    up to the second formatted once per second."""
+    global _stamp_second
+    second = int(now)
+    cached, prefix = _stamp_second
+    if second != cached:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _stamp_second = (second, prefix)
+    return f"{prefix}.{min(int((now - second) * 1000), 999):03d}Z"
+
+
+class _Entry:
+    """One kept event: its JSON text, or, until it is first read, the event itself."""
+
+    __slots__ = ("event", "event_type", "line", "sequence")
+
+    def __init__(
+        self, sequence: int, event_type: str, line: str, event: dict[str, Any] | None = None
+    ) -> None:
+        self.sequence = sequence
+        self.event_type = event_type
+        self.line = line
+        self.event: dict[str, Any] | None = event
+
+    def text(self) -> str:
+        if self.event is not None:
+            self.line = json.dumps(self.event, separators=(",", ":"))
+            self.event = None
+        return self.line
+
+    def parsed(self) -> dict[str, Any]:
+        if self.event is not None:
+            return self.event
+        doc: dict[str, Any] = json.loads(self.line)
+        return doc
+
+
 class EventLog:
     def __init__(self, sandbox_id: str, retention: int, state: Callable[[], str]) -> None:
         self.sandbox_id = sandbox_id
-        self._events: deque[tuple[int, str, str]] = deque(maxlen=retention)
+        self._events: deque[_Entry] = deque(maxlen=retention)
         self._sequence = 0
         self._state = state
         self._listeners: set[asyncio.Event] = set()
         self._journal: Path | None = None
         self._journal_fd = -1
         self._journal_lines = 0
+        #: Actors as JSON data, by what they are (an actor is serialised once, not per event).
+        self._actors: dict[tuple[str, str], dict[str, Any]] = {}
 
     @property
     def last_sequence(self) -> int:
@@ -58,22 +103,33 @@ class EventLog:
             "sequence": 0,
             "sandbox_id": self.sandbox_id,
             "event_type": event_type,
-            "timestamp": rfc3339(time.time()),
+            "timestamp": timestamp(time.time()),
             "sandbox_state": self._state(),
-            "actor": actor.model_dump(mode="json") if actor is not None else None,
+            "actor": self._actor(actor) if actor is not None else None,
             "details": {kind: details},
         }
         return self._add(event)
+
+    def _actor(self, actor: Actor) -> dict[str, Any]:
+        key = (actor.type, actor.id)
+        found = self._actors.get(key)
+        if found is None:
+            if len(self._actors) >= 1024:
+                self._actors.clear()
+            found = self._actors[key] = actor.model_dump(mode="json")
+        return found
 
     def _add(self, event: dict[str, Any]) -> int:
         self._sequence += 1
         seq = self._sequence
         event["event_id"] = f"{self.sandbox_id}-{seq}"
         event["sequence"] = seq
-        line = json.dumps(event, separators=(",", ":"))
-        self._events.append((seq, event["event_type"], line))
         if self._journal_fd >= 0:
+            line = json.dumps(event, separators=(",", ":"))
+            self._events.append(_Entry(seq, event["event_type"], line))
             self._write_journal(line)
+        else:
+            self._events.append(_Entry(seq, event["event_type"], "", event))
         for ev in self._listeners:
             ev.set()
         return seq
@@ -89,7 +145,7 @@ class EventLog:
         if self._journal is not None:
             return
         path = directory / JOURNAL
-        earlier: list[tuple[int, str, str]] = []
+        earlier: list[_Entry] = []
         lines, clean = 0, True
         with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
             for raw in f:
@@ -97,13 +153,13 @@ class EventLog:
                 try:
                     event = json.loads(raw)
                     line = raw.decode().rstrip("\n")
-                    earlier.append((int(event["sequence"]), str(event["event_type"]), line))
+                    earlier.append(_Entry(int(event["sequence"]), str(event["event_type"]), line))
                 except (ValueError, KeyError, TypeError):
                     clean = False  # a torn last line (the host, not the server, crashed)
-        pending = [json.loads(line) for _, _, line in self._events]
+        pending = [entry.parsed() for entry in self._events]
         self._events.clear()
         self._events.extend(earlier)
-        self._sequence = earlier[-1][0] if earlier else 0
+        self._sequence = earlier[-1].sequence if earlier else 0
         try:
             directory.mkdir(mode=0o700, parents=True, exist_ok=True)
             self._journal = path
@@ -141,7 +197,7 @@ class EventLog:
         tmp = self._journal.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
-            data = "".join(line + "\n" for _, _, line in self._events).encode()
+            data = "".join(entry.text() + "\n" for entry in self._events).encode()
             while data:
                 data = data[os.write(fd, data) :]
         finally:
@@ -160,7 +216,7 @@ class EventLog:
         """Events with a sequence above ``after`` as ``(sequence, type, json)``."""
         if not self._events:
             return []
-        first = self._events[0][0]
+        first = self._events[0].sequence
         if after < first - 1:
             raise SequenceExpired(
                 "events before this cursor are no longer kept",
@@ -169,7 +225,11 @@ class EventLog:
         if after >= self._sequence:
             return []
         skip = after - first + 1
-        return [self._events[i] for i in range(max(skip, 0), len(self._events))]
+        kept = self._events
+        return [
+            (entry.sequence, entry.event_type, entry.text())
+            for entry in (kept[i] for i in range(max(skip, 0), len(kept)))
+        ]
 
     def listen(self, event: asyncio.Event) -> None:
         self._listeners.add(event)
