@@ -67,27 +67,26 @@ class PodClaims:
 
     async def claim(self, pod_name: str, seen: Any | None) -> bool:
         """Take the pool pod ``pod_name``; False if it is claimed, gone or changed under
-        the claim. ``seen``: its latest copy from the watch, which spares a read (a stale
-        copy costs one 409 and one read)."""
-        pod = seen if seen is not None else await self._read(pod_name)
-        for attempt in range(2):
-            if pod is None or pod.metadata.deletion_timestamp is not None:
+        the claim. ``seen``: its latest copy from the watch, which spares a read; a copy
+        that may be stale (refused with 409, or showing the pod claimed) costs one read."""
+        pod, fresh = (seen, False) if seen is not None else (await self._read(pod_name), True)
+        while pod is not None and pod.metadata.deletion_timestamp is None:
+            pool = (pod.metadata.labels or {}).get(LABEL_POOL)
+            if pool:
+                body = claim_patch(pod.metadata.resource_version, str(pool))
+                try:
+                    await self._api(
+                        self._core().patch_namespaced_pod, pod_name, self.namespace, body
+                    )
+                    return True
+                except ApiException as exc:
+                    if exc.status not in (404, 409):
+                        raise
+                    if exc.status == 404:
+                        return False
+            if fresh:
                 return False
-            labels = pod.metadata.labels or {}
-            pool = labels.get(LABEL_POOL)
-            if not pool:
-                return False
-            body = claim_patch(pod.metadata.resource_version, str(pool))
-            try:
-                await self._api(self._core().patch_namespaced_pod, pod_name, self.namespace, body)
-                return True
-            except ApiException as exc:
-                if exc.status not in (404, 409):
-                    raise
-                if exc.status == 404 or attempt == 1 or seen is None:
-                    return False
-            # The watch's copy was older than the pod: read it once and try again.
-            pod = await self._read(pod_name)
+            pod, fresh = await self._read(pod_name), True
         return False
 
     async def release(self, pod_name: str, pool: str) -> None:
