@@ -57,6 +57,17 @@ class PodClaims:
         self._core = core
         self.namespace = namespace
 
+    def _patch(self, pod_name: str, body: dict[str, Any]) -> None:
+        """One patch (blocking); the pod it answers is not parsed into the client's
+        models, which costs more than the call itself on a busy machine."""
+        resp = self._core().patch_namespaced_pod(
+            pod_name, self.namespace, body, _preload_content=False
+        )
+        try:
+            resp.read()
+        finally:
+            resp.release_conn()
+
     async def _read(self, pod_name: str) -> Any | None:
         try:
             return await self._api(self._core().read_namespaced_pod, pod_name, self.namespace)
@@ -75,9 +86,7 @@ class PodClaims:
             if pool:
                 body = claim_patch(pod.metadata.resource_version, str(pool))
                 try:
-                    await self._api(
-                        self._core().patch_namespaced_pod, pod_name, self.namespace, body
-                    )
+                    await self._api(self._patch, pod_name, body)
                     return True
                 except ApiException as exc:
                     if exc.status not in (404, 409):
@@ -92,9 +101,7 @@ class PodClaims:
     async def release(self, pod_name: str, pool: str) -> None:
         """Put the pool label back (the pod was claimed for a binding that did not happen)."""
         try:
-            await self._api(
-                self._core().patch_namespaced_pod, pod_name, self.namespace, release_patch(pool)
-            )
+            await self._api(self._patch, pod_name, release_patch(pool))
         except (ApiException, ProviderUnavailable) as exc:
             log.warning("giving pod %s back to pool %s failed: %s", pod_name, pool, exc)
 
@@ -107,12 +114,7 @@ class PodClaims:
             await self.release(name, pool)
         elif pool is None and labelled is not None:
             try:
-                await self._api(
-                    self._core().patch_namespaced_pod,
-                    name,
-                    self.namespace,
-                    claim_patch(None, labelled),
-                )
+                await self._api(self._patch, name, claim_patch(None, labelled))
             except (ApiException, ProviderUnavailable) as exc:
                 log.warning("marking pod %s claimed failed: %s", name, exc)
 
