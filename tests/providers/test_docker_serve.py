@@ -163,7 +163,7 @@ async def test_a_warm_pool_serves_new_threads_with_ready_containers(
             if c.labels["sandlot.sandbox"] not in taken
         }
 
-    client = AsyncSandlot(server.url, key, auto_refresh=False)
+    client = AsyncSandlot(server.url, key, auto_refresh=False, timeout=180)
     try:
         warm = await pool_ready()
         assert len(warm) == 2

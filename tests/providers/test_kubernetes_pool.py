@@ -185,7 +185,7 @@ async def test_concurrent_ensures_claim_one_pool_pod_per_thread(
 
     threads = [f"thr_pool{i % THREADS}" for i in range(ENSURES)]
     random.Random(3).shuffle(threads)
-    client = AsyncSandlot(server.url, key, auto_refresh=False)
+    client = AsyncSandlot(server.url, key, auto_refresh=False, timeout=300)  # cold pods on a busy node
     try:
         got = await asyncio.gather(*(client.ensure(t) for t in threads))
     finally:
@@ -228,7 +228,7 @@ async def test_concurrent_ensures_claim_one_pool_pod_per_thread(
         for p in live_pods(core, server.data_dir)
     }
     assert all(after.get(sid) == uid for sid, uid in uids.items() if sid in mine | set(refilled))
-    client = AsyncSandlot(server.url, key, auto_refresh=False)
+    client = AsyncSandlot(server.url, key, auto_refresh=False, timeout=300)
     try:
         again = await client.ensure("thr_pool0")
         assert again.id in mine
