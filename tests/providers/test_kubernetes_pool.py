@@ -185,7 +185,8 @@ async def test_concurrent_ensures_claim_one_pool_pod_per_thread(
 
     threads = [f"thr_pool{i % THREADS}" for i in range(ENSURES)]
     random.Random(3).shuffle(threads)
-    client = AsyncSandlot(server.url, key, auto_refresh=False, timeout=300)  # cold pods on a busy node
+    # Half the threads get a cold pod: on a busy node one may take a while to start.
+    client = AsyncSandlot(server.url, key, auto_refresh=False, timeout=300)
     try:
         got = await asyncio.gather(*(client.ensure(t) for t in threads))
     finally:
