@@ -9,7 +9,10 @@ Figures, each side by side with Kubernetes' own operation in the same run:
 
 - create → ready: ``KubernetesProvider.create`` until the dataplane in the pod answers,
   against ``kubectl run`` of the same image (``--restart=Never``, a ``sleep``) followed
-  by ``kubectl wait --for=condition=Ready``;
+  by ``kubectl wait --for=condition=Ready``; the provider with its default
+  ``requests_fraction`` (1.0: the pod is ``Guaranteed``, its CPU weight a core's) unless
+  ``--requests-fraction`` says otherwise (the tests' 0.01 gives the pod a hundredth of a
+  core's weight: on a loaded node the dataplane's Python start then waits for CPU);
 - ensure of a new thread served from a warm pool (``bench/pooled.py``): ``sandlot serve``
   with the provider and a pool of ready pods, the SDK's ``ensure`` until the binding is
   active, and until its first ``exec true`` answered;
@@ -89,7 +92,8 @@ async def run(args: argparse.Namespace) -> None:
         image = node_image(cluster)
         with tempfile.TemporaryDirectory(prefix="sandlot-k8s-bench-") as tmp:
             pooled = await served_from_pool(cluster, image, Path(tmp) / "served", args)
-            async with serving(cluster, image, Path(tmp)) as h:
+            config = {"requests_fraction": args.requests_fraction}
+            async with serving(cluster, image, Path(tmp), **config) as h:
                 await table(h, cluster, image, args, rng, pooled)
     finally:
         stop_cluster(cluster)
@@ -215,6 +219,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--creates", type=int, default=5)
     parser.add_argument("--execs", type=int, default=30)
+    parser.add_argument(
+        "--requests-fraction",
+        type=float,
+        default=1.0,
+        help="the provider's requests_fraction (its default 1.0: Guaranteed pods)",
+    )
     parser.add_argument("--pooled", type=int, default=20, help="ensures from the warm pool")
     parser.add_argument("--pool", type=int, default=3, help="the pool's min_ready")
     asyncio.run(run(parser.parse_args()))
