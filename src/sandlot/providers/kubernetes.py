@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -686,7 +687,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 await upstream.close()
                 lost.append(rec.sandbox_id)
                 continue
-            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template)
+            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template, pool=rec.pool)
             box = _Sandbox(spec, SandboxState.ACTIVE)
             box.reason, box.upstream, box.pod_ip = "re-adopted after restart", upstream, ip
             box.pod_uid = pod.metadata.uid
@@ -734,12 +735,18 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             return False
         name = object_name(self.instance, sandbox_id)
         try:
-            return await self._claims.claim(name, box.pod)
+            taken = await self._claims.claim(name, box.pod)
         except (ApiException, ProviderUnavailable) as exc:
             log.warning("claiming pool pod %s failed: %s", name, exc)
             return False
+        if taken:  # a pod made again for it (a resume) is no pool's
+            box.spec = dataclasses.replace(box.spec, pool=None)
+        return taken
 
     async def release_pooled(self, sandbox_id: str, pool: str) -> None:
+        box = self._sandboxes.get(sandbox_id)
+        if box is not None:
+            box.spec = dataclasses.replace(box.spec, pool=pool)
         await self._claims.release(object_name(self.instance, sandbox_id), pool)
 
     async def list_sandboxes(self) -> set[str]:
