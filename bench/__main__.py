@@ -55,7 +55,8 @@ BENCHES = [
         "docker_bench",
         [],
         ["--quick"],
-        "docker provider: create → ready vs docker run, exec vs docker exec",
+        "docker provider: create → ready and ensure from a warm pool vs docker run, "
+        "exec vs docker exec",
     ),
     (
         "replicas_bench",

@@ -8,6 +8,10 @@ Figures, each side by side with the engine's own operation in the same run:
 - create → ready: ``DockerProvider.create`` until the dataplane in the container
   answers, against ``docker run`` of the same image (create and start a container whose
   process is ``true``, until it exited: a process that ran);
+- ensure of a new thread served from a warm pool (``bench/pooled.py``): ``sandlot serve``
+  with the provider and a pool of ready containers, the SDK's ``ensure`` until the
+  binding is active, and until its first ``exec true`` answered — what a user waits for
+  when a pool is configured;
 - ``exec true`` through the relay and the dataplane in the container (the SDK's
   ``run``), against ``docker exec`` (the engine's exec create, start and inspect);
 - the dataplane's Python start-up in the container (``python -X importtime``), where
@@ -30,9 +34,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from measure import ainterleave, ms, ratio, stats
+from pooled import Pooled, pool_config, pooled_ensures
 from targets import report
 from tests.dockerengine import Engine, build_image
 from tests.providers.dockerharness import Harness, serving
+from tests.providers.test_docker_serve import containers, docker_config
+from tests.servers import SandlotServer
 
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
@@ -131,14 +138,35 @@ async def run(args: argparse.Namespace) -> None:
     try:
         image = build_image(engine)
         with tempfile.TemporaryDirectory(prefix="sandlot-docker-bench-") as tmp:
+            pooled = await served_from_pool(engine, image, Path(tmp) / "served", args)
             async with serving(engine, image, Path(tmp)) as h:
-                await table(h, engine, image, args, rng)
+                await table(h, engine, image, args, rng, pooled)
     finally:
         engine.stop()
 
 
+async def served_from_pool(
+    engine: Engine, image: str, data_dir: Path, args: argparse.Namespace
+) -> Pooled:
+    """``ensure`` of new threads through ``sandlot serve`` with a pool of ready containers."""
+    config = docker_config(engine, image) + pool_config("warm", "default", args.pool)
+    server = SandlotServer(data_dir, config=config).start()
+    try:
+        key = await asyncio.to_thread(server.key, "bench", "agent")
+        return await pooled_ensures(server.url, key, args.pooled, "warm", args.pool)
+    finally:
+        server.stop()
+        for c in containers(engine, data_dir):
+            c.remove(force=True, v=True)
+
+
 async def table(
-    h: Harness, engine: Engine, image: str, args: argparse.Namespace, rng: random.Random
+    h: Harness,
+    engine: Engine,
+    image: str,
+    args: argparse.Namespace,
+    rng: random.Random,
+    pooled: Pooled,
 ) -> None:
     # create → ready, interleaved with docker run (both from this process's client).
     sandbox: list[float] = []
@@ -204,6 +232,18 @@ async def table(
         f"| create → ready (median of {len(sandbox)}) | {ms(c50 * 1000)} | "
         f"{ms(d50 * 1000)} (`docker run … true`) | {ratio(c50, d50)} |"
     )
+    q50 = statistics.median(pooled.ensure)
+    g50 = statistics.median(pooled.first_exec)
+    n = len(pooled.ensure)
+    print(
+        f"| ensure of a new thread from a warm pool → active (median of {n}, "
+        f"{pooled.from_pool} from the pool) | {ms(q50 * 1000)} | {ms(d50 * 1000)} "
+        f"(`docker run … true`) | {ratio(q50, d50)} |"
+    )
+    print(
+        f"| … and its first `exec true` answered (median of {n}) | {ms(g50 * 1000)} | "
+        f"{ms(d50 * 1000)} | {ratio(g50, d50)} |"
+    )
     print(
         f"| `exec true` (median of {len(via_sandlot)}) | {ms(e50)} | {ms(x50)} (`docker exec`)"
         f" | {ratio(e50, x50)} |"
@@ -226,11 +266,18 @@ async def table(
     start_up = c50 - d50
     report(
         "docker",
-        "create → ready ≤ 1.2x docker run of the same image",
+        "create → ready ≤ 1.2x docker run of the same image (cold: no pool)",
         f"{ms(c50 * 1000)} vs {ms(d50 * 1000)} ({ratio(c50, d50)})",
         c50 <= 1.2 * d50,
         f"the dataplane's Python start-up in the container: imports {ms(imports)}, "
         f"{ms(start_up * 1000)} over `docker run` in all",
+    )
+    report(
+        "docker",
+        "ensure → ready ≤ 1.2x docker run of the same image (a warm pool configured)",
+        f"{ms(g50 * 1000)} to the first `exec true` vs {ms(d50 * 1000)} ({ratio(g50, d50)})",
+        g50 <= 1.2 * d50 and pooled.from_pool == n,
+        "the pool was empty: sandboxes were created cold",
     )
     report(
         "docker",
@@ -246,9 +293,13 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer repetitions")
     ap.add_argument("--creates", type=int, default=None, help="create → ready rounds")
     ap.add_argument("--execs", type=int, default=None, help="exec samples per contender")
+    ap.add_argument("--pooled", type=int, default=None, help="ensures from the warm pool")
+    ap.add_argument("--pool", type=int, default=3, help="the pool's min_ready")
     args = ap.parse_args()
     if args.creates is None:
         args.creates = 5 if args.quick else 20
+    if args.pooled is None:
+        args.pooled = 10 if args.quick else 30
     if args.execs is None:
         args.execs = 30 if args.quick else 200
     asyncio.run(run(args))

@@ -112,3 +112,28 @@ class FakeProvider(Provider):
 class DownProvider(FakeProvider):
     async def create(self, spec: SandboxSpec) -> ProviderStatus:
         raise ProviderUnavailable("provider is down")
+
+
+class ClaimingProvider(FakeProvider):
+    """A provider that records pool claims on its sandboxes, as a shared engine's labels
+    do: a sandbox is claimed once; ``taken_elsewhere`` are claimed by another broker."""
+
+    claims_pooled = True
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self.claimed: dict[str, int] = {}
+        self.released: list[str] = []
+        self.taken_elsewhere: set[str] = set()
+
+    async def claim_pooled(self, sandbox_id: str) -> bool:
+        await asyncio.sleep(0)  # a round trip: other claimers run meanwhile
+        if sandbox_id in self.taken_elsewhere or self.claimed.get(sandbox_id):
+            return False
+        self.claimed[sandbox_id] = 1
+        return True
+
+    async def release_pooled(self, sandbox_id: str, pool: str) -> None:
+        assert self.claimed.get(sandbox_id) == 1, f"{sandbox_id} released unclaimed"
+        self.claimed[sandbox_id] = 0
+        self.released.append(sandbox_id)

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pexpect
 import pytest
 
@@ -135,3 +136,58 @@ async def test_a_thread_is_a_container_reached_through_the_server(
             await asyncio.sleep(0.1)
     volumes = {v.name for v in docker_engine.client.volumes.list()}
     assert not any(sb.id in v for v in volumes)
+
+
+async def test_a_warm_pool_serves_new_threads_with_ready_containers(
+    docker_engine: Engine, docker_image: str, tmp_path: Path
+) -> None:
+    config = docker_config(docker_engine, docker_image) + (
+        '\n[pools.warm]\ntemplate = "default"\nmin_ready = 2\nmax_ready = 2\n'
+    )
+    data_dir = tmp_path / "d"
+    server = SandlotServer(data_dir, config=config).start()
+    key = server.key("alice", "agent")
+    headers = {"Authorization": f"Bearer {key}"}
+
+    taken: set[str] = set()
+
+    async def pool_ready() -> dict[str, str]:
+        """Wait for the pool's two ready sandboxes: their containers' ids, by sandbox."""
+        async with httpx.AsyncClient(base_url=server.url, headers=headers) as http:
+            async with asyncio.timeout(120):
+                while (await http.get("/v1/pools/warm")).json()["ready"] != 2:
+                    await asyncio.sleep(0.1)
+        return {
+            c.labels["sandlot.sandbox"]: c.id
+            for c in containers(docker_engine, data_dir)
+            if c.labels["sandlot.sandbox"] not in taken
+        }
+
+    client = AsyncSandlot(server.url, key, auto_refresh=False, timeout=180)
+    try:
+        warm = await pool_ready()
+        assert len(warm) == 2
+        sb = await client.ensure("thr_warm")
+        # The thread got a container that was running before it asked: no new one.
+        assert sb.id in warm
+        taken.add(sb.id)
+        (mine,) = [c for c in containers(docker_engine, data_dir) if c.id == warm[sb.id]]
+        assert mine.status == "running"
+        assert (await sb.run("echo warm; id -u")).stdout == "warm\n1000\n"
+        refilled = await pool_ready()
+        assert sb.id not in refilled
+
+        # Concurrent ensures over repeated threads: one sandbox per thread, none shared.
+        threads = [f"thr_many{i % 4}" for i in range(40)]
+        got = await asyncio.gather(*(client.ensure(t) for t in threads))
+        by_thread: dict[str, set[str]] = {}
+        for thread, box in zip(threads, got, strict=True):
+            by_thread.setdefault(thread, set()).add(box.id)
+        assert all(len(ids) == 1 for ids in by_thread.values())
+        assert len({next(iter(ids)) for ids in by_thread.values()}) == 4
+        assert {next(iter(ids)) for ids in by_thread.values()} & set(refilled)
+    finally:
+        await client.aclose()
+        server.stop()
+        for c in containers(docker_engine, data_dir):
+            c.remove(force=True, v=True)

@@ -19,6 +19,7 @@ from sandlot.protocol.errors import InvalidRequest
 from sandlot.protocol.sessions import Template
 from sandlot.providers.agentsandbox import sandbox_manifest
 from sandlot.providers.base import SandboxSpec
+from sandlot.providers.k8spool import claim_patch, release_patch
 from sandlot.providers.podspec import (
     STATE_MOUNT,
     PodSettings,
@@ -101,6 +102,27 @@ def test_names_are_valid_and_distinct_and_bad_ids_are_refused() -> None:
     assert "control.key" not in trust["data"]
     keyed = trust_manifest(SETTINGS, spec(), '{"keys": []}', "k" * 43)
     assert keyed["data"]["control.key"] == "k" * 43
+
+
+def test_a_pool_pod_is_labelled_and_its_claim_names_the_resource_version() -> None:
+    pooled = SandboxSpec("sb_p", 1, Template(name="t", image="host"), pool="warm")
+    labels = pod_manifest(SETTINGS, pooled)["metadata"]["labels"]
+    assert labels["sandlot.pool"] == "warm"
+    assert "sandlot.pool" not in pod_manifest(SETTINGS, spec())["metadata"]["labels"]
+    # A pool name that is no label value (it ends with '-') gets a stable hash.
+    odd = SandboxSpec("sb_p", 1, Template(name="t", image="host"), pool="warm-")
+    value = pod_manifest(SETTINGS, odd)["metadata"]["labels"]["sandlot.pool"]
+    assert value.startswith("h") and len(value) == 41
+    assert claim_patch("42", "warm") == {
+        "metadata": {
+            "resourceVersion": "42",
+            "labels": {"sandlot.pool": None, "sandlot.claimed-from": "warm"},
+        }
+    }
+    assert "resourceVersion" not in claim_patch(None, "warm")["metadata"]
+    assert release_patch("warm-") == {
+        "metadata": {"labels": {"sandlot.pool": value, "sandlot.claimed-from": None}}
+    }
 
 
 def test_the_reason_a_pod_failed_starts_with_its_code() -> None:

@@ -98,7 +98,14 @@ class Reaper:
                 )
                 continue
             records.append(
-                AdoptionRecord(row.id, row.generation, template, row.state, provider=row.provider)
+                AdoptionRecord(
+                    row.id,
+                    row.generation,
+                    template,
+                    row.state,
+                    provider=row.provider,
+                    pool=row.pool,
+                )
             )
         lost = set(await self.provider.load_state(records))
         adopted = [r.sandbox_id for r in records if r.sandbox_id not in lost]

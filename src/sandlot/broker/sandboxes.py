@@ -255,6 +255,7 @@ class SandboxService:
             owner_user_id=row.owner_user_id,
             name=row.name,
             provider=row.provider,
+            pool=row.pool,
         )
 
     def snapshot(self, row: SandboxRow) -> SandboxSnapshot:

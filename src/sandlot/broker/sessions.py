@@ -28,6 +28,7 @@ from sandlot.broker.events import EventHub, append_event
 from sandlot.broker.fleet import HOST_LOST_REASON
 from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
+from sandlot.broker.poolclaims import PoolClaims, Reservation
 from sandlot.broker.principals import Principal
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
 from sandlot.broker.scopes import check_scope_access
@@ -134,6 +135,7 @@ class SessionService:
         self.sandboxes = sandboxes
         self.templates = templates
         self.hub = hub
+        self.pool_claims = PoolClaims(store, sandboxes)
         #: Checked before every negotiation with the scope the caller named (before any
         #: promotion): raises to refuse it. Set by a platform that owns the scopes, e.g.
         #: a LangGraph server whose threads the caller must be able to see.
@@ -220,9 +222,19 @@ class SessionService:
             await self.scope_guard(principal, req.effective_scope())
         scope = self.effective_scope(req)
         caps = self.granted_capabilities(principal, req.requested_capabilities)
-        result = await anyio.to_thread.run_sync(
-            self._negotiate_tx, ctx, principal, req, scope, caps, claim
-        )
+        reserved = await self._reserve_pooled(req, scope)
+        try:
+            result = await anyio.to_thread.run_sync(
+                self._negotiate_tx, ctx, principal, req, scope, caps, claim, reserved
+            )
+        except BaseException:
+            if reserved is not None:
+                await self.pool_claims.release(reserved)
+            raise
+        if reserved is not None and (
+            result is None or result.grant.sandbox.id != reserved.sandbox_id
+        ):
+            await self.pool_claims.release(reserved)
         if result is None:
             return None
         if result.provision is not None:
@@ -233,6 +245,20 @@ class SessionService:
             result.grant.binding.state = state.value
         self.hub.notify(result.grant.session_id)
         return result.grant
+
+    async def _reserve_pooled(self, req: SessionRequest, scope: Scope) -> Reservation | None:
+        """A pool sandbox claimed at the provider for a binding this request may create
+        (:mod:`sandlot.broker.poolclaims`); None when the provider records no claims."""
+        if (
+            not self.pool_claims.enabled
+            or not req.mode.creates
+            or req.sandbox_id is not None
+            or req.sandbox_hint
+        ):
+            return None
+        template = self.templates.get(req.template or self.settings.default_template)
+        provider = self.sandboxes.choose_provider(template, req.provider_preference)
+        return await self.pool_claims.reserve(scope.key(), template, provider)
 
     def warm_caches(self) -> None:
         """Reload what transactions read from memory (never open a second connection in one)."""
@@ -247,6 +273,7 @@ class SessionService:
         scope: Scope,
         caps: list[Capability],
         claim: Claim | None = None,
+        reserved: Reservation | None = None,
     ) -> _Negotiated | None:
         self.warm_caches()
         template: Template | None = None
@@ -257,7 +284,9 @@ class SessionService:
                 with self.store.write() as conn:
                     if claim is not None and claim.begin_in(conn):
                         return None
-                    result = self._negotiate_in(conn, ctx, principal, req, scope, caps, template)
+                    result = self._negotiate_in(
+                        conn, ctx, principal, req, scope, caps, template, reserved
+                    )
                     if claim is not None and not result.resume:
                         # Recorded with the work; a resume changes the answer after this.
                         claim.finish_in(conn, 200, result.grant.model_dump(mode="json"))
@@ -278,6 +307,7 @@ class SessionService:
         scope: Scope,
         caps: list[Capability],
         template: Template | None,
+        reserved: Reservation | None = None,
     ) -> _Negotiated:
         now = self.clock()
         key = scope.key()
@@ -326,7 +356,9 @@ class SessionService:
                 conn.execute(
                     scopes.insert().values(scope_key=key, owner_user_id=user, created_at=now)
                 )
-            sandbox, provision = self._sandbox_for_new_binding(conn, req, template, user, key)
+            sandbox, provision = self._sandbox_for_new_binding(
+                conn, req, template, user, key, reserved
+            )
             owner_id = owner.owner_user_id if owner else user
             binding = self._insert_binding(conn, key, sandbox, owner_id, actor, now)
             created = True
@@ -456,8 +488,10 @@ class SessionService:
         template: Template,
         user: str,
         key: str,
+        reserved: Reservation | None = None,
     ) -> tuple[SandboxRow, SandboxRow | None]:
-        """The sandbox a new binding gets: the hinted one, a warm one, or a new one."""
+        """The sandbox a new binding gets: the hinted one, a warm one (``reserved``, when
+        the provider records claims), or a new one."""
         if req.sandbox_hint:
             found = conn.execute(
                 select(sandboxes).where(
@@ -490,7 +524,7 @@ class SessionService:
             conn.execute(update(sandboxes).where(sandboxes.c.id == hinted.id).values(scope_key=key))
             return hinted, None
         provider = self.sandboxes.choose_provider(template, req.provider_preference)
-        claimed = self._claim_from_pool(conn, template, user, key, provider)
+        claimed = self._claim_from_pool(conn, template, user, key, provider, reserved)
         if claimed is not None:
             return claimed, None
         new = self.sandboxes.insert(
@@ -528,9 +562,19 @@ class SessionService:
         )
 
     def _claim_from_pool(
-        self, conn: Connection, template: Template, user: str, key: str, provider: str | None
+        self,
+        conn: Connection,
+        template: Template,
+        user: str,
+        key: str,
+        provider: str | None,
+        reserved: Reservation | None = None,
     ) -> SandboxRow | None:
         wanted = [sandboxes.c.provider == provider] if provider is not None else []
+        if reserved is not None:
+            wanted.append(sandboxes.c.id == reserved.sandbox_id)
+        elif self.pool_claims.enabled:
+            return None  # a claim the provider did not record would hand a pod out twice
         pooled = conn.execute(
             select(sandboxes.c.id)
             .where(

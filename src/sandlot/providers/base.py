@@ -52,6 +52,8 @@ class SandboxSpec:
     volumes: Mapping[str, str] = field(default_factory=dict)
     #: The configured provider chosen for it (``binding.provider``); None: the default.
     provider: str | None = None
+    #: The warm pool it is made for (unclaimed), else None.
+    pool: str | None = None
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,8 @@ class AdoptionRecord:
     provider_state: Mapping[str, Any] = field(default_factory=dict)
     #: The configured provider that made it (None: the default).
     provider: str | None = None
+    #: The warm pool it waits in (unclaimed), else None.
+    pool: str | None = None
 
 
 #: Called by a provider whenever a sandbox changes state (from any thread of the event loop).
@@ -89,6 +93,9 @@ class Provider(abc.ABC):
     #: that machine's processes can reach them (:mod:`sandlot.broker.hosts`). A provider
     #: every broker replica reaches alike (a cluster engine, a hosted service) says False.
     host_bound: ClassVar[bool] = True
+    #: Whether the provider records pool claims on the sandboxes themselves
+    #: (:meth:`claim_pooled`); else the broker's store alone says which are claimed.
+    claims_pooled: bool = False
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config: dict[str, Any] = dict(config or {})
@@ -138,6 +145,14 @@ class Provider(abc.ABC):
 
     async def resume(self, sandbox_id: str) -> ProviderStatus:
         raise InvalidRequest(f"provider {self.name} cannot resume sandboxes")
+
+    async def claim_pooled(self, sandbox_id: str) -> bool:
+        """Take the unclaimed pool sandbox ``sandbox_id`` for a new binding, atomically
+        against every other claimer; False: someone else has it (or it is gone)."""
+        return True
+
+    async def release_pooled(self, sandbox_id: str, pool: str) -> None:  # noqa: B027
+        """Give back to ``pool`` a sandbox :meth:`claim_pooled` took but no binding got."""
 
     @abc.abstractmethod
     async def delete(self, sandbox_id: str) -> None:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -94,6 +95,7 @@ from sandlot.providers.base import (
     StatusListener,
 )
 from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
+from sandlot.providers.k8spool import PodClaims
 from sandlot.providers.podspec import (
     LABEL_GENERATION,
     LABEL_INSTANCE,
@@ -130,11 +132,14 @@ class _Sandbox(InboxSandbox):
         self.control_key = ""
         self.probing: asyncio.Task[None] | None = None
         self.reloading: asyncio.Task[None] | None = None
+        #: Its pod as the watch last saw it (a pool claim names its resourceVersion).
+        self.pod: Any = None
 
 
 class KubernetesProvider(InboxProvider[_Sandbox]):
     name = "kubernetes"
     host_bound = False
+    claims_pooled = True
     status_timeout = 5.0
     # A pod that ended is reported by the watch.
     status_errors = (httpx.TransportError, ValueError, KeyError)
@@ -198,6 +203,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         self._watcher: threading.Thread | None = None
         #: The last resourceVersion the watch saw (it resumes from there).
         self.resource_version: str | None = None
+        self._claims = PodClaims(self._api, lambda: self._core, self.namespace)
 
     # --- lifecycle of the provider --------------------------------------------------
 
@@ -349,6 +355,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         uid = pod.metadata.uid
         if uid in box.stale_uids or (box.pod_uid is not None and uid != box.pod_uid):
             return
+        box.pod = pod
         if box.state not in (SandboxState.PROVISIONING, SandboxState.ACTIVE):
             return
         if kind == "DELETED":
@@ -680,13 +687,14 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 await upstream.close()
                 lost.append(rec.sandbox_id)
                 continue
-            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template)
+            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template, pool=rec.pool)
             box = _Sandbox(spec, SandboxState.ACTIVE)
             box.reason, box.upstream, box.pod_ip = "re-adopted after restart", upstream, ip
             box.pod_uid = pod.metadata.uid
             box.last_event_sequence = seq
             box.settled.set()
             self._sandboxes[rec.sandbox_id] = box
+            await self._claims.reconcile(pod, rec.pool)
             await self._read_trust(rec.sandbox_id, box)
             # The broker's keys may have changed while nobody watched.
             with contextlib.suppress(ApiException, ProviderUnavailable):
@@ -719,6 +727,27 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             await self._remove(sid)
             removed.append(sid)
         return removed
+
+    async def claim_pooled(self, sandbox_id: str) -> bool:
+        """A label update naming the pod's resourceVersion (:mod:`~sandlot.providers.k8spool`)."""
+        box = self._sandboxes.get(sandbox_id)
+        if box is None or box.state is not SandboxState.ACTIVE:
+            return False
+        name = object_name(self.instance, sandbox_id)
+        try:
+            taken = await self._claims.claim(name, box.pod)
+        except (ApiException, ProviderUnavailable) as exc:
+            log.warning("claiming pool pod %s failed: %s", name, exc)
+            return False
+        if taken:  # a pod made again for it (a resume) is no pool's
+            box.spec = dataclasses.replace(box.spec, pool=None)
+        return taken
+
+    async def release_pooled(self, sandbox_id: str, pool: str) -> None:
+        box = self._sandboxes.get(sandbox_id)
+        if box is not None:
+            box.spec = dataclasses.replace(box.spec, pool=pool)
+        await self._claims.release(object_name(self.instance, sandbox_id), pool)
 
     async def list_sandboxes(self) -> set[str]:
         pods = await self._instance_pods()

@@ -60,6 +60,10 @@ class MultiProvider(Provider):
     def host_bound(self) -> bool:  # type: ignore[override]
         return any(m.host_bound for m in self.members.values())
 
+    @property
+    def claims_pooled(self) -> bool:  # type: ignore[override]
+        return any(m.claims_pooled for m in self.members.values())
+
     # --- choosing -----------------------------------------------------------------------
 
     def choose(self, template: Template, preference: str = "auto") -> str:
@@ -122,6 +126,12 @@ class MultiProvider(Provider):
         member = self.of(sandbox_id)
         await member.delete(sandbox_id)
         self._owner.pop(sandbox_id, None)
+
+    async def claim_pooled(self, sandbox_id: str) -> bool:
+        return await self.of(sandbox_id).claim_pooled(sandbox_id)
+
+    async def release_pooled(self, sandbox_id: str, pool: str) -> None:
+        await self.of(sandbox_id).release_pooled(sandbox_id, pool)
 
     def dataplane(self, sandbox_id: str) -> DataplaneCoordinates:
         return self.of(sandbox_id).dataplane(sandbox_id)

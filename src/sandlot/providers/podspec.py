@@ -31,6 +31,10 @@ from sandlot.providers.base import SandboxSpec
 LABEL_SANDBOX = "sandlot.sandbox"
 LABEL_GENERATION = "sandlot.generation"
 LABEL_INSTANCE = "sandlot.instance"
+#: The warm pool an unclaimed pod waits in (:mod:`sandlot.providers.k8spool`).
+LABEL_POOL = "sandlot.pool"
+#: The pool a claimed pod came from.
+LABEL_CLAIMED = "sandlot.claimed-from"
 #: ``deny`` on pods whose template has no network (the egress policy selects them).
 LABEL_EGRESS = "sandlot.egress"
 ANNOTATION_SANDBOX = "sandlot/sandbox-id"
@@ -103,6 +107,13 @@ def object_name(instance: str, sandbox_id: str, suffix: str = "") -> str:
     digest = hashlib.sha256(sandbox_id.encode()).hexdigest()[:8]
     name = f"sl-{instance[:8]}-{readable}-{digest}" if readable else f"sl-{instance[:8]}-{digest}"
     return f"{name}-{suffix}" if suffix else name
+
+
+def pool_label(pool: str) -> str:
+    """The label value of a pool's name (a hash for a name that is not a label value)."""
+    if _LABEL_VALUE.match(pool):
+        return pool
+    return "h" + hashlib.sha256(pool.encode()).hexdigest()[:40]
 
 
 def labels(settings: PodSettings, spec: SandboxSpec) -> dict[str, str]:
@@ -188,6 +199,8 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
         mounts.append({"name": name, "mountPath": vm.path, "readOnly": vm.read_only})
     pod_labels = labels(settings, spec)
     pod_labels[LABEL_EGRESS] = "deny" if template.network is NetworkMode.NONE else "allow"
+    if spec.pool is not None:
+        pod_labels[LABEL_POOL] = pool_label(spec.pool)
     pod_spec: dict[str, Any] = {
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
