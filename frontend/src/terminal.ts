@@ -4,7 +4,7 @@
 // gets the shell's recent output back. Output goes to xterm as it comes, in pieces, with
 // flow control: xterm parses a piece in one go, so pieces bound how long a task runs while
 // a command floods the terminal; what xterm has not parsed yet is bounded, the rest waits
-// here in order (nothing is dropped).
+// here in order (nothing is dropped). A flood goes to xterm four times a second.
 
 import type { Terminal } from "@xterm/xterm";
 import type { FitAddon } from "@xterm/addon-fit";
@@ -64,7 +64,7 @@ const PIECE = 16 * 1024;
 /** Most characters xterm holds unparsed; more output waits in the tab's queue. */
 const AHEAD = 128 * 1024;
 /** Output of more than FLOOD characters within PACE ms is a flood: xterm then gets it once
- * per PACE ms, what came meanwhile in one go, so that it parses, scrolls and draws it ten
+ * per PACE ms, what came meanwhile in one go, so that it parses, scrolls and draws it four
  * times a second rather than at every frame (each of those is a frame's style, layout and
  * paint: most of the page's work in a flood). */
 const FLOOD = 32 * 1024;
