@@ -9,6 +9,7 @@ of :mod:`tests.dockerengine` in the node's own Docker Engine (pods never pull it
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import time
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.dockerengine import build_image
+from tests.dockerengine import IMAGE, build_image
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "k8s-cluster"
@@ -47,7 +48,12 @@ def _env() -> dict[str, str]:
 
 
 def start() -> Cluster:
-    if subprocess.run([SCRIPT, "status"], capture_output=True).returncode == 0:
+    status = subprocess.run([SCRIPT, "status"], capture_output=True, text=True)
+    if status.returncode == 0:
+        if "provisioner: running" not in status.stdout:
+            # Up, from a version of the script without the volume provisioner: ``up``
+            # starts what is missing and leaves the rest running.
+            subprocess.run([SCRIPT, "up"], check=True, capture_output=True)
         env = _env()
         return Cluster(env["KUBECONFIG"], env["DOCKER_HOST"], False, 0.0, 0.0)
     # What a stopped cluster left behind (its state, bridge, rules) goes first.
@@ -76,9 +82,28 @@ class _NodeEngine:
         self.client = client
 
 
+def source_digest() -> str:
+    """A digest of the sandlot package's files: the image's tag."""
+    import sandlot
+
+    package = Path(sandlot.__file__).parent
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*")):
+        if path.is_file() and "__pycache__" not in path.parts:
+            digest.update(str(path.relative_to(package)).encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def node_image(cluster: Cluster) -> str:
+    """The sandbox image of this tree's sandlot, tagged by its digest: several work trees
+    share the cluster, and none may run another's pods on its code."""
+    repo = IMAGE.partition(":")[0]
+    tag = f"{repo}:{source_digest()}"
     client = cluster.docker()
     try:
-        return build_image(_NodeEngine(client))  # type: ignore[arg-type]
+        if client.images.list(name=tag):
+            return tag
+        return build_image(_NodeEngine(client), tag)  # type: ignore[arg-type]
     finally:
         client.close()

@@ -23,6 +23,28 @@ export function h<K extends keyof HTMLElementTagNameMap>(
   return el;
 }
 
+/**
+ * Makes `target` look like `source` while keeping `target` itself: a click begun on an
+ * element that is repainted meanwhile still lands on it. Attributes and the inline style
+ * (through the CSSOM, which the page's policy allows) are copied; children are replaced
+ * only where they differ.
+ */
+export function patch(target: HTMLElement, source: HTMLElement): HTMLElement {
+  for (const { name } of Array.from(target.attributes)) {
+    if (name !== "style" && !source.hasAttribute(name)) target.removeAttribute(name);
+  }
+  for (const { name, value } of Array.from(source.attributes)) {
+    if (name !== "style" && target.getAttribute(name) !== value) target.setAttribute(name, value);
+  }
+  if (target.style.cssText !== source.style.cssText) target.style.cssText = source.style.cssText;
+  const old = target.childNodes;
+  const fresh = Array.from(source.childNodes);
+  if (old.length !== fresh.length || fresh.some((child, i) => !child.isEqualNode(old[i] ?? null))) {
+    target.replaceChildren(...fresh);
+  }
+  return target;
+}
+
 export function clear(el: Element): void {
   el.replaceChildren();
 }

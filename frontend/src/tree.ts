@@ -3,7 +3,7 @@
 // it live, marking what someone else changed.
 
 import { call, upload, url, ApiError } from "./api";
-import { h, formatBytes } from "./dom";
+import { h, formatBytes, patch } from "./dom";
 import type { WorkspaceEvent } from "./events";
 
 interface Entry {
@@ -53,6 +53,8 @@ export class FileTree {
   private selected: string | null = null;
   private refreshing = new Set<string>();
   private frame = 0;
+  private painted = new Map<string, HTMLElement>();
+  private failures = new Map<string, number>();
 
   constructor(
     private readonly openFile: (path: string) => void,
@@ -101,7 +103,7 @@ export class FileTree {
   }
 
   async reload(): Promise<void> {
-    const open = [...this.nodes.values()].filter((n) => n.isDir && n.children !== null).map((n) => n.path);
+    const open = [...this.nodes.values()].filter((n) => n.isDir && (n.children !== null || n.path === ".")).map((n) => n.path);
     await Promise.all(open.map((p) => this.load(p)));
   }
 
@@ -114,8 +116,17 @@ export class FileTree {
       entries = answer.entries;
     } catch (e) {
       if (e instanceof ApiError && e.status === 404 && dir !== ".") this.remove(dir);
+      // A folder whose listing failed for a reason that may pass (the network, a busy or
+      // restarting server) is listed again, with a message meanwhile; a refused one is not.
+      else if (!(e instanceof ApiError) || e.status >= 500 || e.status === 408 || e.status === 429) {
+        this.say(`Could not list ${dir === "." ? "the workspace" : dir}; trying again…`, 3000);
+        const wait = Math.min(5000, 500 * 2 ** (this.failures.get(dir) ?? 0));
+        this.failures.set(dir, (this.failures.get(dir) ?? 0) + 1);
+        window.setTimeout(() => void this.load(dir), wait);
+      }
       return;
     }
+    this.failures.delete(dir);
     const old = new Set(node.children ?? []);
     const children: string[] = [];
     for (const entry of entries) {
@@ -232,12 +243,24 @@ export class FileTree {
     const last = Math.min(this.visible.length, Math.ceil((top + height) / ROW) + 10);
     const now = Date.now();
     const rows: HTMLElement[] = [];
+    // Rows already on screen are kept and updated, not replaced: a click whose press came
+    // before a repaint (a live change, a mark fading) and whose release came after must
+    // still reach its row.
+    const painted = new Map<string, HTMLElement>();
     for (let i = first; i < last; i++) {
       const node = this.nodes.get(this.visible[i] ?? "");
-      if (node) rows.push(this.row(node, i, now));
+      if (!node) continue;
+      const fresh = this.row(node, i, now);
+      const old = this.painted.get(node.path);
+      const row = old ? patch(old, fresh) : fresh;
+      painted.set(node.path, row);
+      rows.push(row);
     }
+    this.painted = painted;
     this.rows.style.transform = `translateY(${first * ROW}px)`;
-    this.rows.replaceChildren(...rows);
+    if (rows.length !== this.rows.children.length || rows.some((row, i) => this.rows.children[i] !== row)) {
+      this.rows.replaceChildren(...rows);
+    }
   }
 
   private row(node: Node, index: number, now: number): HTMLElement {

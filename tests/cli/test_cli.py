@@ -305,6 +305,7 @@ def test_shell_through_a_real_terminal_shared_with_an_observer(env: dict[str, st
             observer.terminate(force=True)
 
 
+@pytest.mark.timeout(180)  # some thirty CLI processes, each a Python start-up
 def test_session_and_resource_commands(env: dict[str, str], server: SandlotServer) -> None:
     r = sandlot(env, "session", "ensure", "thr_res", "--json")
     grant = json.loads(r.stdout)
@@ -333,8 +334,14 @@ def test_session_and_resource_commands(env: dict[str, str], server: SandlotServe
     )
     # --json prints the answer as the server sent it, not the SDK's typed view of it.
     wire = {"Authorization": f"Bearer {env['SANDLOT_API_KEY']}"}
-    got = json.loads(sandlot(env, "sandbox", "get", sb["id"], "--json").stdout)
-    assert got == httpx.get(f"{server.url}/v1/sandboxes/{sb['id']}", headers=wire).json()
+    # The sandbox may change between the two reads (it turns idle with no session on it):
+    # compare two reads with no event between them.
+    for _ in range(5):
+        got = json.loads(sandlot(env, "sandbox", "get", sb["id"], "--json").stdout)
+        direct = httpx.get(f"{server.url}/v1/sandboxes/{sb['id']}", headers=wire).json()
+        if got["last_event_sequence"] == direct["last_event_sequence"]:
+            break
+    assert got == direct
     assert sandlot(env, "sandbox", "delete", sb["id"]).returncode == 0
     assert "default" in sandlot(env, "template", "list").stdout
     template = json.loads(sandlot(env, "template", "get", "default").stdout)

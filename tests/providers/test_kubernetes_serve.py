@@ -1,7 +1,8 @@
 """``sandlot serve`` with the kubernetes provider, end to end on the cluster of
 scripts/k8s-cluster: a thread's sandbox is a pod the SDK, ``sandlot exec`` and ``sandlot
 shell`` reach through the server, a restarted server re-adopts it with its workspace and
-running command, and terminating the session deletes it."""
+running command, and terminating the session deletes it; a deepagents agent and a human's
+``sandlot shell`` share one pod, each seeing what the other wrote and ran."""
 
 from __future__ import annotations
 
@@ -14,14 +15,20 @@ from typing import Any
 
 import pexpect
 import pytest
+from deepagents import create_deep_agent
+from langchain_core.messages import AIMessage, ToolMessage
 
+from sandlot.integrations.deepagents import SandlotBackend
 from sandlot.sdk import AsyncSandlot
+from tests.integrations.test_deepagents_agent import ScriptedModel, call
 from tests.k8scluster import Cluster
 from tests.providers.k8sharness import NAMESPACE, core_api
 from tests.providers.test_docker_serve import SANDLOT, cli_env
 from tests.servers import SandlotServer
 
 pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(3000)]
+
+GREETER = "print('hello from the agent')\n"
 
 
 def k8s_config(cluster: Cluster, image: str) -> str:
@@ -126,3 +133,56 @@ async def test_a_thread_is_a_pod_reached_through_the_server(
     async with asyncio.timeout(60):
         while live_pods(core, server.data_dir):
             await asyncio.sleep(0.1)
+
+
+def test_an_agent_and_a_shell_share_a_pod(server: SandlotServer, core: Any, tmp_path: Path) -> None:
+    """The deepagents backend (an agent with a scripted model) and ``sandlot shell`` on
+    the same thread: one pod; what the agent writes and runs the shell sees, and what the
+    shell writes and runs the agent reads."""
+    agent_key = server.key("alice", "agent")
+    backend = SandlotBackend.for_thread("thr_pair", url=server.url, api_key=agent_key)
+    shell = None
+    try:
+        writes = [
+            call("write_file", 1, file_path="/workspace/greet.py", content=GREETER),
+            call("execute", 2, command="cd /workspace && python3 greet.py > agent-ran.txt"),
+            AIMessage(content="written"),
+        ]
+        agent = create_deep_agent(model=ScriptedModel(messages=iter(writes)), backend=backend)
+        result = agent.invoke({"messages": [{"role": "user", "content": "write a greeter"}]})
+        assert result["messages"][-1].content == "written"
+        (pod,) = live_pods(core, server.data_dir)
+        assert pod.metadata.labels["sandlot.sandbox"] == backend.id
+
+        shell = pexpect.spawn(
+            SANDLOT[0], [*SANDLOT[1:], "shell", "thr_pair"], env=cli_env(server, tmp_path),
+            encoding="utf-8", timeout=60, dimensions=(30, 100),
+        )  # fmt: skip
+        shell.expect(r"\$ ")
+        # The agent's file and the output of its command, seen from the human's shell.
+        shell.sendline("cat agent-ran.txt; python3 -c 'import greet' | tr a-z A-Z")
+        shell.expect("hello from the agent")
+        shell.expect("HELLO FROM THE AGENT")
+        # The human writes and runs something; the agent reads and runs it.
+        shell.sendline("echo 'print(6 * 7)' > human.py && python3 human.py > human-ran.txt")
+        shell.sendline("echo done-$((1+1))")
+        shell.expect("done-2")
+        reads = [
+            call("read_file", 1, file_path="/workspace/human.py"),
+            call("execute", 2, command="cd /workspace && cat human-ran.txt && python3 human.py"),
+            AIMessage(content="read"),
+        ]
+        agent = create_deep_agent(model=ScriptedModel(messages=iter(reads)), backend=backend)
+        result = agent.invoke({"messages": [{"role": "user", "content": "what did they do"}]})
+        out = {m.name: str(m.content) for m in result["messages"] if isinstance(m, ToolMessage)}
+        assert "print(6 * 7)" in out["read_file"]
+        assert out["execute"].startswith("42\n42\n"), out["execute"]
+        shell.sendline("exit 0")
+        shell.expect(pexpect.EOF)
+        # Still the one pod.
+        (after,) = live_pods(core, server.data_dir)
+        assert after.metadata.uid == pod.metadata.uid
+    finally:
+        if shell is not None:
+            shell.terminate(force=True)
+        backend.close()

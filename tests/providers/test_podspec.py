@@ -17,9 +17,12 @@ from kubernetes.client import (
 
 from sandlot.protocol.errors import InvalidRequest
 from sandlot.protocol.sessions import Template
+from sandlot.providers.agentsandbox import sandbox_manifest
 from sandlot.providers.base import SandboxSpec
 from sandlot.providers.podspec import (
+    STATE_MOUNT,
     PodSettings,
+    failure_code,
     network_policy_manifests,
     object_name,
     pod_failure,
@@ -100,16 +103,65 @@ def test_names_are_valid_and_distinct_and_bad_ids_are_refused() -> None:
     assert keyed["data"]["control.key"] == "k" * 43
 
 
-def test_the_reason_a_pod_failed() -> None:
+def test_the_reason_a_pod_failed_starts_with_its_code() -> None:
     assert pod_failure(pod("Pending")) is None
     assert pod_failure(pod("Running", V1ContainerState())) is None
     oom = V1ContainerState(terminated=V1ContainerStateTerminated(exit_code=137, reason="OOMKilled"))
-    assert pod_failure(pod("Failed", oom)) == "OOMKilled (exit code 137)"
+    reason = pod_failure(pod("Failed", oom))
+    assert reason == "OOM: the sandbox ran out of memory (OOMKilled, exit code 137)"
+    assert failure_code(reason) == "OOM"
+    killed = V1ContainerState(terminated=V1ContainerStateTerminated(exit_code=137, reason="Error"))
+    reason = pod_failure(pod("Failed", killed))
+    assert reason == "EXITED: the sandbox's main process ended (Error, exit code 137)"
+    assert failure_code(reason) == "EXITED"
     never = V1ContainerState(
         waiting=V1ContainerStateWaiting(reason="ErrImageNeverPull", message="no image x")
     )
-    assert pod_failure(pod("Pending", never)) == "ErrImageNeverPull: no image x"
+    assert pod_failure(pod("Pending", never)) == "IMAGE: ErrImageNeverPull: no image x"
+    config = V1ContainerState(waiting=V1ContainerStateWaiting(reason="CreateContainerConfigError"))
+    assert pod_failure(pod("Pending", config)) == "START: CreateContainerConfigError"
     creating = V1ContainerState(waiting=V1ContainerStateWaiting(reason="ContainerCreating"))
     assert pod_failure(pod("Pending", creating)) is None
     evicted = pod("Failed", oom, reason="Evicted", message="low on memory")
-    assert pod_failure(evicted) == "Evicted: low on memory"
+    assert pod_failure(evicted) == "EVICTED: Evicted: low on memory"
+    assert failure_code("EVICTED: Evicted: low on memory") == "EVICTED"
+    # Only the codes of the list: a reason that merely has a colon has none.
+    assert failure_code("cluster: 403 Forbidden") is None
+    assert failure_code(None) is None
+
+
+def test_a_claim_workspace_keeps_the_dataplanes_log_beside_it() -> None:
+    settings = PodSettings(instance=SETTINGS.instance, issuer=SETTINGS.issuer, workspace="pvc")
+    manifest = pod_manifest(settings, spec())
+    (container,) = manifest["spec"]["containers"]
+    claim = object_name(settings.instance, "sb_abc", "workspace")
+    (volume,) = [v for v in manifest["spec"]["volumes"] if v["name"] == "workspace"]
+    assert volume == {"name": "workspace", "persistentVolumeClaim": {"claimName": claim}}
+    mounts = [m for m in container["volumeMounts"] if m["name"] == "workspace"]
+    assert mounts == [
+        {"name": "workspace", "mountPath": "/workspace", "subPath": "workspace"},
+        {"name": "workspace", "mountPath": STATE_MOUNT, "subPath": "dataplane"},
+    ]
+    command = container["command"]
+    assert command[command.index("--state-dir") + 1] == STATE_MOUNT
+    # An emptyDir workspace lives and dies with the pod: no state directory.
+    plain = pod_manifest(SETTINGS, spec())["spec"]["containers"][0]
+    assert "--state-dir" not in plain["command"]
+    # A resumed sandbox's trust ConfigMap carries its revocations.
+    doc = {"revoked": [{"jti": "j1", "expires_at": 5.0}]}
+    trust = trust_manifest(settings, spec(), "{}", "k", doc)
+    assert json.loads(trust["data"]["revoked.json"]) == doc
+
+
+def test_an_agent_sandbox_resource_carries_the_pod() -> None:
+    pod = pod_manifest(SETTINGS, spec())
+    body = sandbox_manifest("v1alpha1", pod)
+    assert body["apiVersion"] == "agents.x-k8s.io/v1alpha1" and body["kind"] == "Sandbox"
+    # Named as the pod: agent-sandbox's controller names its pod after the Sandbox.
+    assert body["metadata"]["name"] == pod["metadata"]["name"]
+    assert body["metadata"]["labels"] == pod["metadata"]["labels"]
+    template = body["spec"]["podTemplate"]
+    assert template["metadata"]["labels"] == pod["metadata"]["labels"]
+    assert template["metadata"]["annotations"] == pod["metadata"]["annotations"]
+    assert template["spec"] == pod["spec"]
+    assert body["spec"]["replicas"] == 1

@@ -28,6 +28,12 @@ tokens at once; ``X-Sandlot-Control`` must carry ``control.key``, else 403). Non
 anything secret, revocations only ever add to the set, and the provider's relay forwards
 none of them.
 
+A command the OOM killer ends (the container's memory limit) is reported ``oom_killed``:
+the container's memory cgroup counts the kills (``memory.events`` or, on cgroup v1,
+``memory.oom_control``). With ``--state-dir`` (a directory that outlives the container:
+a volume) the event log is kept there, so a dataplane started again on the same volume
+carries on the same sequence.
+
 Tuning comes from ``SANDLOT_DP_*`` (:class:`~sandlot.dataplane.settings.DataplaneSettings`).
 """
 
@@ -41,7 +47,7 @@ import importlib.util
 import json
 import logging
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -69,6 +75,11 @@ CONTROL_HEADER = b"x-sandlot-control"
 #: A pushed revocation list is small: a few hundred tokens at most.
 MAX_PUSH_BYTES = 1 << 20
 COMMAND_OOM_SCORE_ADJ = 800
+#: Where a container sees its own memory cgroup's OOM kill count (v2, then v1).
+OOM_COUNTERS = (
+    Path("/sys/fs/cgroup/memory.events"),
+    Path("/sys/fs/cgroup/memory/memory.oom_control"),
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +96,29 @@ class StandaloneOptions:
     host: str = "127.0.0.1"
     port: int = 8080
     shells: Mapping[str, list[str]] | None = None
+    state_dir: Path | None = None
+
+
+def read_oom_kills(path: Path) -> int | None:
+    """The ``oom_kill`` count of a cgroup's ``memory.events``/``memory.oom_control``."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill" and value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def oom_counter(candidates: Sequence[Path] = OOM_COUNTERS) -> Callable[[], int] | None:
+    """How many processes the OOM killer ended in this container's memory cgroup so far
+    (a function), or ``None`` where no such count can be read."""
+    for path in candidates:
+        if read_oom_kills(path) is not None:
+            return lambda: read_oom_kills(path) or 0
+    return None
 
 
 def file_jwks(trust_dir: Path) -> JwksSource:
@@ -157,6 +191,8 @@ class StandaloneDataplane:
             template,
             options.workspace,
             oom_score_adj=COMMAND_OOM_SCORE_ADJ,
+            oom_kills=oom_counter(),
+            spool=options.state_dir,
         )
         # Clients that met 423 while the container started wait on the log for this.
         self.inner = create_standalone_app(
@@ -280,6 +316,9 @@ def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--shells", help="shell profiles as JSON: name → argv")
+    parser.add_argument(
+        "--state-dir", type=Path, help="keeps the event log (a volume that outlives the process)"
+    )
     args = parser.parse_args(argv)
     return StandaloneOptions(
         sandbox_id=args.sandbox_id,
@@ -292,6 +331,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:
         host=args.host,
         port=args.port,
         shells=json.loads(args.shells) if args.shells else None,
+        state_dir=args.state_dir,
     )
 
 

@@ -44,6 +44,9 @@ class InboxSandbox:
         self.spec = spec
         self.state = state
         self.reason: str | None = None
+        #: A failed sandbox's typed reason (``OOM``…), given as the relay's error's
+        #: ``metadata.reason``.
+        self.failure: str | None = None
         self.upstream: Upstream | TcpUpstream | None = None
         self.last_event_sequence = 0
         self.revoked: dict[str, float] = {}
@@ -175,7 +178,8 @@ class InboxProvider(Provider, Generic[BoxT]):
         box = self._box(sandbox_id)
         if box.state is SandboxState.PROVISIONING or box.upstream is None:
             if box.state is SandboxState.FAILED:
-                raise ProviderUnavailable(box.reason or "the sandbox failed")
+                metadata = {"reason": box.failure} if box.failure else None
+                raise ProviderUnavailable(box.reason or "the sandbox failed", metadata=metadata)
             raise SandboxStarting("sandbox is starting", retry_after=1.0)
         self._check_serving(box)
         if not box.state.live:

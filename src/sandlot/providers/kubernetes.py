@@ -41,10 +41,14 @@ wired in by the server):
   ``Guaranteed``; lower packs more sandboxes on a node).
 - ``workspace``: ``emptyDir`` (default) or ``pvc``; ``storage_class``,
   ``workspace_size_mb`` (default 1024) for claims; ``keep_volumes``: keep claims when
-  sandboxes are deleted.
+  sandboxes are deleted. With ``pvc`` sandboxes can be suspended: the pod is deleted,
+  the claim kept, and resume makes the pod again on it (:mod:`~sandlot.providers.podlife`).
 - ``tmp_mb``: size of ``/tmp`` (default 256); ``read_only_root`` (default true).
 - ``network_policy``: create the instance's NetworkPolicy (default true).
 - ``node_selector``, ``tolerations``, ``runtime_class``: passed to the pod.
+- ``agent_sandbox``: ``off`` (default), ``auto`` (a ``Sandbox`` resource of
+  kubernetes-sigs/agent-sandbox instead of a bare pod where its CRD is installed) or ``on``
+  (required): :mod:`~sandlot.providers.agentsandbox`.
 - ``start_timeout_seconds`` (default 120), ``jwks_refresh_seconds`` (default 2).
 - ``revocation_sync_seconds``: how long after a revocation whose push failed the
   dataplane is asked, every second, to re-read its trust directory (default 90: the
@@ -82,8 +86,10 @@ from sandlot.protocol.errors import (
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
+from sandlot.providers import agentsandbox, podlife
 from sandlot.providers.base import (
     AdoptionRecord,
+    ProviderStatus,
     SandboxSpec,
     StatusListener,
 )
@@ -94,6 +100,7 @@ from sandlot.providers.podspec import (
     LABEL_SANDBOX,
     PodSettings,
     claim_manifest,
+    failure_code,
     network_policy_manifests,
     object_name,
     pod_failure,
@@ -169,7 +176,14 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             runtime_class=cfg.get("runtime_class"),
             issuer=str(cfg.get("issuer", "")),
         )
+        # Suspending deletes the pod: only a claim keeps the workspace.
+        self.supports_suspend = workspace == "pvc"
         self.keep_volumes = bool(cfg.get("keep_volumes", False))
+        self.agent_sandbox = str(cfg.get("agent_sandbox", "off"))
+        if self.agent_sandbox not in agentsandbox.MODES:
+            raise InvalidRequest("agent_sandbox is 'off', 'auto' or 'on'")
+        #: The ``Sandbox`` resources sandboxes are made as (None: bare pods).
+        self.sandbox_resources: agentsandbox.SandboxResources | None = None
         self.network_policy = bool(cfg.get("network_policy", True))
         self.start_timeout = float(cfg.get("start_timeout_seconds", 120.0))
         self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
@@ -210,6 +224,16 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             raise ProviderUnavailable(f"the cluster is unreachable: {exc}") from exc
         if self.network_policy:
             await self._ensure_network_policy()
+        if self.agent_sandbox != "off":
+            version = await agentsandbox.detect(self._api_client)
+            if version is None and self.agent_sandbox == "on":
+                await asyncio.to_thread(self._api_client.close)
+                raise ProviderUnavailable("the agent-sandbox CRDs are not installed")
+            if version is not None:
+                self.sandbox_resources = agentsandbox.SandboxResources(
+                    self._api_client, self.namespace, version
+                )
+                self.supports_suspend = False
         await self._refresh_keys()
         self._loop = asyncio.get_running_loop()
         self._refresher = self._loop.create_task(self._refresh_loop())
@@ -229,6 +253,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         return {
             "ok": self._core is not None,
             "namespace": self.namespace,
+            "agent_sandbox": self.sandbox_resources.version if self.sandbox_resources else None,
             "sandboxes": len(self._sandboxes),
         }
 
@@ -327,7 +352,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         if box.state not in (SandboxState.PROVISIONING, SandboxState.ACTIVE):
             return
         if kind == "DELETED":
-            await self._fail(sid, box, "the pod was deleted")
+            await self._fail(sid, box, "DELETED: the pod was deleted")
             return
         failure = pod_failure(pod)
         if failure is not None:
@@ -346,6 +371,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     async def _fail(self, sid: str, box: _Sandbox, reason: str) -> None:
         box.state, box.reason = SandboxState.FAILED, reason[:500]
+        box.failure = failure_code(reason)
         box.settled.set()
         if box.probing is not None and box.probing is not asyncio.current_task():
             box.probing.cancel()
@@ -368,7 +394,8 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             except (httpx.TransportError, ValueError, KeyError):
                 pass
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            # Refused connections cost nothing: ask often while it starts.
+            delay = min(delay * 2, 0.025)
         if box.state is not SandboxState.PROVISIONING or self._sandboxes.get(sid) is not box:
             await upstream.close()
             return
@@ -415,7 +442,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     async def _pending_reason(self, sid: str) -> str:
         """Why a pod is not running yet (its conditions), for the timeout's message."""
-        base = f"the pod was not ready in {self.start_timeout} s"
+        base = f"TIMEOUT: the pod was not ready in {self.start_timeout} s"
         try:
             pod = await self._api(
                 self._core.read_namespaced_pod, object_name(self.instance, sid), self.namespace
@@ -439,7 +466,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             await self._api(self._core.delete_namespaced_pod, pod_name, ns, grace_period_seconds=0)
             await self._wait_gone(pod_name)
         box.control_key = secrets.token_urlsafe(32)
-        trust = trust_manifest(self.settings, spec, self._jwks_text, box.control_key)
+        # A resumed sandbox's revocations hold in its new pod from the start.
+        revoked = podlife.revoked_doc(box.revoked)
+        trust = trust_manifest(self.settings, spec, self._jwks_text, box.control_key, revoked)
         try:
             await self._api(self._core.create_namespaced_config_map, ns, trust)
         except ApiException as exc:
@@ -455,41 +484,73 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                     ns,
                     claim_manifest(self.settings, spec),
                 )
-        pod = await self._api(
-            self._core.create_namespaced_pod, ns, pod_manifest(self.settings, spec)
-        )
+        manifest = pod_manifest(self.settings, spec)
+        if self.sandbox_resources is not None:
+            # agent-sandbox's controller makes the pod; the watch knows it by its labels.
+            await self._create_sandbox_resource(manifest)
+            return
+        pod = await self._api(self._core.create_namespaced_pod, ns, manifest)
         box.pod_uid = pod.metadata.uid
 
-    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> None:
+    async def _create_sandbox_resource(self, pod: Mapping[str, Any]) -> None:
+        resources = self.sandbox_resources
+        assert resources is not None
+        body = agentsandbox.sandbox_manifest(resources.version, pod)
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                await self._api(resources.create, body)
+                return
+            except ApiException as exc:
+                # One of an earlier attempt: it goes first (its pod with it).
+                if exc.status != 409 or time.monotonic() > deadline:
+                    raise
+                with contextlib.suppress(ApiException):
+                    await self._api(resources.delete, body["metadata"]["name"])
+                await asyncio.sleep(0.2)
+
+    async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> bool:
+        """Whether the pod is gone within ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
                 await self._api(self._core.read_namespaced_pod, pod_name, self.namespace)
             except ApiException as exc:
                 if exc.status == 404:
-                    return
+                    return True
                 raise
             await asyncio.sleep(0.1)
+        return False
 
     def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.FAILED:
-            raise ProviderUnavailable(box.reason or "the sandbox failed")
+            metadata = {"reason": box.failure} if box.failure else None
+            raise ProviderUnavailable(box.reason or "the sandbox failed", metadata=metadata)
 
     def _forget(self, box: _Sandbox) -> None:
         for pending in (box.probing, box.reloading):
             if pending is not None:
                 pending.cancel()
 
-    async def _remove(self, sandbox_id: str) -> None:
-        """Pod, trust ConfigMap and workspace claim (unless kept). Idempotent."""
-        ns = self.namespace
+    async def _remove_pod(self, sandbox_id: str) -> None:
         with contextlib.suppress(ApiException):
             await self._api(
                 self._core.delete_namespaced_pod,
                 object_name(self.instance, sandbox_id),
-                ns,
+                self.namespace,
                 grace_period_seconds=0,
             )
+
+    async def _remove(self, sandbox_id: str) -> None:
+        """Pod (and its ``Sandbox`` resource), trust ConfigMap and workspace claim (unless
+        kept). Idempotent."""
+        ns = self.namespace
+        if self.sandbox_resources is not None:
+            with contextlib.suppress(ApiException):
+                await self._api(
+                    self.sandbox_resources.delete, object_name(self.instance, sandbox_id)
+                )
+        await self._remove_pod(sandbox_id)
         with contextlib.suppress(ApiException):
             await self._api(
                 self._core.delete_namespaced_config_map,
@@ -503,6 +564,14 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                     object_name(self.instance, sandbox_id, "workspace"),
                     ns,
                 )
+
+    async def suspend(self, sandbox_id: str) -> ProviderStatus:
+        """Delete the pod, keep the workspace claim (:mod:`sandlot.providers.podlife`)."""
+        return await podlife.suspend(self, sandbox_id)
+
+    async def resume(self, sandbox_id: str) -> ProviderStatus:
+        """Make the pod again on the same claim; return once it serves."""
+        return await podlife.resume(self, sandbox_id)
 
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
         """The revocations are pushed to the pod's dataplane, where they hold at once, and
@@ -581,6 +650,13 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         lost: list[str] = []
         for rec in records:
             pod = by_id.get(rec.sandbox_id)
+            suspended = podlife.adopt_suspended(self, rec, _Sandbox)
+            if suspended is not None:
+                self._sandboxes[rec.sandbox_id] = suspended
+                await self._read_trust(rec.sandbox_id, suspended)
+                if pod is not None:  # a suspend cut short: its pod goes now
+                    await self._remove_pod(rec.sandbox_id)
+                continue
             ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
             if (
                 rec.state is SandboxState.PROVISIONING
@@ -627,6 +703,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             self._core.list_namespaced_config_map, self.namespace, label_selector=selector
         )
         found |= {(m.metadata.labels or {}).get(LABEL_SANDBOX) for m in maps.items}
+        if self.sandbox_resources is not None:
+            made = await self._api(self.sandbox_resources.labelled, selector)
+            found |= {(r["metadata"].get("labels") or {}).get(LABEL_SANDBOX) for r in made}
         if not self.keep_volumes:
             claims = await self._api(
                 self._core.list_namespaced_persistent_volume_claim,

@@ -1,6 +1,19 @@
 """What the ``kubernetes`` provider asks the cluster for: the manifests of a sandbox's
 pod, its trust ConfigMap, its workspace claim and the instance's NetworkPolicies, the
-names of those objects, and the reason a pod failed (plain data: no client calls)."""
+names of those objects, and the reason a pod failed (plain data: no client calls).
+
+A failed sandbox's reason starts with a code (``OOM: …``), the same in its ``failed``
+phase events and in the ``metadata.reason`` of the 503 its relay answers:
+
+- ``OOM``: the sandbox's main process (its dataplane) was killed out of memory;
+- ``EVICTED``: the node evicted the pod (its resources ran short);
+- ``IMAGE``: the image cannot be had (``ErrImagePull``, ``ImagePullBackOff``,
+  ``ErrImageNeverPull``, ``InvalidImageName``);
+- ``START``: the container cannot start (``CreateContainerConfigError``, …);
+- ``EXITED``: the main process ended otherwise (killed, crashed);
+- ``DELETED``: the pod was deleted behind the provider's back;
+- ``TIMEOUT``: the pod was not serving within the start timeout.
+"""
 
 from __future__ import annotations
 
@@ -27,19 +40,28 @@ CONTAINER = "dataplane"
 
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
 
-#: Waiting reasons after which a pod will not start without someone's help.
-WAITING_FAILURES = frozenset(
-    {
-        "ErrImagePull",
-        "ImagePullBackOff",
-        "ErrImageNeverPull",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "RunContainerError",
-        "CrashLoopBackOff",
-    }
-)
+#: Where the dataplane keeps its event log on a ``pvc`` workspace's claim (a sub-directory
+#: of the claim beside the workspace's), so a pod made again on it carries on the sequence.
+STATE_MOUNT = "/var/lib/sandlot-dataplane"
+
+#: Waiting reasons after which a pod will not start without someone's help, by code.
+WAITING_FAILURES = {
+    "ErrImagePull": "IMAGE",
+    "ImagePullBackOff": "IMAGE",
+    "ErrImageNeverPull": "IMAGE",
+    "InvalidImageName": "IMAGE",
+    "CreateContainerConfigError": "START",
+    "CreateContainerError": "START",
+    "RunContainerError": "START",
+    "CrashLoopBackOff": "START",
+}
+FAILURE_CODES = frozenset({"OOM", "EVICTED", "IMAGE", "START", "EXITED", "DELETED", "TIMEOUT"})
+
+
+def failure_code(reason: str | None) -> str | None:
+    """The code a failed sandbox's reason starts with (``OOM``), if any."""
+    code = (reason or "").partition(":")[0]
+    return code if code in FAILURE_CODES else None
 
 
 @dataclass(frozen=True)
@@ -132,8 +154,10 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
         json.dumps(template.shells),
     ]
     workspace: dict[str, Any]
-    if settings.workspace == "pvc":
+    pvc = settings.workspace == "pvc"
+    if pvc:
         workspace = {"persistentVolumeClaim": {"claimName": object_name(inst, sid, "workspace")}}
+        command += ["--state-dir", STATE_MOUNT]
     else:
         workspace = {"emptyDir": {}}
         if template.resources.disk_mb:
@@ -151,6 +175,10 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
         {"name": "tmp", "mountPath": "/tmp"},
         {"name": "trust", "mountPath": TRUST_MOUNT, "readOnly": True},
     ]
+    if pvc:
+        # The claim holds the workspace and, beside it, the dataplane's event log.
+        mounts[0]["subPath"] = "workspace"
+        mounts.append({"name": "workspace", "mountPath": STATE_MOUNT, "subPath": "dataplane"})
     for i, vm in enumerate(template.volume_mounts):
         name = f"vol-{i}"
         claim = f"sl-{inst[:8]}-vol-{vm.volume}"
@@ -224,11 +252,16 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
 
 
 def trust_manifest(
-    settings: PodSettings, spec: SandboxSpec, jwks_text: str, control_key: str = ""
+    settings: PodSettings,
+    spec: SandboxSpec,
+    jwks_text: str,
+    control_key: str = "",
+    revoked: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ConfigMap mounted read-only at the dataplane's trust directory; ``control_key``
-    is the secret the provider presents to push revocations to the dataplane."""
-    data = {"jwks.json": jwks_text, "revoked.json": json.dumps({"revoked": []})}
+    is the secret the provider presents to push revocations to the dataplane; ``revoked``
+    the ``revoked.json`` document (none revoked by default)."""
+    data = {"jwks.json": jwks_text, "revoked.json": json.dumps(revoked or {"revoked": []})}
     if control_key:
         data["control.key"] = control_key
     return {
@@ -290,27 +323,35 @@ def network_policy_manifests(settings: PodSettings) -> list[dict[str, Any]]:
     ]
 
 
+def _said(reason: str, message: str | None) -> str:
+    return f"{reason}: {message}" if message else reason
+
+
 def pod_failure(pod: Any) -> str | None:
-    """Why the pod will not serve its sandbox (``OOMKilled (exit code 137)``,
-    ``Evicted: …``, ``ErrImageNeverPull: …``), or ``None`` while it may."""
+    """Why the pod will not serve its sandbox, its code first (``OOM: the sandbox ran out
+    of memory (OOMKilled, exit code 137)``, ``EVICTED: …``, ``IMAGE: ErrImageNeverPull:
+    …``), or ``None`` while it may."""
     status = pod.status
     if status is None:
         return None
     if status.phase == "Failed" and status.reason:  # the pod's own: Evicted, …
-        return f"{status.reason}: {status.message}" if status.message else str(status.reason)
+        code = "EVICTED" if status.reason == "Evicted" else "EXITED"
+        return f"{code}: {_said(str(status.reason), status.message)}"
     for cs in status.container_statuses or []:
         state = cs.state
         if state is None:
             continue
         if state.terminated is not None:
             t = state.terminated
-            return f"{t.reason or 'Terminated'} (exit code {t.exit_code})"
+            said = f"{t.reason or 'Terminated'}, exit code {t.exit_code}"
+            if t.reason == "OOMKilled":
+                return f"OOM: the sandbox ran out of memory ({said})"
+            return f"EXITED: the sandbox's main process ended ({said})"
         if state.waiting is not None and state.waiting.reason in WAITING_FAILURES:
             w = state.waiting
-            return f"{w.reason}: {w.message}" if w.message else str(w.reason)
+            return f"{WAITING_FAILURES[w.reason]}: {_said(w.reason, w.message)}"
     if status.phase in ("Failed", "Succeeded"):
-        reason = status.reason or status.phase
-        return f"{reason}: {status.message}" if status.message else str(reason)
+        return f"EXITED: {_said(str(status.reason or status.phase), status.message)}"
     return None
 
 
@@ -319,8 +360,10 @@ __all__ = [
     "LABEL_GENERATION",
     "LABEL_INSTANCE",
     "LABEL_SANDBOX",
+    "STATE_MOUNT",
     "PodSettings",
     "claim_manifest",
+    "failure_code",
     "network_policy_manifests",
     "object_name",
     "pod_failure",

@@ -71,6 +71,8 @@ class DirectProcess(SandboxProcess):
             pty_fd,
         )
         self._exit: asyncio.Future[ExitStatus] = asyncio.get_running_loop().create_future()
+        #: What the exit status becomes once known (the runtime may add what it knows).
+        self.on_exit: Callable[[ExitStatus], ExitStatus] | None = None
         self._pidfd = os.pidfd_open(popen.pid)
         asyncio.get_running_loop().add_reader(self._pidfd, self._on_exit)
 
@@ -82,7 +84,8 @@ class DirectProcess(SandboxProcess):
         loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
         if not self._exit.done():
-            self._exit.set_result(exit_status_from_returncode(rc))
+            status = exit_status_from_returncode(rc)
+            self._exit.set_result(self.on_exit(status) if self.on_exit is not None else status)
 
     async def wait(self) -> ExitStatus:
         return await asyncio.shield(self._exit)
@@ -204,6 +207,17 @@ async def _launcher() -> str | None:
     return host_limit()
 
 
+def _oom_aware(counter: Callable[[], int], before: int) -> Callable[[ExitStatus], ExitStatus]:
+    def on_exit(status: ExitStatus) -> ExitStatus:
+        # A shell's child killed is the shell's exit code 137.
+        killed = status.signal == "SIGKILL" or status.exit_code == 137
+        if killed and counter() > before:
+            return ExitStatus(exit_code=status.exit_code, signal=status.signal, oom_killed=True)
+        return status
+
+    return on_exit
+
+
 class DirectRuntime(SandboxRuntime):
     """A 'sandbox' that is only a workspace directory: no isolation at all.
 
@@ -221,11 +235,18 @@ class DirectRuntime(SandboxRuntime):
         *,
         tmp: Path | None = None,
         oom_score_adj: int | None = None,
+        oom_kills: Callable[[], int] | None = None,
+        spool: Path | None = None,
     ) -> None:
         """``oom_score_adj``: raise the commands' (and tools') score, so that when the
         sandbox runs out of memory the kernel kills them rather than the dataplane that
-        shares their cgroup (a container's)."""
+        shares their cgroup (a container's). ``oom_kills``: how many processes the OOM
+        killer ended in that cgroup so far; a command killed by SIGKILL while it rose is
+        reported ``oom_killed``. ``spool``: a directory that outlives the process (the
+        event log is kept there)."""
         self.oom_score_adj = oom_score_adj
+        self._oom_kills = oom_kills
+        self._spool = spool
         self.sandbox_id = sandbox_id
         self.generation = generation
         self.template = template
@@ -260,8 +281,16 @@ class DirectRuntime(SandboxRuntime):
             **self.template.env,
         }
 
+    @property
+    def spool_dir(self) -> Path | None:
+        return self._spool
+
     async def spawn(self, spec: ProcessSpec, keep: Keep | None = None) -> SandboxProcess:
+        counter = self._oom_kills
+        before = counter() if counter is not None else 0
         proc = await spawn_direct(spec, cwd=self._host_cwd(spec.cwd), base_env=self._base_env())
+        if counter is not None:
+            proc.on_exit = _oom_aware(counter, before)
         self._mark_killable(proc.pid)
         return proc
 
