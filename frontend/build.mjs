@@ -4,7 +4,7 @@
 // the same bytes for the same sources and lockfile: no timestamps; the chunks' names are
 // hashes of their contents, so a browser may keep them for good.
 import { build } from "esbuild";
-import { mkdir, readFile, rm, writeFile, copyFile } from "node:fs/promises";
+import { mkdir, readFile, rm, writeFile } from "node:fs/promises";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 
@@ -43,7 +43,21 @@ await writeFile(join(out, "app.css"), fromJs + own);
 await rm(join(out, "app-style.css"));
 await rm(join(out, "app-style.js"), { force: true });
 
-await copyFile(join(here, "index.html"), join(out, "index.html"));
+// index.html preloads what app.js runs at its start: the chunks it imports, and xterm.js's,
+// which it asks for at once; the browser then fetches them beside app.js, not after it.
+const outputs = Object.entries(result.metafile.outputs);
+const app = outputs.find(([name]) => name.endsWith("/app.js"))?.[1];
+const early = new Set(app ? app.imports.filter((i) => i.kind === "import-statement").map((i) => i.path) : []);
+for (const [name, meta] of outputs) if (meta.entryPoint?.endsWith("src/xterm.ts")) early.add(name);
+const preloads = [...early]
+  .map((path) => path.split("/").pop())
+  .sort()
+  .map((name) => `<link rel="modulepreload" href="/assets/${name}">`)
+  .join("\n");
+const index = await readFile(join(here, "index.html"), "utf8");
+const mark = /<!-- preloads: .* -->\n/;
+if (!mark.test(index)) throw new Error("index.html has no preloads mark");
+await writeFile(join(out, "index.html"), index.replace(mark, preloads ? `${preloads}\n` : ""));
 
 // The licenses of the packages the bundle holds, in a stable order.
 const packages = new Set();

@@ -9,9 +9,12 @@ import { EventHub } from "./events";
 import { Feed } from "./feed";
 import { DiffView, Git } from "./git";
 import { QuickOpen, Search } from "./search";
-import { Terminals } from "./terminal";
+import { loadXterm, Terminals } from "./terminal";
 import { FileTree } from "./tree";
 import { Workspaces } from "./workspaces";
+
+// xterm.js's chunk (preloaded by index.html) runs while the page asks who is signed in.
+void loadXterm();
 
 const root = document.getElementById("app") as HTMLElement;
 const nonce = document.querySelector<HTMLMetaElement>("meta[name=csp-nonce]")?.content ?? "";
@@ -192,7 +195,7 @@ async function boot(): Promise<void> {
   // once the stream is live, so that the first requests do not wait behind them.
   hub.start();
   const listed = tree.start();
-  terminals.start();
+  void terminals.start();
   await Promise.all([listed, hub.live(2000)]);
   await Promise.all([spaces.refresh(), git.refresh()]);
   if (chat.resumable) chat.start();

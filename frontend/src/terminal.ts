@@ -4,15 +4,23 @@
 // gets the shell's recent output back. Output goes to xterm as it comes, in pieces, with
 // flow control: xterm parses a piece in one go, so pieces bound how long a task runs while
 // a command floods the terminal; what xterm has not parsed yet is bounded, the rest waits
-// here in order (nothing is dropped).
+// here in order (nothing is dropped). A flood goes to xterm four times a second.
 
-import { Terminal } from "@xterm/xterm";
-import { FitAddon } from "@xterm/addon-fit";
+import type { Terminal } from "@xterm/xterm";
+import type { FitAddon } from "@xterm/addon-fit";
 import "@xterm/xterm/css/xterm.css";
 import { wsUrl } from "./api";
 import { h } from "./dom";
 
 type Role = "driver" | "observer";
+
+type Xterm = typeof import("./xterm");
+let xterm: Promise<Xterm> | null = null;
+/** xterm.js's chunk, asked for once (the page asks at its start). */
+export function loadXterm(): Promise<Xterm> {
+  xterm ??= import("./xterm");
+  return xterm;
+}
 
 interface Frame {
   type: string;
@@ -55,13 +63,19 @@ function utf8Length(text: string): number {
 const PIECE = 16 * 1024;
 /** Most characters xterm holds unparsed; more output waits in the tab's queue. */
 const AHEAD = 128 * 1024;
+/** Output of more than FLOOD characters within PACE ms is a flood: xterm then gets it once
+ * per PACE ms, what came meanwhile in one go, so that it parses, scrolls and draws it four
+ * times a second rather than at every frame (each of those is a frame's style, layout and
+ * paint: most of the page's work in a flood). */
+const FLOOD = 32 * 1024;
+const PACE = 250;
 
 const DARK = { background: "#1b1d23", foreground: "#d7dae0", cursor: "#d7dae0", selectionBackground: "#3e4451" };
 const LIGHT = { background: "#fbfbfc", foreground: "#1f2328", cursor: "#1f2328", selectionBackground: "#c8d7f0" };
 
 class Tab {
   readonly term: Terminal;
-  readonly fit = new FitAddon();
+  readonly fit: FitAddon;
   readonly pane: HTMLElement;
   readonly button: HTMLButtonElement;
   ws: WebSocket | null = null;
@@ -72,6 +86,13 @@ class Tab {
   /** Output not given to xterm yet, in order, and what xterm holds unparsed. */
   private queue: string[] = [];
   private ahead = 0;
+  /** Characters of output since ``windowStart``; while ``pacing`` (a flood), xterm gets
+   * output at ticks only, at most ``released`` characters of it. */
+  private windowStart = 0;
+  private windowChars = 0;
+  private pacing = false;
+  private released = 0;
+  private ticker = 0;
   private retry = 500;
 
   constructor(
@@ -79,9 +100,11 @@ class Tab {
     public role: Role,
     sessionId: string | null,
     private readonly owner: Terminals,
+    lib: Xterm,
   ) {
     this.sessionId = sessionId;
-    this.term = new Terminal({
+    this.fit = new lib.FitAddon();
+    this.term = new lib.Terminal({
       fontFamily: "ui-monospace, SFMono-Regular, Menlo, Consolas, monospace",
       fontSize: 13,
       scrollback: 5000,
@@ -217,14 +240,43 @@ class Tab {
   private write(data: string): void {
     if (!data) return;
     this.queue.push(data);
+    const now = performance.now();
+    if (now - this.windowStart > PACE) {
+      this.windowStart = now;
+      this.windowChars = 0;
+    }
+    this.windowChars += data.length;
+    if (this.pacing) return; // the next tick gives it to xterm
+    if (this.windowChars > FLOOD) {
+      this.pacing = true;
+      this.ticker = window.setTimeout(() => this.tick(), PACE);
+    }
     this.feed();
+  }
+
+  /** A flood's tick: what came since the last one goes to xterm; the flood goes on while
+   * more than FLOOD characters came. */
+  private tick(): void {
+    const flooding = this.windowChars > FLOOD;
+    this.windowStart = performance.now();
+    this.windowChars = 0;
+    this.released = this.queue.reduce((n, part) => n + part.length, 0);
+    this.feed();
+    if (flooding && !this.closed) {
+      this.ticker = window.setTimeout(() => this.tick(), PACE);
+    } else {
+      this.pacing = false;
+      this.ticker = 0;
+      this.feed();
+    }
   }
 
   /** Gives xterm the queued output, a piece at a time, while it holds less than AHEAD
    * unparsed; each piece parsed gives it more. The first output after a keystroke (an
-   * echo) is parsed at once by xterm, and painted with the next frame. */
+   * echo) is parsed at once by xterm, and painted with the next frame. In a flood, what
+   * a tick released only. */
   private feed(): void {
-    while (this.queue.length && this.ahead < AHEAD) {
+    while (this.queue.length && this.ahead < AHEAD && (!this.pacing || this.released > 0)) {
       let piece = this.queue[0] ?? "";
       if (piece.length > PIECE) {
         this.queue[0] = piece.slice(PIECE);
@@ -234,6 +286,7 @@ class Tab {
       }
       const size = piece.length;
       this.ahead += size;
+      if (this.pacing) this.released -= size;
       this.term.write(piece, () => {
         this.ahead -= size;
         if (!this.closed) this.feed();
@@ -267,6 +320,7 @@ class Tab {
 
   dispose(): void {
     this.closed = true;
+    window.clearTimeout(this.ticker);
     this.ws?.close();
     this.term.dispose();
     this.pane.remove();
@@ -282,6 +336,7 @@ export class Terminals {
   private readonly stateEl: HTMLElement;
   private tabs: Tab[] = [];
   private active: Tab | null = null;
+  private lib: Xterm | null = null;
 
   constructor() {
     this.tabsEl = h("div", { class: "terminal-tabs", role: "tablist", "aria-label": "Shells" });
@@ -305,7 +360,9 @@ export class Terminals {
     new ResizeObserver(() => this.active?.resize()).observe(this.panes);
   }
 
-  start(): void {
+  /** Opens the saved tabs (or ``main``) once xterm.js's chunk is in. */
+  async start(): Promise<void> {
+    this.lib = await loadXterm();
     let saved: Saved[];
     try {
       saved = JSON.parse(sessionStorage.getItem(STORE) ?? "[]") as Saved[];
@@ -318,7 +375,8 @@ export class Terminals {
   }
 
   private add(name: string | null, role: Role, sessionId: string | null): void {
-    const tab = new Tab(name ?? "", role, sessionId, this);
+    if (!this.lib) return; // not started yet
+    const tab = new Tab(name ?? "", role, sessionId, this, this.lib);
     this.tabs.push(tab);
     this.tabsEl.append(tab.button);
     this.panes.append(tab.pane);

@@ -10,6 +10,7 @@ its OpenAPI pages) or the dataplane (``/dp``). None of the broker's paths starts
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -180,6 +181,10 @@ def run_until_signalled(server: uvicorn.Server, sockets: list[socket.socket]) ->
     """
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    # What the start-up made (modules, the app) lives as long as the process: out of the
+    # collector's way, so that a full collection walks only what requests left behind
+    # (it walked everything: pauses of 0.2 to 1 s on a loaded machine).
+    gc.freeze()
     server.run(sockets=sockets)
 
 

@@ -67,23 +67,37 @@ def own_command(event: dict[str, Any]) -> bool:
     return isinstance(exec_, dict) and str(exec_.get("command_id") or "").startswith(OWN_COMMANDS)
 
 
+def _frame(raw: bytes) -> tuple[str, str]:
+    """``(event, data)`` of one SSE frame (a comment as ``("comment", text)``)."""
+    name, data = "message", []
+    for line in raw.decode("utf-8", "replace").split("\n"):
+        if line.startswith(":"):
+            name = "comment"
+            data.append(line[1:].strip())
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip(" "))
+    return name, "\n".join(data)
+
+
+class _FrameSplitter:
+    """SSE frames out of a byte stream's chunks: every frame a chunk completes, at once."""
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, chunk: bytes) -> list[tuple[str, str]]:
+        *complete, self._rest = (self._rest + chunk).split(b"\n\n")
+        return [_frame(raw) for raw in complete]
+
+
 async def _frames(chunks: AsyncIterator[bytes]) -> AsyncGenerator[tuple[str, str]]:
     """``(event, data)`` of each SSE frame (comments as ``("comment", text)``)."""
-    buffer = b""
+    splitter = _FrameSplitter()
     async for chunk in chunks:
-        buffer += chunk
-        while b"\n\n" in buffer:
-            frame, buffer = buffer.split(b"\n\n", 1)
-            name, data = "message", []
-            for line in frame.decode("utf-8", "replace").split("\n"):
-                if line.startswith(":"):
-                    name = "comment"
-                    data.append(line[1:].strip())
-                elif line.startswith("event:"):
-                    name = line[6:].strip()
-                elif line.startswith("data:"):
-                    data.append(line[5:].lstrip(" "))
-            yield name, "\n".join(data)
+        for frame in splitter.feed(chunk):
+            yield frame
 
 
 class WorkspaceActivity:
@@ -226,55 +240,62 @@ class ActivityStream:
         return sse_frame("message", encode(browser_event(event)), event.get("sequence"))
 
     async def frames(self, encode: Callable[[Any], str]) -> AsyncGenerator[bytes]:
-        """The browser's frames (``encode`` writes an event as escaped JSON)."""
+        """The browser's frames (``encode`` writes an event as escaped JSON), those of
+        one upstream chunk in one piece: the log's backlog, which the dataplane sends at
+        once, reaches the browser in a few writes rather than one per event."""
         if self._expired:
             yield sse_frame("expired", "{}")
             return
         assert self._chunks is not None, "open() first"
-        frames = _frames(self._chunks)
+        chunks = self._chunks
+        splitter = _FrameSplitter()
         ready = False
-        next_frame: asyncio.Future[tuple[str, str]] | None = None
+        next_chunk: asyncio.Future[bytes] | None = None
         try:
             while True:
-                if next_frame is None:
-                    next_frame = asyncio.ensure_future(anext(frames))
+                if next_chunk is None:
+                    next_chunk = asyncio.ensure_future(anext(chunks))
                 if not ready:
                     # The dataplane says when its backlog is through (``: live``); one that
                     # does not is taken as through after a pause.
-                    done, _ = await asyncio.wait({next_frame}, timeout=SETTLE_SECONDS)
+                    done, _ = await asyncio.wait({next_chunk}, timeout=SETTLE_SECONDS)
                     if not done:
                         ready = True
                         yield sse_frame("ready", "{}")
                         continue
                 try:
-                    name, data = await next_frame
+                    chunk = await next_chunk
                 except StopAsyncIteration:
                     return
                 finally:
-                    next_frame = None
-                if name == "error":
-                    yield sse_frame("expired", "{}")
-                    return
-                if name == "comment":
-                    if data == LIVE:
-                        # The dataplane caught up with its log: what follows is live.
-                        if not ready:
-                            ready = True
-                            yield sse_frame("ready", "{}")
+                    next_chunk = None
+                out: list[bytes] = []
+                for name, data in splitter.feed(chunk):
+                    if name == "error":
+                        out.append(sse_frame("expired", "{}"))
+                        yield b"".join(out)
+                        return
+                    if name == "comment":
+                        if data == LIVE:
+                            # The dataplane caught up with its log: what follows is live.
+                            if not ready:
+                                ready = True
+                                out.append(sse_frame("ready", "{}"))
+                            continue
+                        out.append(b": keep-alive\n\n")
                         continue
-                    yield b": keep-alive\n\n"
-                    continue
-                frame = self._message(data, encode)
-                if frame:
-                    yield frame
+                    frame = self._message(data, encode)
+                    if frame:
+                        out.append(frame)
+                if out:
+                    yield b"".join(out)
         except SandlotError:
             # The upstream ended badly (over its byte cap, the sandbox gone): the browser
             # reconnects from its last event id.
             return
         finally:
-            if next_frame is not None:
-                next_frame.cancel()
+            if next_chunk is not None:
+                next_chunk.cancel()
                 with contextlib.suppress(BaseException):
-                    await next_frame
-            await frames.aclose()
+                    await next_chunk
             await self._stack.aclose()
