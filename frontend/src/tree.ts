@@ -65,7 +65,7 @@ export class FileTree {
     this.spacer = h("div", { class: "tree-spacer" }, this.rows);
     this.viewport = h(
       "div",
-      { class: "tree", "data-testid": "tree", role: "tree", "aria-label": "Files", tabindex: 0 },
+      { class: "tree", "data-testid": "tree", role: "tree", "aria-label": "Files", "aria-busy": "true", tabindex: 0 },
       this.spacer,
     );
     this.progress = h("div", {
@@ -127,6 +127,7 @@ export class FileTree {
       return;
     }
     this.failures.delete(dir);
+    if (dir === ".") this.viewport.setAttribute("aria-busy", "false");
     const old = new Set(node.children ?? []);
     const children: string[] = [];
     for (const entry of entries) {

@@ -428,6 +428,9 @@ def drop_folder(page: Page, target: Locator, folder: Path) -> None:
     ``entry.file()``), and must call ``preventDefault()`` on ``dragenter``/``dragover``
     for the drop to happen at all.
     """
+    # As a person would: onto a tree that has listed the workspace (its first listing no
+    # longer moves what is under the pointer).
+    expect(target).to_have_attribute("aria-busy", "false", timeout=10_000)
     box = target.bounding_box()
     assert box is not None, "the drop target is not shown"
     # The lowest point of the target that is not a node of the tree (a drop on a folder
