@@ -45,9 +45,9 @@ pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 async def test_a_sandbox_is_a_locked_down_container(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_box", memory_mb=256, pids=128, cpu=0.5)
         c = h.container("sb_box")
         host = c.attrs["HostConfig"]
@@ -83,9 +83,9 @@ async def test_a_sandbox_is_a_locked_down_container(
 
 
 async def test_memory_and_pids_limits_are_enforced(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_lim", memory_mb=96, pids=64)
         async with h.sandbox("sb_lim") as sb:
             hog = await sb.run("python3 -c 'b = bytearray(400 << 20); print(len(b))'", check=False)
@@ -98,9 +98,9 @@ async def test_memory_and_pids_limits_are_enforced(
 
 
 async def test_tokens_are_verified_inside_the_sandbox(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_tok")
         async with httpx.AsyncClient(timeout=20) as c:
             url = h.url("sb_tok", "/exec")
@@ -139,9 +139,9 @@ async def test_tokens_are_verified_inside_the_sandbox(
 
 
 async def test_suspend_pauses_and_resume_unpauses(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_nap")
         async with h.sandbox("sb_nap") as sb:
             cmd = await sb.stream("for i in 1 2 3 4 5 6; do echo tick $i; sleep 0.2; done")
@@ -157,10 +157,10 @@ async def test_suspend_pauses_and_resume_unpauses(
 
 
 async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
     keys = Keys()
-    async with serving(docker_engine, docker_image, tmp_path, keys) as h:
+    async with serving(engine, image, tmp_path, keys) as h:
         await h.create("sb_keep")
         await h.create("sb_orphan")
         await h.create("sb_paused")
@@ -176,17 +176,17 @@ async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
         AdoptionRecord("sb_paused", 1, template, SandboxState.SUSPENDED),
         AdoptionRecord("sb_gone", 1, template, SandboxState.ACTIVE),
     ]
-    async with serving(docker_engine, docker_image, tmp_path, keys) as h:
+    async with serving(engine, image, tmp_path, keys) as h:
         lost = await h.provider.load_state(records)
         assert lost == ["sb_gone"]
         assert (await h.provider.status("sb_keep")).state is SandboxState.ACTIVE
         assert (await h.provider.status("sb_paused")).state is SandboxState.SUSPENDED
         with pytest.raises(SandboxNotFound):
             await h.provider.status("sb_orphan")
-        labels = {c.labels["sandlot.sandbox"] for c in docker_engine.client.containers.list(
+        labels = {c.labels["sandlot.sandbox"] for c in engine.client.containers.list(
             all=True, filters={"label": f"sandlot.instance={h.provider.instance}"})}  # fmt: skip
         assert labels == {"sb_keep", "sb_paused"}
-        volumes = {v.name for v in docker_engine.client.volumes.list()}
+        volumes = {v.name for v in engine.client.volumes.list()}
         assert not any("sb_orphan" in v for v in volumes)
         assert not (tmp_path / "docker" / "sb_orphan").exists()
         assert await h.provider.list_sandboxes() == {"sb_keep", "sb_paused"}
@@ -201,19 +201,19 @@ async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
         for sid in ("sb_keep", "sb_paused"):
             await h.provider.delete(sid)
             await h.provider.delete(sid)  # idempotent
-        assert not docker_engine.client.containers.list(
+        assert not engine.client.containers.list(
             all=True, filters={"label": f"sandlot.instance={h.provider.instance}"}
         )
         assert not any(
             v.name.startswith(f"sandlot-{h.provider.instance[:8]}")
-            for v in docker_engine.client.volumes.list()
+            for v in engine.client.volumes.list()
         )
 
 
 async def test_a_missing_image_fails_the_sandbox(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         spec_template = Template(name="t", image="sandlot-no-such-image:1")
         await h.provider.create(SandboxSpec("sb_noimg", 1, spec_template))
         async with asyncio.timeout(30):
@@ -225,9 +225,9 @@ async def test_a_missing_image_fails_the_sandbox(
 
 
 async def test_a_container_that_dies_fails_its_sandbox_at_once(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_die")
         h.changes.clear()
         h.container("sb_die").kill()
@@ -245,9 +245,9 @@ async def test_a_container_that_dies_fails_its_sandbox_at_once(
 
 
 async def test_activity_counts_running_commands_and_attached_clients(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_busy")
         idle = await h.provider.activity("sb_busy")
         assert not idle.busy
@@ -265,9 +265,9 @@ async def test_activity_counts_running_commands_and_attached_clients(
 
 
 async def test_the_event_log_is_held_while_the_container_starts(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         spec = SandboxSpec("sb_early", 1, Template(name="t", image="host"))
         await h.provider.create(spec)
         async with httpx.AsyncClient(timeout=60) as c:
