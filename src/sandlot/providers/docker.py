@@ -202,7 +202,8 @@ class DockerProvider(InboxProvider[_Sandbox]):
         blocks), each ``die`` handed to the event loop; reconnects while the engine is away."""
         filters = {
             "type": "container",
-            "event": ["die"],
+            # Podman reports ``die`` but filters on its own name for it, ``died``.
+            "event": ["die", "died"],
             "label": f"{LABEL_INSTANCE}={self.instance}",
         }
         delay = 0.5
