@@ -8,19 +8,20 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import jwt
 import pytest
 
-from sandlot.protocol.errors import SandboxNotFound
+from sandlot.protocol.errors import InvalidRequest, SandboxNotFound
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import Engine
-from tests.providers.dockerharness import serving
+from tests.providers.dockerharness import make_provider, serving
 
 # The first test of a session builds the image (and, once per machine, its base).
 FORK_UNTIL_REFUSED = """python3 -c '
@@ -68,13 +69,13 @@ async def test_a_sandbox_is_a_locked_down_container(
             probe = (
                 "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; "
                 "cat /proc/net/dev | tail -n +3 | cut -d: -f1; "
-                "touch /etc/x 2>&1 || echo ro; echo $HOME; pwd"
+                "touch /etc/x 2>&1 || echo ro; ulimit -n; ulimit -u; echo $HOME; pwd"
             )
             out = (await sb.run(probe)).stdout.split()
             zero = "0000000000000000"
             assert out[:7] == ["1000", "CapEff:", zero, "CapBnd:", zero, "NoNewPrivs:", "1"]
             assert out[7] == "lo"  # the only interface
-            assert "ro" in out and out[-2:] == ["/workspace", "/workspace"]
+            assert "ro" in out and out[-4:] == ["16384", "32768", "/workspace", "/workspace"]
             net = await sb.run(
                 'python3 -c "import socket; s=socket.socket(); s.settimeout(2); '
                 "s.connect(('1.1.1.1', 80))\"",
@@ -213,18 +214,40 @@ async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
         )
 
 
-async def test_a_missing_image_fails_the_sandbox(
+async def test_a_sandbox_the_engine_cannot_start_fails_with_the_reason(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(engine, image, tmp_path) as h:
-        spec_template = Template(name="t", image="sandlot-no-such-image:1")
-        await h.provider.create(SandboxSpec("sb_noimg", 1, spec_template))
-        async with asyncio.timeout(30):
-            while (st := await h.provider.status("sb_noimg")).state is SandboxState.PROVISIONING:
-                await asyncio.sleep(0.02)
-        assert st.state is SandboxState.FAILED and "not found" in (st.reason or "")
-        assert h.changes and h.changes[-1][1].state is SandboxState.FAILED
-        await h.provider.delete("sb_noimg")
+    # No kernel lets a process open 2**31 - 1 files (fs.nr_open stops below): the runtime
+    # refuses the limit whoever asks, as Podman's own default is refused on hosts whose
+    # hard limit is lower.
+    impossible = {"nofile": 2**31 - 1}
+    async with serving(engine, image, tmp_path, ulimits=impossible) as h:
+        for sid, template in (
+            ("sb_noimg", Template(name="t", image="sandlot-no-such-image:1")),
+            ("sb_nofile", Template(name="t", image="host")),
+        ):
+            await h.provider.create(SandboxSpec(sid, 1, template))
+            async with asyncio.timeout(30):
+                while (st := await h.provider.status(sid)).state is SandboxState.PROVISIONING:
+                    await asyncio.sleep(0.02)
+            assert st.state is SandboxState.FAILED
+            assert h.changes and h.changes[-1] == (sid, st)
+            await h.provider.delete(sid)
+            assert await h.provider.list_sandboxes() == set()
+        assert "sandlot-no-such-image:1" in h.changes[0][1].reason  # type: ignore[operator]
+        assert "not found" in h.changes[0][1].reason  # type: ignore[operator]
+        assert "lower the provider's ulimits" in h.changes[-1][1].reason  # type: ignore[operator]
+
+
+def test_ulimits_are_checked_when_the_provider_is_configured(tmp_path: Path) -> None:
+    keys, nowhere = Keys(), SimpleNamespace(url="unix:///nonexistent.sock")
+    for bad in ({"nofile": [10, 5]}, {"nofile": "many"}, {"nproc": [1, 2, 3]}, ["nofile"]):
+        with pytest.raises(InvalidRequest, match="ulimit"):
+            make_provider(nowhere, "img", tmp_path, keys, ulimits=bad)  # type: ignore[arg-type]
+    provider = make_provider(nowhere, "img", tmp_path, keys, ulimits={"nofile": [64, 128]})  # type: ignore[arg-type]
+    assert provider.ulimits == [("nofile", (64, 128))]
+    provider = make_provider(nowhere, "img", tmp_path, keys)  # type: ignore[arg-type]
+    assert provider.ulimits == [("nofile", (16384, 16384)), ("nproc", (32768, 32768))]
 
 
 async def test_a_container_that_dies_fails_its_sandbox_at_once(
