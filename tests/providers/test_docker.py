@@ -241,7 +241,8 @@ async def test_a_sandbox_the_engine_cannot_start_fails_with_the_reason(
 
 def test_ulimits_are_checked_when_the_provider_is_configured(tmp_path: Path) -> None:
     keys, nowhere = Keys(), SimpleNamespace(url="unix:///nonexistent.sock")
-    for bad in ({"nofile": [10, 5]}, {"nofile": "many"}, {"nproc": [1, 2, 3]}, ["nofile"]):
+    bad_tables = [{"nofile": [10, 5]}, {"nofile": "many"}, {"nproc": [1, 2, 3]}, {"files": 9}]
+    for bad in [*bad_tables, ["nofile"]]:
         with pytest.raises(InvalidRequest, match="ulimit"):
             make_provider(nowhere, "img", tmp_path, keys, ulimits=bad)  # type: ignore[arg-type]
     provider = make_provider(nowhere, "img", tmp_path, keys, ulimits={"nofile": [64, 128]})  # type: ignore[arg-type]

@@ -104,6 +104,26 @@ TRUST_MOUNT = "/run/sandlot-trust"
 SOCKET_NAME = "dp.sock"
 WORKSPACE = "/workspace"
 DEFAULT_ULIMITS: dict[str, int | list[int]] = {"nofile": 16384, "nproc": 32768}
+#: The names both engines take (setrlimit's, less ``RLIMIT_``).
+ULIMIT_NAMES = frozenset(
+    [
+        "core",
+        "cpu",
+        "data",
+        "fsize",
+        "locks",
+        "memlock",
+        "msgqueue",
+        "nice",
+        "nofile",
+        "nproc",
+        "rss",
+        "rtprio",
+        "rttime",
+        "sigpending",
+        "stack",
+    ]
+)
 
 
 class _Sandbox(InboxSandbox):
@@ -597,13 +617,14 @@ def _ulimits(table: Any) -> list[tuple[str, tuple[int, int]]]:
     for name, value in table.items():
         pair = value if isinstance(value, (list, tuple)) else [value, value]
         if (
-            not isinstance(name, str)
+            name not in ULIMIT_NAMES
             or len(pair) != 2
             or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
             or pair[0] > pair[1]
         ):
             raise InvalidRequest(
-                f"the docker provider's ulimit {name!r} is a limit or [soft, hard] (soft <= hard)"
+                f"the docker provider's ulimit {name!r} is one of {', '.join(sorted(ULIMIT_NAMES))}"
+                ", its value a limit or [soft, hard] (soft <= hard)"
             )
         out.append((name, (int(pair[0]), int(pair[1]))))
     return out
