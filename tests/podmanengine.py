@@ -16,7 +16,7 @@ reaches it.
   :class:`tests.dockerengine.Engine` (``url``, ``client``, ``stop()``).
 - :func:`copy_image` puts the image the Docker Engine built (:func:`tests.dockerengine.
   build_image`) into it, layer for layer: ``docker save`` streamed to ``podman load``
-  through the two compatible APIs, about 8 s here where building it again (the same
+  through the two compatible APIs, 8 to 19 s here where building it again (the same
   import, then compiling sandlot's layer) takes 25 to 30 s. ``build_image`` also works
   against this engine, for a Podman-only run.
 
@@ -44,8 +44,9 @@ CATATONIT = "/usr/bin/catatonit"
 def ensure_podman() -> None:
     """``podman``, ``runc`` and ``catatonit`` are installed (with apt when missing and root).
 
-    Without recommends: they would bring ``crun`` (which fails here), buildah,
-    fuse-overlayfs and slirp4netns, none of which the tests use.
+    ``runc`` named, so it is the one that satisfies Podman's ``crun | runc`` (``crun``
+    fails here); without recommends (buildah, fuse-overlayfs, slirp4netns and more),
+    which the tests do not use.
     """
     missing = [
         pkg
