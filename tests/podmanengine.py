@@ -37,9 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-#: Where Debian's catatonit installs (Podman's own default is /usr/libexec/podman/).
-CATATONIT = "/usr/bin/catatonit"
-
 
 def ensure_podman() -> None:
     """``podman``, ``runc`` and ``catatonit`` are installed (with apt when missing and root).
@@ -69,11 +66,7 @@ def ensure_podman() -> None:
 
 def _containers_conf(base: Path) -> str:
     runc = shutil.which("runc") or "/usr/sbin/runc"
-    init = shutil.which("catatonit") or CATATONIT
-    return f"""[containers]
-init_path = "{init}"
-
-[network]
+    return f"""[network]
 network_config_dir = "{base / "net"}"
 
 [engine]
