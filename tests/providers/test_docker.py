@@ -1,6 +1,8 @@
-"""The docker provider's contract on a private Docker Engine: a sandbox is a container
-whose own dataplane verifies the broker's tokens; limits, no network, an unprivileged
-user, suspend as pause, re-adoption after a restart, cleanup of leftovers."""
+"""The docker provider's contract on a private Docker Engine and on a private Podman's
+Docker-compatible socket (each test runs ``[docker]`` and ``[podman]``): a sandbox is a
+container whose own dataplane verifies the broker's tokens; limits, no network, an
+unprivileged user, suspend as pause, re-adoption after a restart, cleanup of
+leftovers."""
 
 from __future__ import annotations
 
