@@ -33,6 +33,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from docker.types import Ulimit
 from packaging.requirements import Requirement
 
 CACHE = Path(os.environ.get("SANDLOT_CACHE_DIR", Path.home() / ".cache" / "sandlot")) / "docker"
@@ -40,6 +41,9 @@ BASE_VERSION = "bookworm-minbase-python3-v1"
 MIRROR = "http://deb.debian.org/debian"
 IMAGE = "sandlot-sandbox:test"
 SANDBOX_UID = 1000
+#: Explicit, as the provider's are: Podman's default ``nofile`` (1,048,576) is above this
+#: machine's hard limit, which the runtime may not raise.
+ULIMITS = [Ulimit(name="nofile", soft=4096, hard=4096), Ulimit(name="nproc", soft=4096, hard=4096)]
 #: What the in-sandbox dataplane imports (``sandlot[server]`` less the broker's own).
 DATAPLANE_DISTS = [
     "pydantic",
@@ -78,6 +82,8 @@ def ensure_engine() -> None:
 
 class Engine:
     """A private ``dockerd`` (stop it with :meth:`stop`)."""
+
+    kind = "docker"
 
     def __init__(self) -> None:
         ensure_engine()
@@ -238,12 +244,13 @@ def build_image(engine: Engine, tag: str = IMAGE) -> str:
     repo, _, version = tag.partition(":")
     base = f"{repo}-base:{BASE_VERSION}"
     if not client.images.list(name=base):
-        client.api.import_image_from_file(str(base_tarball()), repository=base.split(":")[0],
-                                          tag=BASE_VERSION)  # fmt: skip
+        # The tag goes with the name: Podman's compatible import ignores a separate ``tag``.
+        client.api.import_image_from_file(str(base_tarball()), repository=base)
     container = client.containers.create(
         base,
         ["python3", "-m", "compileall", "-q", "-j0", "/opt/sandlot/lib"],
         network_mode="none",
+        ulimits=ULIMITS,
     )
     try:
         container.put_archive("/", _sandlot_layer())

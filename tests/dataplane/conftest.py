@@ -5,6 +5,14 @@ against a dataplane in the test's process, ``[docker]`` against the dataplane in
 sandbox's container, reached through the docker provider's relay
 (:mod:`tests.dataplane.dockerbox`). A test that reaches into the dataplane's process
 (its host object, its runtime, its event loop) is marked ``local_only`` with the reason.
+
+A test marked ``engine`` also runs ``[podman]``: the same provider against Podman's
+Docker-compatible socket (tests/podmanengine.py). The dataplane in the container is the
+same code whichever engine started it, so only the tests whose outcome depends on the
+container itself run a third time: processes, signals and timeouts in its pid namespace
+under its init, PTYs on its ``/dev/pts``, files on its workspace volume as the host and
+the sandbox's user both see them, inotify on that volume, and the read-only trust mount
+rewritten from the host. Protocol, auth, limits and fuzzing tests do not.
 """
 
 from __future__ import annotations
@@ -103,10 +111,11 @@ class Server:
     root: Path
     runtime: RootedRuntime
     extra: dict[str, Any] = field(default_factory=dict)
-    #: ``local`` (in this process) or ``docker`` (in a container: no ``host``, ``loop``,
-    #: ``runtime`` or ``root`` here; ``workspace`` is its volume as the host sees it).
+    #: ``local`` (in this process), ``docker`` or ``podman`` (in a container of that
+    #: engine: no ``host``, ``loop``, ``runtime`` or ``root`` here; ``workspace`` is its
+    #: volume as the host sees it).
     kind: str = "local"
-    #: The docker variant's :class:`~tests.dataplane.dockerbox.Boxes`.
+    #: The docker and podman variants' :class:`~tests.dataplane.dockerbox.Boxes`.
     boxes: Any = None
 
     def revoke(self, tokens: list[RevokedToken]) -> None:
@@ -243,6 +252,8 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     kinds = ["local"]
     if metafunc.definition.get_closest_marker("local_only") is None:
         kinds.append("docker")
+        if metafunc.definition.get_closest_marker("engine") is not None:
+            kinds.append("podman")
     metafunc.parametrize("server", kinds, indirect=True)
 
 
@@ -256,12 +267,23 @@ def docker_boxes(request: pytest.FixtureRequest) -> Iterator[Any]:
         yield found
 
 
+@pytest.fixture(scope="session")
+def podman_boxes(request: pytest.FixtureRequest) -> Iterator[Any]:
+    from tests.dataplane.dockerbox import boxes
+
+    engine = request.getfixturevalue("podman_engine")
+    image = request.getfixturevalue("podman_image")
+    with boxes(engine, image) as found:
+        yield found
+
+
 @pytest.fixture
 def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
-    if getattr(request, "param", "local") == "local":
+    kind = getattr(request, "param", "local")
+    if kind == "local":
         yield from start_server(tmp_path)
         return
-    found = request.getfixturevalue("docker_boxes")
+    found = request.getfixturevalue(f"{kind}_boxes")
     sandbox_id = found.take()
     try:
         base = f"{found.harness.base}/dp"
@@ -275,7 +297,7 @@ def server(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
             workspace=found.workspace(sandbox_id),
             root=None,  # type: ignore[arg-type]
             runtime=None,  # type: ignore[arg-type]
-            kind="docker",
+            kind=kind,
             boxes=found,
         )
     finally:

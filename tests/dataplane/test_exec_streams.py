@@ -23,6 +23,7 @@ async def _recv(ws: Any) -> dict[str, Any]:
     return json.loads(await asyncio.wait_for(ws.recv(), 10))
 
 
+@pytest.mark.engine
 def test_exec_options(server: Server, client: httpx.Client) -> None:
     r = client.post(server.url("/exec"), json={"command": "sleep 5", "timeout": 0.3})
     assert r.json()["exit_code"] == 124 and r.json()["timed_out"] is True
@@ -254,10 +255,12 @@ async def _pty_and_signal(server: Server) -> None:
                 break
 
 
+@pytest.mark.engine
 def test_pty_mode_resize_signal(server: Server) -> None:
     asyncio.run(_pty_and_signal(server))
 
 
+@pytest.mark.engine
 def test_signal_endpoint(server: Server, client: httpx.Client) -> None:
     async def run() -> None:
         async with websockets.connect(
@@ -409,6 +412,7 @@ def test_attach_beyond_the_end_is_refused(server: Server, client: httpx.Client) 
     asyncio.run(run())
 
 
+@pytest.mark.engine
 def test_ping_close_and_kill_on_disconnect(server: Server, client: httpx.Client) -> None:
     async def run() -> tuple[str, str]:
         url = server.ws_url("/exec/ws")

@@ -356,6 +356,7 @@ def test_token_attacks(server: Server, record_property: RecordProperty) -> None:
     )
 
 
+@pytest.mark.engine
 @pytest.mark.reliability
 def test_revocation_closes_socket_within_a_second(
     server: Server, record_property: RecordProperty

@@ -31,6 +31,7 @@ async def _until(ws: Any, needle: str) -> str:
     return out
 
 
+@pytest.mark.engine
 def test_driver_and_observer_see_identical_bytes(server: Server) -> None:
     async def run() -> None:
         drv_tok = server.token(caps=["shell"])
@@ -143,6 +144,7 @@ def test_slow_reader_does_not_stall_fast_one(tmp_path: Any) -> None:
         gen.close()
 
 
+@pytest.mark.engine
 def test_fs_operations(server: Server, client: httpx.Client) -> None:
     u = server.url
     w = client.put(u("/fs/write"), json={"path": "src/a.py", "content": "x = 1\ny = 2\nx = 3\n"})
@@ -238,6 +240,7 @@ def test_fs_operations(server: Server, client: httpx.Client) -> None:
     assert client.get(u("/fs/read"), params={"path": "/tmp/../etc/x"}).status_code == 404
 
 
+@pytest.mark.engine
 def test_transfers(server: Server, client: httpx.Client) -> None:
     u = server.url
     data = bytes(range(256)) * 4096
@@ -289,6 +292,7 @@ def test_transfers(server: Server, client: httpx.Client) -> None:
     )
 
 
+@pytest.mark.engine
 def test_events_sse_ws_and_retention(server: Server, client: httpx.Client) -> None:
     u = server.url
     client.put(u("/fs/write"), json={"path": "ev.txt", "content": "1"})

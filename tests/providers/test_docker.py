@@ -1,6 +1,8 @@
-"""The docker provider's contract on a private Docker Engine: a sandbox is a container
-whose own dataplane verifies the broker's tokens; limits, no network, an unprivileged
-user, suspend as pause, re-adoption after a restart, cleanup of leftovers."""
+"""The docker provider's contract on a private Docker Engine and on a private Podman's
+Docker-compatible socket (each test runs ``[docker]`` and ``[podman]``): a sandbox is a
+container whose own dataplane verifies the broker's tokens; limits, no network, an
+unprivileged user, suspend as pause, re-adoption after a restart, cleanup of
+leftovers."""
 
 from __future__ import annotations
 
@@ -8,19 +10,20 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import jwt
 import pytest
 
-from sandlot.protocol.errors import SandboxNotFound
+from sandlot.protocol.errors import InvalidRequest, SandboxNotFound
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import Engine
-from tests.providers.dockerharness import serving
+from tests.providers.dockerharness import make_provider, serving
 
 # The first test of a session builds the image (and, once per machine, its base).
 FORK_UNTIL_REFUSED = """python3 -c '
@@ -45,9 +48,9 @@ pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 async def test_a_sandbox_is_a_locked_down_container(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_box", memory_mb=256, pids=128, cpu=0.5)
         c = h.container("sb_box")
         host = c.attrs["HostConfig"]
@@ -56,7 +59,9 @@ async def test_a_sandbox_is_a_locked_down_container(
         assert host["Memory"] == 256 << 20 and host["MemorySwap"] == 256 << 20
         assert host["PidsLimit"] == 128 and host["NanoCpus"] == 500_000_000
         assert host["ReadonlyRootfs"] is True
-        assert host["CapDrop"] == ["ALL"] and "no-new-privileges" in host["SecurityOpt"]
+        assert "no-new-privileges" in host["SecurityOpt"] and not host.get("CapAdd")
+        # Podman's inspect lists what "ALL" dropped, one by one; inside, none is left either way.
+        assert host["CapDrop"] == ["ALL"] or {"CHOWN", "KILL", "SETUID"} <= set(host["CapDrop"])
         assert c.attrs["Config"]["User"] == "1000:1000"
         mounts = {m["Destination"]: m for m in c.attrs["Mounts"]}
         assert mounts["/workspace"]["Type"] == "volume"
@@ -64,14 +69,15 @@ async def test_a_sandbox_is_a_locked_down_container(
 
         async with h.sandbox("sb_box") as sb:
             probe = (
-                "id -u; grep -E '^(CapEff|NoNewPrivs)' /proc/self/status; "
+                "id -u; grep -E '^(CapEff|CapBnd|NoNewPrivs)' /proc/self/status; "
                 "cat /proc/net/dev | tail -n +3 | cut -d: -f1; "
-                "touch /etc/x 2>&1 || echo ro; echo $HOME; pwd"
+                "touch /etc/x 2>&1 || echo ro; ulimit -n; ulimit -u; echo $HOME; pwd"
             )
             out = (await sb.run(probe)).stdout.split()
-            assert out[:5] == ["1000", "CapEff:", "0000000000000000", "NoNewPrivs:", "1"]
-            assert out[5] == "lo"  # the only interface
-            assert "ro" in out and out[-2:] == ["/workspace", "/workspace"]
+            zero = "0000000000000000"
+            assert out[:7] == ["1000", "CapEff:", zero, "CapBnd:", zero, "NoNewPrivs:", "1"]
+            assert out[7] == "lo"  # the only interface
+            assert "ro" in out and out[-4:] == ["16384", "32768", "/workspace", "/workspace"]
             net = await sb.run(
                 'python3 -c "import socket; s=socket.socket(); s.settimeout(2); '
                 "s.connect(('1.1.1.1', 80))\"",
@@ -83,9 +89,9 @@ async def test_a_sandbox_is_a_locked_down_container(
 
 
 async def test_memory_and_pids_limits_are_enforced(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_lim", memory_mb=96, pids=64)
         async with h.sandbox("sb_lim") as sb:
             hog = await sb.run("python3 -c 'b = bytearray(400 << 20); print(len(b))'", check=False)
@@ -98,9 +104,9 @@ async def test_memory_and_pids_limits_are_enforced(
 
 
 async def test_tokens_are_verified_inside_the_sandbox(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_tok")
         async with httpx.AsyncClient(timeout=20) as c:
             url = h.url("sb_tok", "/exec")
@@ -139,9 +145,9 @@ async def test_tokens_are_verified_inside_the_sandbox(
 
 
 async def test_suspend_pauses_and_resume_unpauses(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_nap")
         async with h.sandbox("sb_nap") as sb:
             cmd = await sb.stream("for i in 1 2 3 4 5 6; do echo tick $i; sleep 0.2; done")
@@ -157,10 +163,10 @@ async def test_suspend_pauses_and_resume_unpauses(
 
 
 async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
     keys = Keys()
-    async with serving(docker_engine, docker_image, tmp_path, keys) as h:
+    async with serving(engine, image, tmp_path, keys) as h:
         await h.create("sb_keep")
         await h.create("sb_orphan")
         await h.create("sb_paused")
@@ -176,17 +182,17 @@ async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
         AdoptionRecord("sb_paused", 1, template, SandboxState.SUSPENDED),
         AdoptionRecord("sb_gone", 1, template, SandboxState.ACTIVE),
     ]
-    async with serving(docker_engine, docker_image, tmp_path, keys) as h:
+    async with serving(engine, image, tmp_path, keys) as h:
         lost = await h.provider.load_state(records)
         assert lost == ["sb_gone"]
         assert (await h.provider.status("sb_keep")).state is SandboxState.ACTIVE
         assert (await h.provider.status("sb_paused")).state is SandboxState.SUSPENDED
         with pytest.raises(SandboxNotFound):
             await h.provider.status("sb_orphan")
-        labels = {c.labels["sandlot.sandbox"] for c in docker_engine.client.containers.list(
+        labels = {c.labels["sandlot.sandbox"] for c in engine.client.containers.list(
             all=True, filters={"label": f"sandlot.instance={h.provider.instance}"})}  # fmt: skip
         assert labels == {"sb_keep", "sb_paused"}
-        volumes = {v.name for v in docker_engine.client.volumes.list()}
+        volumes = {v.name for v in engine.client.volumes.list()}
         assert not any("sb_orphan" in v for v in volumes)
         assert not (tmp_path / "docker" / "sb_orphan").exists()
         assert await h.provider.list_sandboxes() == {"sb_keep", "sb_paused"}
@@ -201,33 +207,56 @@ async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
         for sid in ("sb_keep", "sb_paused"):
             await h.provider.delete(sid)
             await h.provider.delete(sid)  # idempotent
-        assert not docker_engine.client.containers.list(
+        assert not engine.client.containers.list(
             all=True, filters={"label": f"sandlot.instance={h.provider.instance}"}
         )
         assert not any(
             v.name.startswith(f"sandlot-{h.provider.instance[:8]}")
-            for v in docker_engine.client.volumes.list()
+            for v in engine.client.volumes.list()
         )
 
 
-async def test_a_missing_image_fails_the_sandbox(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+async def test_a_sandbox_the_engine_cannot_start_fails_with_the_reason(
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
-        spec_template = Template(name="t", image="sandlot-no-such-image:1")
-        await h.provider.create(SandboxSpec("sb_noimg", 1, spec_template))
-        async with asyncio.timeout(30):
-            while (st := await h.provider.status("sb_noimg")).state is SandboxState.PROVISIONING:
-                await asyncio.sleep(0.02)
-        assert st.state is SandboxState.FAILED and "not found" in (st.reason or "")
-        assert h.changes and h.changes[-1][1].state is SandboxState.FAILED
-        await h.provider.delete("sb_noimg")
+    # No kernel lets a process open 2**31 - 1 files (fs.nr_open stops below): the runtime
+    # refuses the limit whoever asks, as Podman's own default is refused on hosts whose
+    # hard limit is lower.
+    impossible = {"nofile": 2**31 - 1}
+    async with serving(engine, image, tmp_path, ulimits=impossible) as h:
+        for sid, template in (
+            ("sb_noimg", Template(name="t", image="sandlot-no-such-image:1")),
+            ("sb_nofile", Template(name="t", image="host")),
+        ):
+            await h.provider.create(SandboxSpec(sid, 1, template))
+            async with asyncio.timeout(30):
+                while (st := await h.provider.status(sid)).state is SandboxState.PROVISIONING:
+                    await asyncio.sleep(0.02)
+            assert st.state is SandboxState.FAILED
+            assert h.changes and h.changes[-1] == (sid, st)
+            await h.provider.delete(sid)
+            assert await h.provider.list_sandboxes() == set()
+        assert "sandlot-no-such-image:1" in h.changes[0][1].reason  # type: ignore[operator]
+        assert "not found" in h.changes[0][1].reason  # type: ignore[operator]
+        assert "lower the provider's ulimits" in h.changes[-1][1].reason  # type: ignore[operator]
+
+
+def test_ulimits_are_checked_when_the_provider_is_configured(tmp_path: Path) -> None:
+    keys, nowhere = Keys(), SimpleNamespace(url="unix:///nonexistent.sock")
+    bad_tables = [{"nofile": [10, 5]}, {"nofile": "many"}, {"nproc": [1, 2, 3]}, {"files": 9}]
+    for bad in [*bad_tables, ["nofile"]]:
+        with pytest.raises(InvalidRequest, match="ulimit"):
+            make_provider(nowhere, "img", tmp_path, keys, ulimits=bad)  # type: ignore[arg-type]
+    provider = make_provider(nowhere, "img", tmp_path, keys, ulimits={"nofile": [64, 128]})  # type: ignore[arg-type]
+    assert provider.ulimits == [("nofile", (64, 128))]
+    provider = make_provider(nowhere, "img", tmp_path, keys)  # type: ignore[arg-type]
+    assert provider.ulimits == [("nofile", (16384, 16384)), ("nproc", (32768, 32768))]
 
 
 async def test_a_container_that_dies_fails_its_sandbox_at_once(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_die")
         h.changes.clear()
         h.container("sb_die").kill()
@@ -245,9 +274,9 @@ async def test_a_container_that_dies_fails_its_sandbox_at_once(
 
 
 async def test_activity_counts_running_commands_and_attached_clients(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         await h.create("sb_busy")
         idle = await h.provider.activity("sb_busy")
         assert not idle.busy
@@ -265,9 +294,9 @@ async def test_activity_counts_running_commands_and_attached_clients(
 
 
 async def test_the_event_log_is_held_while_the_container_starts(
-    docker_engine: Engine, docker_image: str, tmp_path: Path
+    engine: Engine, image: str, tmp_path: Path
 ) -> None:
-    async with serving(docker_engine, docker_image, tmp_path) as h:
+    async with serving(engine, image, tmp_path) as h:
         spec = SandboxSpec("sb_early", 1, Template(name="t", image="host"))
         await h.provider.create(spec)
         async with httpx.AsyncClient(timeout=60) as c:

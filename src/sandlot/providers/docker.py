@@ -47,6 +47,13 @@ Config keys (``[provider]`` in the server's configuration; ``data_dir``,
 - ``start_timeout_seconds``: how long a dataplane may take to answer (default 60).
 - ``jwks_refresh_seconds``: how often the broker's keys are compared (default 2).
 - ``keep_volumes``: keep workspace volumes when sandboxes are deleted (default false).
+- ``ulimits``: the sandbox's resource limits, name → limit (soft = hard) or
+  ``[soft, hard]`` (default ``{nofile = 16384, nproc = 32768}``; a table given replaces
+  it, and a limit left out is the engine's default). Explicit because the engines'
+  defaults differ: Docker's containers inherit the daemon's limits, Podman sets
+  ``nofile`` and ``nproc`` above many hosts' hard limits, which the runtime may not
+  raise (the container then fails to start). ``nproc`` counts every process of the
+  sandbox's uid on the host, all sandboxes together: the per-sandbox bound is ``pids``.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from typing import Any
 import docker
 import docker.errors
 import httpx
-from docker.types import Mount
+from docker.types import Mount, Ulimit
 
 from sandlot.protocol.errors import (
     InvalidRequest,
@@ -96,6 +103,27 @@ RUN_MOUNT = "/run/sandlot"
 TRUST_MOUNT = "/run/sandlot-trust"
 SOCKET_NAME = "dp.sock"
 WORKSPACE = "/workspace"
+DEFAULT_ULIMITS: dict[str, int | list[int]] = {"nofile": 16384, "nproc": 32768}
+#: The names both engines take (setrlimit's, less ``RLIMIT_``).
+ULIMIT_NAMES = frozenset(
+    [
+        "core",
+        "cpu",
+        "data",
+        "fsize",
+        "locks",
+        "memlock",
+        "msgqueue",
+        "nice",
+        "nofile",
+        "nproc",
+        "rss",
+        "rtprio",
+        "rttime",
+        "sigpending",
+        "stack",
+    ]
+)
 
 
 class _Sandbox(InboxSandbox):
@@ -125,6 +153,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         self.start_timeout = float(cfg.get("start_timeout_seconds", 60.0))
         self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
         self.keep_volumes = bool(cfg.get("keep_volumes", False))
+        self.ulimits = _ulimits(cfg.get("ulimits", DEFAULT_ULIMITS))
         data_dir = Path(cfg.get("data_dir", ".sandlot")).absolute()
         self.root = data_dir / "docker"
         self.instance = hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
@@ -193,7 +222,8 @@ class DockerProvider(InboxProvider[_Sandbox]):
         blocks), each ``die`` handed to the event loop; reconnects while the engine is away."""
         filters = {
             "type": "container",
-            "event": ["die"],
+            # Podman reports ``die`` but filters on its own name for it, ``died``.
+            "event": ["die", "died"],
             "label": f"{LABEL_INSTANCE}={self.instance}",
         }
         delay = 0.5
@@ -358,6 +388,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
             "nano_cpus": int(res.cpu * 1e9),
             "read_only": self.read_only_root,
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmp_mb}m,mode=1777"},
+            "ulimits": [Ulimit(name=n, soft=soft, hard=hard) for n, (soft, hard) in self.ulimits],
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
             "mounts": mounts,
@@ -396,7 +427,12 @@ class DockerProvider(InboxProvider[_Sandbox]):
             old = await self._docker(self._client.containers.get, config["name"])
             await self._docker(old.remove, force=True)
             container = await self._docker(self._client.containers.create, **config)
-        await self._docker(container.start)
+        try:
+            await self._docker(container.start)
+        except ProviderUnavailable as exc:
+            if "rlimit" in str(exc):  # above the engine's hard limit (Podman's default is)
+                raise ProviderUnavailable(f"{exc} (lower the provider's ulimits)") from exc
+            raise
         return container
 
     async def _wait_ready(self, sandbox_id: str, container: Any) -> Upstream:
@@ -571,6 +607,27 @@ class DockerProvider(InboxProvider[_Sandbox]):
         containers = await self._docker(self._client.containers.list, all=True, filters=label)
         running = {c.labels.get(LABEL_SANDBOX) for c in containers} - {None}
         return set(self._sandboxes) | {str(s) for s in running}
+
+
+def _ulimits(table: Any) -> list[tuple[str, tuple[int, int]]]:
+    """``{name: limit | [soft, hard]}`` checked: ``(name, (soft, hard))`` pairs."""
+    if not isinstance(table, Mapping):
+        raise InvalidRequest("the docker provider's ulimits is a table: name = limit")
+    out = []
+    for name, value in table.items():
+        pair = value if isinstance(value, (list, tuple)) else [value, value]
+        if (
+            name not in ULIMIT_NAMES
+            or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
+            or pair[0] > pair[1]
+        ):
+            raise InvalidRequest(
+                f"the docker provider's ulimit {name!r} is one of {', '.join(sorted(ULIMIT_NAMES))}"
+                ", its value a limit or [soft, hard] (soft <= hard)"
+            )
+        out.append((name, (int(pair[0]), int(pair[1]))))
+    return out
 
 
 def _conflict(exc: BaseException | None) -> bool:
