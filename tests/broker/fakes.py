@@ -112,3 +112,18 @@ class FakeProvider(Provider):
 class DownProvider(FakeProvider):
     async def create(self, spec: SandboxSpec) -> ProviderStatus:
         raise ProviderUnavailable("provider is down")
+
+
+class SlowListingProvider(FakeProvider):
+    """A provider whose listing is answered late: what it returns was true when it began,
+    and :attr:`meanwhile` runs before it returns (work of a busy server, say)."""
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self.meanwhile: Any = None
+
+    async def list_sandboxes(self) -> set[str]:
+        listed = set(self.states)
+        if self.meanwhile is not None:
+            await self.meanwhile()
+        return listed
