@@ -11,6 +11,8 @@ refresh); the two are independent.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,22 +20,26 @@ from dataclasses import dataclass, replace
 from typing import Any, overload
 
 import anyio
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import Connection, bindparam, literal_column, select, update
 from sqlalchemy.exc import IntegrityError
 
 from sandlot.broker import failpoints
-from sandlot.broker.audit import AuditContext, record
+from sandlot.broker.audit import INSERT as INSERT_AUDIT
+from sandlot.broker.audit import INSERT_PREFIXED as INSERT_AUDIT_PREFIXED
+from sandlot.broker.audit import AuditContext, audit_row
 from sandlot.broker.bindings import BindingRow
 from sandlot.broker.events import EventHub, append_event
 from sandlot.broker.fleet import HOST_LOST_REASON
-from sandlot.broker.idempotency import Claim
+from sandlot.broker.idempotency import FINISH, Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.principals import Principal
+from sandlot.broker.ratelimit import TAKE, Charge
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
 from sandlot.broker.scopes import check_scope_access
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import (
+    api_keys,
     bindings,
     leases,
     sandboxes,
@@ -56,10 +62,13 @@ from sandlot.protocol.errors import (
     CapabilityDenied,
     Forbidden,
     InvalidRequest,
+    RateLimited,
     SandboxNotFound,
+    SandlotError,
     SessionConflict,
     SessionExpired,
     SessionNotFound,
+    Unauthenticated,
 )
 from sandlot.protocol.sessions import (
     BindingSnapshot,
@@ -85,10 +94,17 @@ class _Negotiated:
     provision: SandboxRow | None
     template: Template | None
     resume: bool
+    #: The negotiation's audit row, written last (:meth:`SessionService._settle`).
+    audit: dict[str, Any]
 
 
 # Statements of the negotiation hot path, built once (building one costs more than running it).
-_LIVE_BINDING = select(bindings).where(bindings.c.live_scope == bindparam("key"))
+#: The live binding of a scope (its columns prefixed ``b_``) with its sandbox, in one read.
+_LIVE_BINDING = (
+    select(*(c.label(f"b_{c.name}") for c in bindings.c), sandboxes)
+    .join(sandboxes, sandboxes.c.id == bindings.c.sandbox_id)
+    .where(bindings.c.live_scope == bindparam("key"))
+)
 _SCOPE_OWNER = select(scopes.c.owner_user_id).where(scopes.c.scope_key == bindparam("key"))
 _TOUCH_SANDBOX = (
     update(sandboxes)
@@ -111,6 +127,42 @@ _RENEW_LEASE = (
     )
 )
 _INSERT_TOKEN = tokens.insert()
+_TOKEN_COLUMNS = (
+    "jti",
+    "binding_id",
+    "sandbox_id",
+    "principal_id",
+    "key_id",
+    "user_id",
+    "issued_at",
+    "expires_at",
+)
+#: PostgreSQL: the token, only if its key is not revoked (``check_key_live``'s share lock
+#: on the key's row included), in one statement; no row back: the key was revoked.
+_INSERT_TOKEN_IF_KEY_LIVE = (
+    tokens.insert()
+    .from_select(
+        _TOKEN_COLUMNS,
+        select(*(bindparam(c, type_=tokens.c[c].type) for c in _TOKEN_COLUMNS))
+        .select_from(api_keys)
+        .where(api_keys.c.id == bindparam("key_id"), api_keys.c.revoked_at.is_(None))
+        .with_for_update(read=True),
+    )
+    .returning(tokens.c.jti)
+)
+
+
+@functools.cache
+def _settle_statement(claim: bool, charge: bool) -> Any:
+    """PostgreSQL: :meth:`SessionService._settle`'s writes as one statement (data-modifying
+    CTEs); a row back unless the rate-limit token was refused."""
+    ctes = [INSERT_AUDIT_PREFIXED.cte("audited")]
+    if claim:
+        ctes.append(FINISH.cte("answered"))
+    if charge:
+        taken = TAKE.cte("taken")
+        return select(taken.c.tokens).add_cte(*ctes)
+    return select(literal_column("1")).add_cte(*ctes)
 
 
 class _LostRace(Exception):
@@ -202,7 +254,13 @@ class SessionService:
 
     @overload
     async def negotiate(
-        self, ctx: AuditContext, principal: Principal, req: SessionRequest, *, claim: Claim | None
+        self,
+        ctx: AuditContext,
+        principal: Principal,
+        req: SessionRequest,
+        *,
+        claim: Claim | None,
+        charge: Charge | None = None,
     ) -> SessionGrant | None: ...
 
     async def negotiate(
@@ -212,17 +270,26 @@ class SessionService:
         req: SessionRequest,
         *,
         claim: Claim | None = None,
+        charge: Charge | None = None,
     ) -> SessionGrant | None:
         """Attach or create; ``claim`` (an ``Idempotency-Key``) is settled in the same
-        transaction. ``None``: the claim holds an earlier identical request's answer."""
-        ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
-        if self.scope_guard is not None and req.sandbox_id is None:
-            await self.scope_guard(principal, req.effective_scope())
-        scope = self.effective_scope(req)
-        caps = self.granted_capabilities(principal, req.requested_capabilities)
-        result = await anyio.to_thread.run_sync(
-            self._negotiate_tx, ctx, principal, req, scope, caps, claim
-        )
+        transaction, and ``charge`` takes the request's rate-limit token in it too.
+        ``None``: the claim holds an earlier identical request's answer."""
+        try:
+            ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
+            if self.scope_guard is not None and req.sandbox_id is None:
+                await self.scope_guard(principal, req.effective_scope())
+            scope = self.effective_scope(req)
+            caps = self.granted_capabilities(principal, req.requested_capabilities)
+            result = await anyio.to_thread.run_sync(
+                self._negotiate_tx, ctx, principal, req, scope, caps, claim, charge
+            )
+        except SandlotError as exc:
+            if charge is not None and not isinstance(exc, RateLimited):
+                # The token went with the transaction that failed: a refused request
+                # counts against the rate all the same.
+                await anyio.to_thread.run_sync(self._charge_alone, charge)
+            raise
         if result is None:
             return None
         if result.provision is not None:
@@ -239,6 +306,40 @@ class SessionService:
         self.keyring.refresh_if_stale()
         self.templates.list()
 
+    def _charge_alone(self, charge: Charge) -> None:
+        """Take a failed request's rate-limit token in a transaction of its own."""
+        # The request's own error is what it answers, whatever happens here.
+        with contextlib.suppress(SandlotError), self.store.write() as conn:
+            charge.take_in(conn)
+
+    def _settle(
+        self, conn: Connection, result: _Negotiated, claim: Claim | None, charge: Charge | None
+    ) -> None:
+        """The negotiation's last writes: its audit row, the answer of its key (``claim``)
+        and its rate-limit token, taken last so that the bucket's row stays locked only
+        until the commit. On PostgreSQL in one statement (one round trip, not three)."""
+        body = result.grant.model_dump(mode="json") if claim is not None else None
+        if conn.dialect.name != "postgresql" or (claim is None and charge is None):
+            conn.execute(INSERT_AUDIT, result.audit)
+            if claim is not None:
+                claim.finish_in(conn, 200, body)
+            if charge is not None:
+                charge.take_in(conn)
+            return
+        params = {f"a_{k}": v for k, v in result.audit.items()}
+        if claim is not None:
+            params.update(claim.finish_params(200, body))
+        take: dict[str, Any] = {}
+        if charge is not None:
+            take = charge.limiter.take_params(charge.who)
+            params.update(take)
+        row = conn.execute(_settle_statement(claim is not None, charge is not None), params)
+        taken = row.first() is not None
+        if claim is not None:
+            claim.finished(200, body)
+        if charge is not None and not taken:
+            charge.limiter.refuse(conn, take)
+
     def _negotiate_tx(
         self,
         ctx: AuditContext,
@@ -247,6 +348,7 @@ class SessionService:
         scope: Scope,
         caps: list[Capability],
         claim: Claim | None = None,
+        charge: Charge | None = None,
     ) -> _Negotiated | None:
         self.warm_caches()
         template: Template | None = None
@@ -256,11 +358,12 @@ class SessionService:
             try:
                 with self.store.write() as conn:
                     if claim is not None and claim.begin_in(conn):
+                        if charge is not None:
+                            charge.take_in(conn)
                         return None
                     result = self._negotiate_in(conn, ctx, principal, req, scope, caps, template)
-                    if claim is not None and not result.resume:
-                        # Recorded with the work; a resume changes the answer after this.
-                        claim.finish_in(conn, 200, result.grant.model_dump(mode="json"))
+                    # A resume changes the answer after this transaction.
+                    self._settle(conn, result, None if result.resume else claim, charge)
                     return result
             except _LostRace:
                 continue
@@ -284,13 +387,18 @@ class SessionService:
         user = principal.effective_user
         actor = ctx.actor or principal.actor
         owner = None
+        live: BindingRow | None = None
+        live_sandbox: SandboxRow | None = None
         if req.sandbox_id is not None:
-            live = self._live_binding_of_sandbox(conn, principal, req.sandbox_id)
-            if live is not None:
+            served = self._live_binding_of_sandbox(conn, principal, req.sandbox_id)
+            if served is not None:
+                live = BindingRow.from_row(served)
                 # The binding it serves (its own, or a scope's): report that scope.
                 key, scope = live.scope_key, Scope.parse(live.scope_key)
         else:
-            live = conn.execute(_LIVE_BINDING, {"key": key}).first()
+            row = conn.execute(_LIVE_BINDING, {"key": key}).first()
+            if row is not None:
+                live, live_sandbox = BindingRow.from_row(row, "b_"), SandboxRow.from_row(row)
         if live is not None:
             # A binding's owner is its scope's owner: no need to read the scope.
             check_scope_access(conn, principal, key, live.owner_user_id)
@@ -306,8 +414,8 @@ class SessionService:
                 raise SessionConflict(
                     f"scope {key} already has a live session", metadata={"session_id": live.id}
                 )
-            binding = BindingRow.from_row(live)
-            found = get_sandbox(conn, binding.sandbox_id)
+            binding = live
+            found = live_sandbox or get_sandbox(conn, binding.sandbox_id)
             assert found is not None
             sandbox, resume = self._wake(conn, found, now)
         elif req.sandbox_id is not None:
@@ -342,8 +450,7 @@ class SessionService:
             now=now,
         )
         minted = self.mint(conn, principal, actor, binding, sandbox, caps, now)
-        record(
-            conn,
+        audit = audit_row(
             ctx,
             "session.ensure" if req.mode.creates else "session.attach",
             outcome="created" if created else "attached",
@@ -364,7 +471,7 @@ class SessionService:
             token=minted,
             caps=caps,
         )
-        return _Negotiated(grant, provision, template, resume)
+        return _Negotiated(grant, provision, template, resume, audit)
 
     def _wake(self, conn: Connection, sandbox: SandboxRow, now: float) -> tuple[SandboxRow, bool]:
         """An attach counts as activity: the sandbox as it is now, and whether to resume it."""
@@ -618,7 +725,9 @@ class SessionService:
         caps: list[Capability],
         now: float,
     ) -> Any:
-        check_key_live(conn, principal.key_id)
+        combined = conn.dialect.name == "postgresql" and principal.key_id is not None
+        if not combined:
+            check_key_live(conn, principal.key_id)
         minted = self.keyring.mint(
             principal_id=principal.id,
             actor=actor,
@@ -630,19 +739,20 @@ class SessionService:
             ttl=self.settings.token_ttl_seconds,
             now=now,
         )
-        conn.execute(
-            _INSERT_TOKEN,
-            {
-                "jti": minted.jti,
-                "binding_id": binding.id,
-                "sandbox_id": sandbox.id,
-                "principal_id": principal.lease_holder,
-                "key_id": principal.key_id,
-                "user_id": principal.effective_user,
-                "issued_at": minted.issued_at,
-                "expires_at": minted.expires_at,
-            },
-        )
+        row = {
+            "jti": minted.jti,
+            "binding_id": binding.id,
+            "sandbox_id": sandbox.id,
+            "principal_id": principal.lease_holder,
+            "key_id": principal.key_id,
+            "user_id": principal.effective_user,
+            "issued_at": minted.issued_at,
+            "expires_at": minted.expires_at,
+        }
+        if not combined:
+            conn.execute(_INSERT_TOKEN, row)
+        elif conn.execute(_INSERT_TOKEN_IF_KEY_LIVE, row).first() is None:
+            raise Unauthenticated("invalid API key")
         return minted
 
     def policy(self, template_name: str | None = None) -> Policy:
