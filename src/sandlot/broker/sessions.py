@@ -370,6 +370,12 @@ class SessionService:
             except IntegrityError:
                 # PostgreSQL: the unique live binding of the scope was taken meanwhile.
                 continue
+            except RateLimited:
+                if claim is not None:
+                    # Its claim went with the transaction: the key is free, as if the
+                    # request had been refused before it (nothing to record or abandon).
+                    claim.owned = False
+                raise
         raise SessionConflict("the scope changed too often while negotiating, retry")
 
     def _negotiate_in(
