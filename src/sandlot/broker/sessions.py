@@ -12,7 +12,6 @@ refresh); the two are independent.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,31 +19,29 @@ from dataclasses import dataclass, replace
 from typing import Any, overload
 
 import anyio
-from sqlalchemy import Connection, bindparam, literal_column, select, update
+from sqlalchemy import Connection, select, update
 from sqlalchemy.exc import IntegrityError
 
 from sandlot.broker import failpoints
+from sandlot.broker import statements as sql
 from sandlot.broker.audit import INSERT as INSERT_AUDIT
-from sandlot.broker.audit import INSERT_PREFIXED as INSERT_AUDIT_PREFIXED
 from sandlot.broker.audit import AuditContext, audit_row
 from sandlot.broker.bindings import BindingRow
 from sandlot.broker.events import EventHub, append_event
 from sandlot.broker.fleet import HOST_LOST_REASON
-from sandlot.broker.idempotency import FINISH, Claim
+from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.principals import Principal
-from sandlot.broker.ratelimit import TAKE, Charge
+from sandlot.broker.ratelimit import Charge
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
 from sandlot.broker.scopes import check_scope_access
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import (
-    api_keys,
     bindings,
     leases,
     sandboxes,
     scopes,
-    tokens,
 )
 from sandlot.broker.templates import TemplateService
 from sandlot.broker.tokens import KeyRing
@@ -96,73 +93,6 @@ class _Negotiated:
     resume: bool
     #: The negotiation's audit row, written last (:meth:`SessionService._settle`).
     audit: dict[str, Any]
-
-
-# Statements of the negotiation hot path, built once (building one costs more than running it).
-#: The live binding of a scope (its columns prefixed ``b_``) with its sandbox, in one read.
-_LIVE_BINDING = (
-    select(*(c.label(f"b_{c.name}") for c in bindings.c), sandboxes)
-    .join(sandboxes, sandboxes.c.id == bindings.c.sandbox_id)
-    .where(bindings.c.live_scope == bindparam("key"))
-)
-_SCOPE_OWNER = select(scopes.c.owner_user_id).where(scopes.c.scope_key == bindparam("key"))
-_TOUCH_SANDBOX = (
-    update(sandboxes)
-    .where(sandboxes.c.id == bindparam("sb"))
-    .values(last_active_at=bindparam("now"))
-)
-_RENEW_LEASE = (
-    update(leases)
-    .where(
-        leases.c.binding_id == bindparam("b_binding"),
-        leases.c.principal_id == bindparam("b_principal"),
-    )
-    .values(
-        user_id=bindparam("b_user"),
-        actor_type=bindparam("b_actor_type"),
-        actor_id=bindparam("b_actor_id"),
-        caps=bindparam("b_caps"),
-        expires_at=bindparam("b_expires"),
-        released_at=None,
-    )
-)
-_INSERT_TOKEN = tokens.insert()
-_TOKEN_COLUMNS = (
-    "jti",
-    "binding_id",
-    "sandbox_id",
-    "principal_id",
-    "key_id",
-    "user_id",
-    "issued_at",
-    "expires_at",
-)
-#: PostgreSQL: the token, only if its key is not revoked (``check_key_live``'s share lock
-#: on the key's row included), in one statement; no row back: the key was revoked.
-_INSERT_TOKEN_IF_KEY_LIVE = (
-    tokens.insert()
-    .from_select(
-        _TOKEN_COLUMNS,
-        select(*(bindparam(c, type_=tokens.c[c].type) for c in _TOKEN_COLUMNS))
-        .select_from(api_keys)
-        .where(api_keys.c.id == bindparam("key_id"), api_keys.c.revoked_at.is_(None))
-        .with_for_update(read=True),
-    )
-    .returning(tokens.c.jti)
-)
-
-
-@functools.cache
-def _settle_statement(claim: bool, charge: bool) -> Any:
-    """PostgreSQL: :meth:`SessionService._settle`'s writes as one statement (data-modifying
-    CTEs); a row back unless the rate-limit token was refused."""
-    ctes = [INSERT_AUDIT_PREFIXED.cte("audited")]
-    if claim:
-        ctes.append(FINISH.cte("answered"))
-    if charge:
-        taken = TAKE.cte("taken")
-        return select(taken.c.tokens).add_cte(*ctes)
-    return select(literal_column("1")).add_cte(*ctes)
 
 
 class _LostRace(Exception):
@@ -333,7 +263,7 @@ class SessionService:
         if charge is not None:
             take = charge.limiter.take_params(charge.who)
             params.update(take)
-        row = conn.execute(_settle_statement(claim is not None, charge is not None), params)
+        row = conn.execute(sql.settle_statement(claim is not None, charge is not None), params)
         taken = row.first() is not None
         if claim is not None:
             claim.finished(200, body)
@@ -402,14 +332,14 @@ class SessionService:
                 # The binding it serves (its own, or a scope's): report that scope.
                 key, scope = live.scope_key, Scope.parse(live.scope_key)
         else:
-            row = conn.execute(_LIVE_BINDING, {"key": key}).first()
+            row = conn.execute(sql.LIVE_BINDING, {"key": key}).first()
             if row is not None:
                 live, live_sandbox = BindingRow.from_row(row, "b_"), SandboxRow.from_row(row)
         if live is not None:
             # A binding's owner is its scope's owner: no need to read the scope.
             check_scope_access(conn, principal, key, live.owner_user_id)
         elif req.sandbox_id is None:
-            owner = conn.execute(_SCOPE_OWNER, {"key": key}).first()
+            owner = conn.execute(sql.SCOPE_OWNER, {"key": key}).first()
             if owner is not None:
                 check_scope_access(conn, principal, key, owner.owner_user_id)
         created = False
@@ -484,7 +414,7 @@ class SessionService:
         # The lease now counts as presence; the row's activity stamp needs no rewrite
         # more than once a second.
         if now - sandbox.last_active_at > 1.0:
-            conn.execute(_TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
+            conn.execute(sql.TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
         if sandbox.state is SandboxState.IDLE:
             self.sandboxes.apply_state_in(conn, sandbox.id, SandboxState.ACTIVE, reason="attach")
             sandbox = get_sandbox(conn, sandbox.id) or sandbox
@@ -703,7 +633,7 @@ class SessionService:
             "released_at": None,
         }
         renewed = conn.execute(
-            _RENEW_LEASE,
+            sql.RENEW_LEASE,
             {
                 "b_binding": binding.id,
                 "b_principal": principal.lease_holder,
@@ -756,8 +686,8 @@ class SessionService:
             "expires_at": minted.expires_at,
         }
         if not combined:
-            conn.execute(_INSERT_TOKEN, row)
-        elif conn.execute(_INSERT_TOKEN_IF_KEY_LIVE, row).first() is None:
+            conn.execute(sql.INSERT_TOKEN, row)
+        elif conn.execute(sql.INSERT_TOKEN_IF_KEY_LIVE, row).first() is None:
             raise Unauthenticated("invalid API key")
         return minted
 
