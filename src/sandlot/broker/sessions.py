@@ -374,7 +374,15 @@ class SessionService:
             owner_id = owner.owner_user_id if owner else user
             binding = self._insert_binding(conn, key, sandbox, owner_id, actor, now)
             created = True
-        lease_expires = self._attach(conn, principal, actor, binding, caps, now)
+        # PostgreSQL: the lease is written with the token, in one statement (the lease's
+        # row still locked before the binding's, as everywhere).
+        together = conn.dialect.name == "postgresql" and principal.key_id is not None
+        lease_expires, lease = self._attach(
+            conn, principal, actor, binding, caps, now, write=not together
+        )
+        minted = None
+        if together:
+            minted = self.mint(conn, principal, actor, binding, sandbox, caps, now, lease=lease)
         seq = append_event(
             conn,
             bindings,
@@ -385,7 +393,8 @@ class SessionService:
             actor=actor,
             now=now,
         )
-        minted = self.mint(conn, principal, actor, binding, sandbox, caps, now)
+        if minted is None:
+            minted = self.mint(conn, principal, actor, binding, sandbox, caps, now)
         audit = audit_row(
             ctx,
             "session.ensure" if req.mode.creates else "session.attach",
@@ -621,7 +630,11 @@ class SessionService:
         binding: BindingRow,
         caps: list[Capability],
         now: float,
-    ) -> float:
+        *,
+        write: bool = True,
+    ) -> tuple[float, dict[str, Any]]:
+        """The lease's expiry and row; written here unless ``write`` is false (then
+        :meth:`mint` writes it with the token)."""
         expires = now + self.settings.lease_ttl_seconds
         values = {
             "user_id": principal.effective_user,
@@ -632,6 +645,9 @@ class SessionService:
             "expires_at": expires,
             "released_at": None,
         }
+        row = {**values, "binding_id": binding.id, "principal_id": principal.lease_holder}
+        if not write:
+            return expires, row
         renewed = conn.execute(
             sql.RENEW_LEASE,
             {
@@ -645,11 +661,8 @@ class SessionService:
             },
         ).rowcount
         if not renewed:
-            conn.execute(
-                leases.insert(),
-                {**values, "binding_id": binding.id, "principal_id": principal.lease_holder},
-            )
-        return expires
+            conn.execute(leases.insert(), row)
+        return expires, row
 
     def mint(
         self,
@@ -660,7 +673,11 @@ class SessionService:
         sandbox: SandboxRow,
         caps: list[Capability],
         now: float,
+        *,
+        lease: dict[str, Any] | None = None,
     ) -> Any:
+        """A token for ``principal`` (refused if its key was revoked meanwhile);
+        PostgreSQL: with ``lease`` (:meth:`_attach`'s row) written in the same statement."""
         combined = conn.dialect.name == "postgresql" and principal.key_id is not None
         if not combined:
             check_key_live(conn, principal.key_id)
@@ -687,7 +704,13 @@ class SessionService:
         }
         if not combined:
             conn.execute(sql.INSERT_TOKEN, row)
-        elif conn.execute(sql.INSERT_TOKEN_IF_KEY_LIVE, row).first() is None:
+            return minted
+        if lease is None:
+            inserted = conn.execute(sql.INSERT_TOKEN_IF_KEY_LIVE, row).first()
+        else:
+            params = {**row, **{f"l_{k}": v for k, v in lease.items()}}
+            inserted = conn.execute(sql.INSERT_TOKEN_AND_LEASE, params).first()
+        if inserted is None:
             raise Unauthenticated("invalid API key")
         return minted
 

@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 from sqlalchemy import bindparam, literal_column, select, update
+from sqlalchemy.dialects import postgresql
 
 from sandlot.broker.audit import INSERT_PREFIXED as INSERT_AUDIT_PREFIXED
 from sandlot.broker.idempotency import FINISH
@@ -64,6 +65,17 @@ INSERT_TOKEN_IF_KEY_LIVE = (
     )
     .returning(tokens.c.jti)
 )
+
+#: PostgreSQL: a lease taken or renewed (parameters ``l_`` + its columns), in one upsert.
+_lease = postgresql.insert(leases).values(
+    {c.name: bindparam(f"l_{c.name}", type_=c.type) for c in leases.c}
+)
+UPSERT_LEASE = _lease.on_conflict_do_update(
+    index_elements=[leases.c.binding_id, leases.c.principal_id],
+    set_={c.name: _lease.excluded[c.name] for c in leases.c if not c.primary_key},
+)
+#: PostgreSQL: :data:`UPSERT_LEASE` and :data:`INSERT_TOKEN_IF_KEY_LIVE` in one statement.
+INSERT_TOKEN_AND_LEASE = INSERT_TOKEN_IF_KEY_LIVE.add_cte(UPSERT_LEASE.cte("leased"))
 
 
 @functools.cache
