@@ -137,3 +137,18 @@ class ClaimingProvider(FakeProvider):
         assert self.claimed.get(sandbox_id) == 1, f"{sandbox_id} released unclaimed"
         self.claimed[sandbox_id] = 0
         self.released.append(sandbox_id)
+
+
+class SlowListingProvider(FakeProvider):
+    """A provider whose listing is answered late: what it returns was true when it began,
+    and :attr:`meanwhile` runs before it returns (work of a busy server, say)."""
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        super().__init__(config)
+        self.meanwhile: Any = None
+
+    async def list_sandboxes(self) -> set[str]:
+        listed = set(self.states)
+        if self.meanwhile is not None:
+            await self.meanwhile()
+        return listed

@@ -9,7 +9,7 @@ import httpx
 
 from sandlot.protocol.sessions import Pool
 from tests.broker.conftest import Clock, MakeHarness
-from tests.broker.fakes import FakeProvider
+from tests.broker.fakes import FakeProvider, SlowListingProvider
 
 
 async def _ensure(h, headers, thread="thr_1"):  # type: ignore[no-untyped-def]
@@ -18,7 +18,14 @@ async def _ensure(h, headers, thread="thr_1"):  # type: ignore[no-untyped-def]
     )
     assert r.status_code == 200, r.text
     await h.broker.sandboxes.drain()
-    await asyncio.sleep(0.01)
+    # The provider reports the sandbox ready from a task of its own: on a busy machine
+    # that can come later than a moment after the creation (the tests then advance the
+    # clock past the provisioning timeout).
+    sid = r.json()["session_id"]
+    for _ in range(500):
+        if await _state(h, headers, sid) != "provisioning":
+            break
+        await asyncio.sleep(0.01)
     return r.json()
 
 
@@ -100,6 +107,32 @@ async def test_orphans_on_both_sides(make_harness: MakeHarness) -> None:
     report = await h.broker.reaper.run_once()
     assert "sb_stray" in report.orphans_removed and "sb_stray" not in h.provider.states
     assert g["sandbox"]["id"] in report.orphans_removed
+    assert await _state(h, k, g["session_id"]) in ("failed", "terminated")
+
+
+async def test_sandbox_ready_during_a_listing_is_no_orphan(make_harness: MakeHarness) -> None:
+    """A sandbox created and made ready while the reaper waits for the provider's listing
+    is missing from that listing but live in the store re-read after it: it is no orphan
+    (taken for one, its binding ended and the next ensure of the scope made a second)."""
+    provider = SlowListingProvider()
+    h = await make_harness(provider)
+    k = h.key("alice")
+    made: list[dict] = []
+
+    async def ensure_meanwhile() -> None:
+        provider.meanwhile = None
+        made.append(await _ensure(h, k))
+
+    provider.meanwhile = ensure_meanwhile
+    report = await h.broker.reaper.run_once()
+    [g] = made
+    assert g["sandbox"]["id"] not in report.orphans_removed
+    assert await _state(h, k, g["session_id"]) == "active"
+    again = await _ensure(h, k)
+    assert (again["session_id"], again["sandbox"]["id"]) == (g["session_id"], g["sandbox"]["id"])
+    # One that was ready before the listing and is missing from it did vanish.
+    del provider.states[g["sandbox"]["id"]]
+    assert g["sandbox"]["id"] in (await h.broker.reaper.run_once()).orphans_removed
     assert await _state(h, k, g["session_id"]) in ("failed", "terminated")
 
 

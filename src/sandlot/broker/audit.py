@@ -6,14 +6,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, bindparam, select
 
 from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import audit
 from sandlot.protocol.common import Actor
 
-_INSERT = audit.insert()
+#: Inserts one audit row (:func:`audit_row`'s parameters).
+INSERT = audit.insert()
 
 
 @dataclass(frozen=True)
@@ -39,24 +40,55 @@ def record(
     now: float | None = None,
 ) -> None:
     """Write one audit row inside the caller's transaction."""
-    p = ctx.principal if ctx else None
     conn.execute(
-        _INSERT,
-        {
-            "ts": now if now is not None else time.time(),
-            "request_id": ctx.request_id if ctx else None,
-            "action": action,
-            "outcome": outcome,
-            "principal_id": p.id if p else "system",
-            "user_id": p.effective_user if p else None,
-            "actor_type": p.actor_type.value if p else None,
-            "actor_id": ctx.actor.id if ctx and ctx.actor else p.id if p else None,
-            "scope_key": scope_key,
-            "session_id": session_id,
-            "sandbox_id": sandbox_id,
-            "details": details or {},
-        },
+        INSERT,
+        audit_row(
+            ctx,
+            action,
+            outcome=outcome,
+            scope_key=scope_key,
+            session_id=session_id,
+            sandbox_id=sandbox_id,
+            details=details,
+            now=now,
+        ),
     )
+
+
+def audit_row(
+    ctx: AuditContext | None,
+    action: str,
+    *,
+    outcome: str = "ok",
+    scope_key: str | None = None,
+    session_id: str | None = None,
+    sandbox_id: str | None = None,
+    details: dict[str, Any] | None = None,
+    now: float | None = None,
+) -> dict[str, Any]:
+    """The row :func:`record` writes, to write later in the same transaction."""
+    p = ctx.principal if ctx else None
+    return {
+        "ts": now if now is not None else time.time(),
+        "request_id": ctx.request_id if ctx else None,
+        "action": action,
+        "outcome": outcome,
+        "principal_id": p.id if p else "system",
+        "user_id": p.effective_user if p else None,
+        "actor_type": p.actor_type.value if p else None,
+        "actor_id": ctx.actor.id if ctx and ctx.actor else p.id if p else None,
+        "scope_key": scope_key,
+        "session_id": session_id,
+        "sandbox_id": sandbox_id,
+        "details": details or {},
+    }
+
+
+#: Inserts one audit row from parameters named ``a_`` + its columns (to be combined with
+#: other statements in one, see :mod:`sandlot.broker.sessions`).
+INSERT_PREFIXED = audit.insert().values(
+    {c.name: bindparam(f"a_{c.name}", type_=c.type) for c in audit.c if c.name != "id"}
+)
 
 
 class AuditLog:

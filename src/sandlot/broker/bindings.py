@@ -17,13 +17,15 @@ class BindingRow:
     event_seq: int
 
     @classmethod
-    def from_row(cls, r: Any) -> BindingRow:
+    def from_row(cls, r: Any, prefix: str = "") -> BindingRow:
+        """From a row of ``bindings``, its columns named ``prefix`` + their names."""
+        m = r._mapping
         return cls(
-            id=r.id,
-            scope_key=r.scope_key,
-            sandbox_id=r.sandbox_id,
-            owner_user_id=r.owner_user_id,
-            live=r.live_scope is not None,
-            created_at=r.created_at,
-            event_seq=r.event_seq,
+            id=m[prefix + "id"],
+            scope_key=m[prefix + "scope_key"],
+            sandbox_id=m[prefix + "sandbox_id"],
+            owner_user_id=m[prefix + "owner_user_id"],
+            live=m[prefix + "live_scope"] is not None,
+            created_at=m[prefix + "created_at"],
+            event_seq=m[prefix + "event_seq"],
         )

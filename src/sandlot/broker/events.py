@@ -15,6 +15,7 @@ that re-read is how other worker processes' events arrive.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
 import time
@@ -41,7 +42,39 @@ _NEXT_SEQ = {
 _INSERT_EVENT = events.insert()
 #: The PostgreSQL channel of :class:`StoreListener` (payload: a stream id, ≤ 8000 bytes).
 CHANNEL = "sandlot_events"
-_NOTIFY = text(f"SELECT pg_notify('{CHANNEL}', :stream)")
+#: Where an event names its stream and the state it left: binding or sandbox.
+_STREAM_KEYS = {"bindings": ("binding_id", "state"), "sandboxes": ("sandbox_id", "sandbox_state")}
+
+
+def _append_pg(table: str) -> Any:
+    """PostgreSQL: the next sequence, the event and its ``NOTIFY`` in one statement (one
+    round trip instead of three); the envelope is :func:`append_event`'s, key for key."""
+    stream_key, state_key = _STREAM_KEYS[table]
+    # Table and key names from _STREAM_KEYS, never from a request.
+    return text(
+        f"""
+        WITH s AS (
+            UPDATE {table} SET event_seq = event_seq + 1
+            WHERE id = CAST(:stream AS text) RETURNING event_seq
+        ), e AS (
+            INSERT INTO events (stream_id, sequence, event, created_at)
+            SELECT CAST(:stream AS text), s.event_seq, json_build_object(
+                'event_id', CAST(:stream AS text) || '-' || s.event_seq,
+                'sequence', s.event_seq,
+                'event_type', CAST(:event_type AS text),
+                'timestamp', CAST(:timestamp AS text),
+                'actor', CAST(:actor AS json),
+                'details', CAST(:details AS json),
+                '{stream_key}', CAST(:stream AS text),
+                '{state_key}', CAST(:state AS text)
+            ), CAST(:now AS double precision) FROM s
+        )
+        SELECT s.event_seq, pg_notify('{CHANNEL}', CAST(:stream AS text)) FROM s
+        """  # noqa: S608
+    )
+
+
+_APPEND_PG = {t: _append_pg(t) for t in _STREAM_KEYS}
 
 log = logging.getLogger("sandlot.broker.events")
 
@@ -59,6 +92,21 @@ def append_event(
 ) -> int:
     """Append to the log of a binding (``stream=bindings``) or a sandbox; return its sequence."""
     now = time.time() if now is None else now
+    if conn.dialect.name == "postgresql":
+        seq = conn.execute(
+            _APPEND_PG[stream.name],
+            {
+                "stream": stream_id,
+                "event_type": event_type,
+                "timestamp": rfc3339(now),
+                "actor": json.dumps(actor.model_dump(mode="json")) if actor else None,
+                "details": json.dumps(details),
+                "state": state,
+                "now": now,
+            },
+        ).scalar_one()
+        _trim(conn, stream_id, seq)
+        return int(seq)
     seq = conn.execute(_NEXT_SEQ[stream.name], {"stream": stream_id}).scalar_one()
     envelope: dict[str, Any] = {
         "event_id": f"{stream_id}-{seq}",
@@ -78,15 +126,18 @@ def append_event(
         _INSERT_EVENT,
         {"stream_id": stream_id, "sequence": seq, "event": envelope, "created_at": now},
     )
-    if conn.dialect.name == "postgresql":
-        conn.execute(_NOTIFY, {"stream": stream_id})
+    _trim(conn, stream_id, seq)
+    return int(seq)
+
+
+def _trim(conn: Connection, stream_id: str, seq: int) -> None:
+    """Now and then, drop a stream's events beyond :data:`RETAINED_EVENTS`."""
     if seq > RETAINED_EVENTS and seq % 256 == 0:
         conn.execute(
             delete(events).where(
                 events.c.stream_id == stream_id, events.c.sequence <= seq - RETAINED_EVENTS
             )
         )
-    return int(seq)
 
 
 def read_events(

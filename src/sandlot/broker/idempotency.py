@@ -118,7 +118,8 @@ _RECORD_VALUES = {
     "status": bindparam("st"),
     "response": bindparam("body"),
 }
-_FINISH = (
+#: Records a claimed key's answer (parameters ``p``, ``k``, ``st``, ``body``).
+FINISH = (
     update(idempotency)
     .where(_WHERE_KEY)
     .values(state="done", status=bindparam("st"), response=bindparam("body"))
@@ -202,16 +203,14 @@ class IdempotencyStore:
         self, conn: Connection, principal_id: str, key: str, status: int, body: Any
     ) -> None:
         """Record the answer of a claimed key in ``conn``'s transaction."""
-        conn.execute(_FINISH, {"p": principal_id, "k": key, "st": status, "body": body})
+        conn.execute(FINISH, {"p": principal_id, "k": key, "st": status, "body": body})
 
     def record_in(
         self, conn: Connection, principal_id: str, key: str, fp: str, status: int, body: Any
     ) -> None:
         """Record an answer whether or not the key's claim was committed (an error raised
         in the transaction that held the claim rolled it back with the rest)."""
-        if conn.execute(
-            _FINISH, {"p": principal_id, "k": key, "st": status, "body": body}
-        ).rowcount:
+        if conn.execute(FINISH, {"p": principal_id, "k": key, "st": status, "body": body}).rowcount:
             return
         params = {**self._row(principal_id, key, fp), "st": status, "body": body}
         # Taken meanwhile by an identical request: its answer stands.
@@ -306,4 +305,12 @@ class Claim:
 
     def finish_in(self, conn: Connection, status: int, body: Any) -> None:
         self.store.finish_in(conn, self.principal_id, self.key, status, body)
+        self.status, self.body = status, body
+
+    def finish_params(self, status: int, body: Any) -> dict[str, Any]:
+        """The parameters of :data:`FINISH` for this answer, for a statement that
+        includes it; :meth:`finished` once it ran."""
+        return {"p": self.principal_id, "k": self.key, "st": status, "body": body}
+
+    def finished(self, status: int, body: Any) -> None:
         self.status, self.body = status, body

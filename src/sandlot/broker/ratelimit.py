@@ -7,7 +7,9 @@ the limit protects the server from a runaway client, it is not a billing meter.
 :class:`SharedRateLimiter` keeps them in the store, for replicas sharing PostgreSQL:
 one bucket per principal whichever replica a request lands on, taken from in one
 conditional upsert (the database serializes takers of one bucket). Its clock is the
-replicas' wall clock, so clocks kept in step (NTP) keep the rate exact.
+replicas' wall clock, so clocks kept in step (NTP) keep the rate exact. A negotiation
+takes its token in its own transaction, last (:meth:`SharedRateLimiter.take_in`): no
+transaction of its own, and the bucket's row is locked only while that one commits.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import anyio
-from sqlalchemy import text
+from sqlalchemy import Connection, Float, text
 
 from sandlot.broker.store import Store
 from sandlot.protocol.errors import RateLimited
@@ -61,7 +65,7 @@ class RateLimiter:
 
 
 #: Refill then take one token, only when one is there (else no row comes back).
-_TAKE = text(
+TAKE = text(
     """
     INSERT INTO rate_buckets (who, tokens, stamp) VALUES (:who, :burst - 1, :now)
     ON CONFLICT (who) DO UPDATE SET
@@ -72,7 +76,7 @@ _TAKE = text(
           + GREATEST(0, :now - rate_buckets.stamp) * :rate) >= 1
     RETURNING tokens
     """
-)
+).columns(tokens=Float)
 _READ = text("SELECT tokens, stamp FROM rate_buckets WHERE who = :who")
 
 
@@ -97,11 +101,36 @@ class SharedRateLimiter(RateLimiter):
     def take(self, who: str) -> None:
         if self.rate <= 0:
             return
-        now = self.clock()
-        params = {"who": who, "burst": self.burst, "rate": self.rate, "now": now}
         with self.store.write() as conn:
-            if conn.execute(_TAKE, params).first() is not None:
-                return
-            row = conn.execute(_READ, {"who": who}).first()
+            self.take_in(conn, who)
+
+    def take_in(self, conn: Connection, who: str) -> None:
+        """Take one token of ``who``'s bucket in ``conn``'s transaction, or raise
+        ``RateLimited`` (the caller's transaction then rolls back with it)."""
+        if self.rate <= 0:
+            return
+        params = self.take_params(who)
+        if conn.execute(TAKE, params).first() is None:
+            self.refuse(conn, params)
+
+    def take_params(self, who: str) -> dict[str, Any]:
+        """The parameters of :data:`TAKE` (for a statement that includes it)."""
+        return {"who": who, "burst": self.burst, "rate": self.rate, "now": self.clock()}
+
+    def refuse(self, conn: Connection, params: dict[str, Any]) -> NoReturn:
+        """:data:`TAKE` with ``params`` returned no row: raise ``RateLimited``."""
+        row = conn.execute(_READ, {"who": params["who"]}).first()
+        now = params["now"]
         tokens = 0.0 if row is None else float(row.tokens) + max(0.0, now - row.stamp) * self.rate
         raise _refused(min(tokens, self.burst), self.rate)
+
+
+@dataclass(frozen=True)
+class Charge:
+    """A negotiation's rate-limit token, taken in the negotiation's own transaction."""
+
+    limiter: SharedRateLimiter
+    who: str
+
+    def take_in(self, conn: Connection) -> None:
+        self.limiter.take_in(conn, self.who)

@@ -249,10 +249,10 @@ class Reaper:
             return
         # Re-read after listing: a sandbox created meanwhile is in the store by now.
         # Every host's count as known (ids are unique); only this host's can vanish here.
-        live = await anyio.to_thread.run_sync(self.sandboxes.list_live)
+        current = await anyio.to_thread.run_sync(self.sandboxes.list_live)
         # A sandbox being torn down is no orphan: its teardown finishes it.
         ending = await anyio.to_thread.run_sync(self.sandboxes.terminating)
-        known = {r.id for r in live} | {r.id for r in ending}
+        known = {r.id for r in current} | {r.id for r in ending}
         for sandbox_id in sorted(existing - known):
             log.info("removing orphaned sandbox %s", sandbox_id)
             try:
@@ -260,9 +260,16 @@ class Reaper:
                 report.orphans_removed.append(sandbox_id)
             except Exception:
                 log.exception("could not remove orphan %s", sandbox_id)
+        # The other way round, only from ``live``, read before the listing: a sandbox
+        # past provisioning then existed at the provider before the listing began, so
+        # its absence means it vanished. One that became ready while the provider was
+        # listing (a busy server's listing and re-read can be far apart) may be missing
+        # from the listing only because it was created after it: no orphan.
+        still_live = {r.id for r in current if r.state is not SandboxState.PROVISIONING}
         for row in live:
             if (
                 row.id in existing
+                or row.id not in still_live
                 or row.state is SandboxState.PROVISIONING
                 or not self.sandboxes.is_hosted_here(row)
             ):

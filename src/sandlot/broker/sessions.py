@@ -11,6 +11,7 @@ refresh); the two are independent.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -18,11 +19,13 @@ from dataclasses import dataclass, replace
 from typing import Any, overload
 
 import anyio
-from sqlalchemy import Connection, bindparam, select, update
+from sqlalchemy import Connection, select, update
 from sqlalchemy.exc import IntegrityError
 
 from sandlot.broker import failpoints
-from sandlot.broker.audit import AuditContext, record
+from sandlot.broker import statements as sql
+from sandlot.broker.audit import INSERT as INSERT_AUDIT
+from sandlot.broker.audit import AuditContext, audit_row
 from sandlot.broker.bindings import BindingRow
 from sandlot.broker.events import EventHub, append_event
 from sandlot.broker.fleet import HOST_LOST_REASON
@@ -30,6 +33,7 @@ from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.poolclaims import PoolClaims, Reservation
 from sandlot.broker.principals import Principal
+from sandlot.broker.ratelimit import Charge
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
 from sandlot.broker.scopes import check_scope_access
 from sandlot.broker.settings import BrokerSettings
@@ -39,7 +43,6 @@ from sandlot.broker.store.schema import (
     leases,
     sandboxes,
     scopes,
-    tokens,
 )
 from sandlot.broker.templates import TemplateService
 from sandlot.broker.tokens import KeyRing
@@ -57,10 +60,13 @@ from sandlot.protocol.errors import (
     CapabilityDenied,
     Forbidden,
     InvalidRequest,
+    RateLimited,
     SandboxNotFound,
+    SandlotError,
     SessionConflict,
     SessionExpired,
     SessionNotFound,
+    Unauthenticated,
 )
 from sandlot.protocol.sessions import (
     BindingSnapshot,
@@ -86,32 +92,8 @@ class _Negotiated:
     provision: SandboxRow | None
     template: Template | None
     resume: bool
-
-
-# Statements of the negotiation hot path, built once (building one costs more than running it).
-_LIVE_BINDING = select(bindings).where(bindings.c.live_scope == bindparam("key"))
-_SCOPE_OWNER = select(scopes.c.owner_user_id).where(scopes.c.scope_key == bindparam("key"))
-_TOUCH_SANDBOX = (
-    update(sandboxes)
-    .where(sandboxes.c.id == bindparam("sb"))
-    .values(last_active_at=bindparam("now"))
-)
-_RENEW_LEASE = (
-    update(leases)
-    .where(
-        leases.c.binding_id == bindparam("b_binding"),
-        leases.c.principal_id == bindparam("b_principal"),
-    )
-    .values(
-        user_id=bindparam("b_user"),
-        actor_type=bindparam("b_actor_type"),
-        actor_id=bindparam("b_actor_id"),
-        caps=bindparam("b_caps"),
-        expires_at=bindparam("b_expires"),
-        released_at=None,
-    )
-)
-_INSERT_TOKEN = tokens.insert()
+    #: The negotiation's audit row, written last (:meth:`SessionService._settle`).
+    audit: dict[str, Any]
 
 
 class _LostRace(Exception):
@@ -204,7 +186,13 @@ class SessionService:
 
     @overload
     async def negotiate(
-        self, ctx: AuditContext, principal: Principal, req: SessionRequest, *, claim: Claim | None
+        self,
+        ctx: AuditContext,
+        principal: Principal,
+        req: SessionRequest,
+        *,
+        claim: Claim | None,
+        charge: Charge | None = None,
     ) -> SessionGrant | None: ...
 
     async def negotiate(
@@ -214,22 +202,31 @@ class SessionService:
         req: SessionRequest,
         *,
         claim: Claim | None = None,
+        charge: Charge | None = None,
     ) -> SessionGrant | None:
         """Attach or create; ``claim`` (an ``Idempotency-Key``) is settled in the same
-        transaction. ``None``: the claim holds an earlier identical request's answer."""
-        ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
-        if self.scope_guard is not None and req.sandbox_id is None:
-            await self.scope_guard(principal, req.effective_scope())
-        scope = self.effective_scope(req)
-        caps = self.granted_capabilities(principal, req.requested_capabilities)
-        reserved = await self._reserve_pooled(req, scope)
+        transaction, and ``charge`` takes the request's rate-limit token in it too.
+        ``None``: the claim holds an earlier identical request's answer."""
         try:
-            result = await anyio.to_thread.run_sync(
-                self._negotiate_tx, ctx, principal, req, scope, caps, claim, reserved
-            )
-        except BaseException:
-            if reserved is not None:
-                await self.pool_claims.release(reserved)
+            ctx = replace(ctx, actor=self.acting_actor(principal, req.actor))
+            if self.scope_guard is not None and req.sandbox_id is None:
+                await self.scope_guard(principal, req.effective_scope())
+            scope = self.effective_scope(req)
+            caps = self.granted_capabilities(principal, req.requested_capabilities)
+            reserved = await self._reserve_pooled(req, scope)
+            try:
+                result = await anyio.to_thread.run_sync(
+                    self._negotiate_tx, ctx, principal, req, scope, caps, claim, reserved, charge
+                )
+            except BaseException:
+                if reserved is not None:
+                    await self.pool_claims.release(reserved)
+                raise
+        except SandlotError as exc:
+            if charge is not None and not isinstance(exc, RateLimited):
+                # The token went with the transaction that failed: a refused request
+                # counts against the rate all the same.
+                await anyio.to_thread.run_sync(self._charge_alone, charge)
             raise
         if reserved is not None and (
             result is None or result.grant.sandbox.id != reserved.sandbox_id
@@ -265,6 +262,40 @@ class SessionService:
         self.keyring.refresh_if_stale()
         self.templates.list()
 
+    def _charge_alone(self, charge: Charge) -> None:
+        """Take a failed request's rate-limit token in a transaction of its own."""
+        # The request's own error is what it answers, whatever happens here.
+        with contextlib.suppress(SandlotError), self.store.write() as conn:
+            charge.take_in(conn)
+
+    def _settle(
+        self, conn: Connection, result: _Negotiated, claim: Claim | None, charge: Charge | None
+    ) -> None:
+        """The negotiation's last writes: its audit row, the answer of its key (``claim``)
+        and its rate-limit token, taken last so that the bucket's row stays locked only
+        until the commit. On PostgreSQL in one statement (one round trip, not three)."""
+        body = result.grant.model_dump(mode="json") if claim is not None else None
+        if conn.dialect.name != "postgresql" or (claim is None and charge is None):
+            conn.execute(INSERT_AUDIT, result.audit)
+            if claim is not None:
+                claim.finish_in(conn, 200, body)
+            if charge is not None:
+                charge.take_in(conn)
+            return
+        params = {f"a_{k}": v for k, v in result.audit.items()}
+        if claim is not None:
+            params.update(claim.finish_params(200, body))
+        take: dict[str, Any] = {}
+        if charge is not None:
+            take = charge.limiter.take_params(charge.who)
+            params.update(take)
+        row = conn.execute(sql.settle_statement(claim is not None, charge is not None), params)
+        taken = row.first() is not None
+        if claim is not None:
+            claim.finished(200, body)
+        if charge is not None and not taken:
+            charge.limiter.refuse(conn, take)
+
     def _negotiate_tx(
         self,
         ctx: AuditContext,
@@ -274,6 +305,7 @@ class SessionService:
         caps: list[Capability],
         claim: Claim | None = None,
         reserved: Reservation | None = None,
+        charge: Charge | None = None,
     ) -> _Negotiated | None:
         self.warm_caches()
         template: Template | None = None
@@ -283,19 +315,26 @@ class SessionService:
             try:
                 with self.store.write() as conn:
                     if claim is not None and claim.begin_in(conn):
+                        if charge is not None:
+                            charge.take_in(conn)
                         return None
                     result = self._negotiate_in(
                         conn, ctx, principal, req, scope, caps, template, reserved
                     )
-                    if claim is not None and not result.resume:
-                        # Recorded with the work; a resume changes the answer after this.
-                        claim.finish_in(conn, 200, result.grant.model_dump(mode="json"))
+                    # A resume changes the answer after this transaction.
+                    self._settle(conn, result, None if result.resume else claim, charge)
                     return result
             except _LostRace:
                 continue
             except IntegrityError:
                 # PostgreSQL: the unique live binding of the scope was taken meanwhile.
                 continue
+            except RateLimited:
+                if claim is not None:
+                    # Its claim went with the transaction: the key is free, as if the
+                    # request had been refused before it (nothing to record or abandon).
+                    claim.owned = False
+                raise
         raise SessionConflict("the scope changed too often while negotiating, retry")
 
     def _negotiate_in(
@@ -314,18 +353,23 @@ class SessionService:
         user = principal.effective_user
         actor = ctx.actor or principal.actor
         owner = None
+        live: BindingRow | None = None
+        live_sandbox: SandboxRow | None = None
         if req.sandbox_id is not None:
-            live = self._live_binding_of_sandbox(conn, principal, req.sandbox_id)
-            if live is not None:
+            served = self._live_binding_of_sandbox(conn, principal, req.sandbox_id)
+            if served is not None:
+                live = BindingRow.from_row(served)
                 # The binding it serves (its own, or a scope's): report that scope.
                 key, scope = live.scope_key, Scope.parse(live.scope_key)
         else:
-            live = conn.execute(_LIVE_BINDING, {"key": key}).first()
+            row = conn.execute(sql.LIVE_BINDING, {"key": key}).first()
+            if row is not None:
+                live, live_sandbox = BindingRow.from_row(row, "b_"), SandboxRow.from_row(row)
         if live is not None:
             # A binding's owner is its scope's owner: no need to read the scope.
             check_scope_access(conn, principal, key, live.owner_user_id)
         elif req.sandbox_id is None:
-            owner = conn.execute(_SCOPE_OWNER, {"key": key}).first()
+            owner = conn.execute(sql.SCOPE_OWNER, {"key": key}).first()
             if owner is not None:
                 check_scope_access(conn, principal, key, owner.owner_user_id)
         created = False
@@ -336,8 +380,8 @@ class SessionService:
                 raise SessionConflict(
                     f"scope {key} already has a live session", metadata={"session_id": live.id}
                 )
-            binding = BindingRow.from_row(live)
-            found = get_sandbox(conn, binding.sandbox_id)
+            binding = live
+            found = live_sandbox or get_sandbox(conn, binding.sandbox_id)
             assert found is not None
             sandbox, resume = self._wake(conn, found, now)
         elif req.sandbox_id is not None:
@@ -362,7 +406,15 @@ class SessionService:
             owner_id = owner.owner_user_id if owner else user
             binding = self._insert_binding(conn, key, sandbox, owner_id, actor, now)
             created = True
-        lease_expires = self._attach(conn, principal, actor, binding, caps, now)
+        # PostgreSQL: the lease is written with the token, in one statement (the lease's
+        # row still locked before the binding's, as everywhere).
+        together = conn.dialect.name == "postgresql" and principal.key_id is not None
+        lease_expires, lease = self._attach(
+            conn, principal, actor, binding, caps, now, write=not together
+        )
+        minted = None
+        if together:
+            minted = self.mint(conn, principal, actor, binding, sandbox, caps, now, lease=lease)
         seq = append_event(
             conn,
             bindings,
@@ -373,9 +425,9 @@ class SessionService:
             actor=actor,
             now=now,
         )
-        minted = self.mint(conn, principal, actor, binding, sandbox, caps, now)
-        record(
-            conn,
+        if minted is None:
+            minted = self.mint(conn, principal, actor, binding, sandbox, caps, now)
+        audit = audit_row(
             ctx,
             "session.ensure" if req.mode.creates else "session.attach",
             outcome="created" if created else "attached",
@@ -396,14 +448,14 @@ class SessionService:
             token=minted,
             caps=caps,
         )
-        return _Negotiated(grant, provision, template, resume)
+        return _Negotiated(grant, provision, template, resume, audit)
 
     def _wake(self, conn: Connection, sandbox: SandboxRow, now: float) -> tuple[SandboxRow, bool]:
         """An attach counts as activity: the sandbox as it is now, and whether to resume it."""
         # The lease now counts as presence; the row's activity stamp needs no rewrite
         # more than once a second.
         if now - sandbox.last_active_at > 1.0:
-            conn.execute(_TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
+            conn.execute(sql.TOUCH_SANDBOX, {"sb": sandbox.id, "now": now})
         if sandbox.state is SandboxState.IDLE:
             self.sandboxes.apply_state_in(conn, sandbox.id, SandboxState.ACTIVE, reason="attach")
             sandbox = get_sandbox(conn, sandbox.id) or sandbox
@@ -622,7 +674,11 @@ class SessionService:
         binding: BindingRow,
         caps: list[Capability],
         now: float,
-    ) -> float:
+        *,
+        write: bool = True,
+    ) -> tuple[float, dict[str, Any]]:
+        """The lease's expiry and row; written here unless ``write`` is false (then
+        :meth:`mint` writes it with the token)."""
         expires = now + self.settings.lease_ttl_seconds
         values = {
             "user_id": principal.effective_user,
@@ -633,8 +689,11 @@ class SessionService:
             "expires_at": expires,
             "released_at": None,
         }
+        row = {**values, "binding_id": binding.id, "principal_id": principal.lease_holder}
+        if not write:
+            return expires, row
         renewed = conn.execute(
-            _RENEW_LEASE,
+            sql.RENEW_LEASE,
             {
                 "b_binding": binding.id,
                 "b_principal": principal.lease_holder,
@@ -646,11 +705,8 @@ class SessionService:
             },
         ).rowcount
         if not renewed:
-            conn.execute(
-                leases.insert(),
-                {**values, "binding_id": binding.id, "principal_id": principal.lease_holder},
-            )
-        return expires
+            conn.execute(leases.insert(), row)
+        return expires, row
 
     def mint(
         self,
@@ -661,8 +717,14 @@ class SessionService:
         sandbox: SandboxRow,
         caps: list[Capability],
         now: float,
+        *,
+        lease: dict[str, Any] | None = None,
     ) -> Any:
-        check_key_live(conn, principal.key_id)
+        """A token for ``principal`` (refused if its key was revoked meanwhile);
+        PostgreSQL: with ``lease`` (:meth:`_attach`'s row) written in the same statement."""
+        combined = conn.dialect.name == "postgresql" and principal.key_id is not None
+        if not combined:
+            check_key_live(conn, principal.key_id)
         minted = self.keyring.mint(
             principal_id=principal.id,
             actor=actor,
@@ -674,19 +736,26 @@ class SessionService:
             ttl=self.settings.token_ttl_seconds,
             now=now,
         )
-        conn.execute(
-            _INSERT_TOKEN,
-            {
-                "jti": minted.jti,
-                "binding_id": binding.id,
-                "sandbox_id": sandbox.id,
-                "principal_id": principal.lease_holder,
-                "key_id": principal.key_id,
-                "user_id": principal.effective_user,
-                "issued_at": minted.issued_at,
-                "expires_at": minted.expires_at,
-            },
-        )
+        row = {
+            "jti": minted.jti,
+            "binding_id": binding.id,
+            "sandbox_id": sandbox.id,
+            "principal_id": principal.lease_holder,
+            "key_id": principal.key_id,
+            "user_id": principal.effective_user,
+            "issued_at": minted.issued_at,
+            "expires_at": minted.expires_at,
+        }
+        if not combined:
+            conn.execute(sql.INSERT_TOKEN, row)
+            return minted
+        if lease is None:
+            inserted = conn.execute(sql.INSERT_TOKEN_IF_KEY_LIVE, row).first()
+        else:
+            params = {**row, **{f"l_{k}": v for k, v in lease.items()}}
+            inserted = conn.execute(sql.INSERT_TOKEN_AND_LEASE, params).first()
+        if inserted is None:
+            raise Unauthenticated("invalid API key")
         return minted
 
     def policy(self, template_name: str | None = None) -> Policy:

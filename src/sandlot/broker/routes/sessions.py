@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from sandlot.broker.events import EventHub
 from sandlot.broker.idempotency import MAX_KEY_LENGTH, Claim, fingerprint
 from sandlot.broker.principals import Principal
+from sandlot.broker.ratelimit import Charge, SharedRateLimiter
 from sandlot.broker.routes.deps import (
     BrokerDep,
     PrincipalDep,
@@ -127,12 +128,17 @@ async def negotiate(
 ) -> Response:
     body = await read_body(request)
     req = parse_model(SessionRequest, body)
-    await broker.ratelimit.check(principal.lease_holder)
+    limiter, charge = broker.ratelimit, None
+    if isinstance(limiter, SharedRateLimiter):
+        # Taken in the negotiation's own transaction: no transaction of its own.
+        charge = Charge(limiter, principal.lease_holder)
+    else:
+        await limiter.check(principal.lease_holder)
     ctx = audit_context(request, principal)
 
     async def run(claim: Claim | None) -> tuple[int, Any]:
         started = time.perf_counter()
-        grant = await broker.sessions.negotiate(ctx, principal, req, claim=claim)
+        grant = await broker.sessions.negotiate(ctx, principal, req, claim=claim, charge=charge)
         if grant is None:  # the claim holds an earlier identical request's answer
             return 0, None
         request.app.state.metrics.negotiation(req.mode.value, time.perf_counter() - started)

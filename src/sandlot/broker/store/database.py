@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
-from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from sandlot.protocol.errors import ProviderUnavailable
@@ -61,6 +62,46 @@ def backend_unavailable() -> ProviderUnavailable:
     """What a request meets while the store is out of reach (retryable; PROTOCOL.md's
     ``BACKEND_UNAVAILABLE``, an alias of ``PROVIDER_UNAVAILABLE``)."""
     return ProviderUnavailable("the store is unavailable, retry", code="BACKEND_UNAVAILABLE")
+
+
+#: A pooled connection unused for longer than this is pinged before it is handed out.
+PING_AFTER_IDLE_SECONDS = 1.0
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Check a connection that sat idle in the pool before using it (a server restarted
+    or a connection dropped meanwhile: a fresh one is made instead).
+
+    SQLAlchemy's ``pool_pre_ping`` pings on every checkout: a round trip more per
+    transaction, the cost of a statement. A connection that was in use a moment ago
+    is not pinged; if the database went away since, the request that meets the dead
+    connection fails with 503 BACKEND_UNAVAILABLE (retryable) and the pool drops every
+    connection made before (SQLAlchemy invalidates the pool on a disconnection). The
+    pool hands out the most recently used connection first (``pool_use_lifo``), so a
+    steady load keeps a few connections warm and lets the others age into a ping.
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info["used_at"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        used = record.info.get("used_at")
+        if used is None or time.monotonic() - used <= PING_AFTER_IDLE_SECONDS:
+            return  # new, or in use a moment ago
+        try:
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute("SELECT 1")
+            finally:
+                cur.close()
+            if not getattr(dbapi_conn, "autocommit", True):
+                dbapi_conn.rollback()  # the ping's implicit transaction
+        except Exception as exc:
+            # The pool discards this connection and checks out another (a new one).
+            raise DisconnectionError(str(exc)) from exc
 
 
 def _sqlite_engine(url: str) -> Engine:
@@ -145,8 +186,9 @@ class Store:
                 parsed = parsed.set(drivername="postgresql+psycopg")
             args = POSTGRES_CONNECT_ARGS if self.dialect == "postgresql" else {}
             self.engine = create_engine(
-                parsed, pool_size=8, max_overflow=24, pool_pre_ping=True, connect_args=args
+                parsed, pool_size=8, max_overflow=24, pool_use_lifo=True, connect_args=args
             )
+            _ping_when_idle(self.engine)
 
     def migrate(self) -> None:
         """Bring the schema to the newest revision (idempotent)."""
