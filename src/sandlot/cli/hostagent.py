@@ -167,11 +167,16 @@ class BrokerRevocations(RevocationWatcher):
         self.link = link
 
     async def fetch(self) -> Revocations:
-        data = await self.link.call(
-            "GET",
-            "/v1/hosts/revocations",
-            params={"since": self._since, "keys_since": max(self._keys_since, 0.0)},
-        )
+        try:
+            data = await self.link.call(
+                "GET",
+                "/v1/hosts/revocations",
+                params={"since": self._since, "keys_since": max(self._keys_since, 0.0)},
+            )
+        except (BrokerUnreachable, HostKeyRefused) as exc:
+            # Read again at the next look (the agent's heartbeats log the outage).
+            log.debug("revocations not read: %s", exc)
+            return Revocations([], [], [])
         return Revocations(
             tokens=[SimpleNamespace(**t) for t in data["tokens"]],
             keys=[SimpleNamespace(**k) for k in data["keys"]],
@@ -380,6 +385,8 @@ def agent_app(
     from sandlot.providers.remote import provider_router
 
     holder: list[HostAgent] = []
+    # One line per call to the brokers (several a second) is noise, not news.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
 
     async def key_resolver(api_key: str, sandbox_id: str) -> AuthContext | None:
         return await holder[0].check_api_key(api_key, sandbox_id)
