@@ -146,6 +146,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         finally:
             for srv in brokers:
                 srv.stop()
+                # What the replicas said, beside the hosts' logs, for a failure to be read.
+                (base / f"{srv.data_dir.name}.log").write_text("".join(srv.output))
             for host in hosts:
                 host.stop()
                 host.cleanup()

@@ -173,7 +173,9 @@ class BrokerRevocations(RevocationWatcher):
                 "/v1/hosts/revocations",
                 params={"since": self._since, "keys_since": max(self._keys_since, 0.0)},
             )
-        except (BrokerUnreachable, HostKeyRefused) as exc:
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
             # Read again at the next look (the agent's heartbeats log the outage).
             log.debug("revocations not read: %s", exc)
             return Revocations([], [], [])
@@ -270,11 +272,14 @@ class HostAgent:
             )
 
     async def _until_done(self, call: Callable[[], Any]) -> Any:
-        """A call to the brokers, retried while they are unreachable or refuse the key."""
+        """A call to the brokers, retried until one answers it (unreachable brokers, a
+        refused key, a broker's own failure: each logged, at most every 10 s)."""
         while True:
             try:
                 return await call()
-            except (BrokerUnreachable, HostKeyRefused) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
                 self._warn(exc)
             await asyncio.sleep(self.RETRY_SECONDS)
 
@@ -287,8 +292,12 @@ class HostAgent:
         self._warned[kind] = now
         if isinstance(exc, HostKeyRefused):
             log.error("the brokers refuse this host's key (%s): revoked or replaced?", exc)
-        else:
+        elif isinstance(exc, BrokerUnreachable):
             log.warning("the brokers are unreachable: %s", exc)
+        elif isinstance(exc, SandlotError):
+            log.warning("a broker refused a call: %s %s", exc.code, exc.message)
+        else:
+            log.exception("a call to the brokers failed", exc_info=exc)
 
     # --- loops ------------------------------------------------------------------------
 
@@ -296,9 +305,20 @@ class HostAgent:
         body = {"capacity": self.registration["capacity"]}
         while True:
             await asyncio.sleep(self.config.heartbeat_seconds)
+            sent = time.monotonic()
             try:
                 data = await self.link.call("POST", "/v1/hosts/heartbeat", body)
-            except (BrokerUnreachable, HostKeyRefused) as exc:
+                took = time.monotonic() - sent
+                if took > self.config.lost_after_seconds / 4:
+                    log.warning(
+                        "a heartbeat took %.1f s (the brokers declare this host lost after "
+                        "%.0f s without one)",
+                        took,
+                        self.config.lost_after_seconds,
+                    )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
                 self._warn(exc)
                 continue
             if data["was"] is None:
@@ -316,13 +336,15 @@ class HostAgent:
                 data = await self.link.call("POST", "/v1/hosts/reap", timeout=300.0)
                 if data["report"]:
                     log.debug("reaper pass: %s", data["report"])
-            except (BrokerUnreachable, HostKeyRefused) as exc:
-                self._warn(exc)
+            except asyncio.CancelledError:
+                raise
             except SandlotError as exc:
                 if (exc.metadata or {}).get("reason") == "not_registered":
                     await self.register()
                 else:
-                    log.warning("reaper pass refused: %s", exc.message)
+                    self._warn(exc)
+            except Exception as exc:
+                self._warn(exc)
             await asyncio.sleep(self.config.reaper_interval_seconds)
 
     def on_status(self, sandbox_id: str, status: ProviderStatus) -> None:
@@ -342,15 +364,21 @@ class HostAgent:
                 try:
                     await self.link.call("POST", path, body)
                     break
+                except asyncio.CancelledError:
+                    raise
                 except (BrokerUnreachable, HostKeyRefused) as exc:
                     self._warn(exc)
                 except SandlotError as exc:
                     if (exc.metadata or {}).get("reason") == "not_registered":
                         await self.register()
                         continue
-                    # Not (or no longer) a sandbox of this host: nothing to record.
-                    log.info("state of %s not recorded: %s", sandbox_id, exc.message)
-                    break
+                    if exc.status < 500:
+                        # Not (or no longer) a sandbox of this host: nothing to record.
+                        log.info("state of %s not recorded: %s", sandbox_id, exc.message)
+                        break
+                    self._warn(exc)
+                except Exception as exc:
+                    self._warn(exc)
                 await asyncio.sleep(self.RETRY_SECONDS)
 
     # --- the dataplane's questions ----------------------------------------------------
