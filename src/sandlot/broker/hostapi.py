@@ -49,7 +49,7 @@ from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.pools import PoolService
 from sandlot.broker.reaper import Reaper
 from sandlot.broker.revocations import read_revocations
-from sandlot.broker.sandboxes import LIVE_STATES, SandboxService
+from sandlot.broker.sandboxes import LIVE_STATES, SandboxRow, SandboxService
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import sandboxes
@@ -73,6 +73,17 @@ class HostRegistrationRequest:
     capacity: int
 
 
+class HostSandboxes(SandboxService):
+    """The sandboxes of exactly one host (a sandbox with no host is never one of them:
+    it belongs to a provider every replica reaches, not to this host)."""
+
+    def is_hosted_here(self, row: SandboxRow) -> bool:
+        return row.host is not None and row.host == self.host
+
+    def _hosted_here(self) -> Any:
+        return sandboxes.c.host == self.host
+
+
 class HostScope:
     """A broker's services bound to one registered host's sandboxes."""
 
@@ -87,7 +98,7 @@ class HostScope:
                 "name": record.provider,
             }
         )
-        self.sandboxes = SandboxService(
+        self.sandboxes = HostSandboxes(
             store=api.store,
             provider=self.provider,
             settings=api.settings,
@@ -208,11 +219,17 @@ class HostApi:
 
     def adoption(self, host_id: str) -> list[dict[str, Any]]:
         """The host's sandboxes the store believes live, for its provider to re-adopt."""
-        rows = self.sandboxes.list_live()
+        with self.store.read() as conn:
+            rows = [
+                SandboxRow.from_row(r)
+                for r in conn.execute(
+                    select(sandboxes).where(
+                        sandboxes.c.host == host_id, sandboxes.c.state.in_(LIVE_STATES)
+                    )
+                ).all()
+            ]
         out = []
         for row in rows:
-            if row.host != host_id:
-                continue
             try:
                 template = self.templates.get(row.template)
             except Exception:
