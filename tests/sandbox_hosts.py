@@ -23,14 +23,22 @@ class SandlotHost:
         self,
         data_dir: Path,
         *,
-        store: str,
+        store: str | None,
         broker_url: str,
         capacity: int,
         config: str | None = None,
         mode: str | None = None,
+        key: str | None = None,
     ) -> None:
+        """``store``: the brokers' database; None with ``key``: the host registers through
+        the broker at ``broker_url`` with that host key (``--broker``, ``--key-file``)."""
         self.data_dir = data_dir
         self.store = store
+        self.key_file: Path | None = None
+        if key is not None:
+            self.key_file = data_dir.parent / f"{data_dir.name}-host-key"
+            self.key_file.write_text(key + "\n")
+            self.key_file.chmod(0o600)
         self.broker_url = broker_url
         self.capacity = capacity
         self.config_path: Path | None = None
@@ -50,10 +58,11 @@ class SandlotHost:
             "-m",
             "sandlot.cli.main",
             "host",
-            "--store",
-            self.store,
-            "--broker-url",
-            self.broker_url,
+            *(
+                ["--broker", self.broker_url, "--key-file", str(self.key_file)]
+                if self.key_file is not None
+                else ["--store", str(self.store), "--broker-url", self.broker_url]
+            ),
             "--listen",
             f"127.0.0.1:{self.port}",
             "--capacity",

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from sandlot import __version__
 from sandlot.broker.core import Broker
 from sandlot.broker.metrics import Metrics
-from sandlot.broker.routes import compat, ops, resources, sessions
+from sandlot.broker.routes import compat, hosts, ops, resources, sessions
 from sandlot.broker.routes.errors import error_response
 from sandlot.protocol.errors import (
     InternalError,
@@ -132,7 +132,7 @@ def create_app(broker: Broker) -> FastAPI:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(request, InternalError("internal error"))
 
-    for module in (sessions, resources, compat, ops):
+    for module in (sessions, resources, compat, ops, hosts):
         app.include_router(module.router, responses=error_responses())
     app.add_middleware(RequestIdMiddleware)
     return app

@@ -4,7 +4,7 @@ and a LangGraph server hosting sandlot (:mod:`sandlot.integrations.langgraph`) s
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from sandlot.broker.core import Broker
@@ -18,11 +18,21 @@ from sandlot.protocol.errors import SandlotError, Unauthenticated
 from sandlot.providers.base import Provider, provider_class
 from sandlot.providers.multi import MultiProvider
 
+JwksSource = Callable[[], Awaitable[Mapping[str, Any]]]
+ApiKeyResolver = Callable[[str, str], Awaitable[AuthContext | None]]
+
 
 def build_provider(
-    settings: BrokerSettings, broker_ref: list[Broker], *, dataplane_url: str | None = None
+    settings: BrokerSettings,
+    broker_ref: list[Broker],
+    *,
+    dataplane_url: str | None = None,
+    jwks_source: JwksSource | None = None,
+    key_resolver: ApiKeyResolver | None = None,
 ) -> Provider:
-    """Instantiate the configured provider, wiring in what an in-process dataplane needs."""
+    """Instantiate the configured provider, wiring in what an in-process dataplane needs:
+    the signing keys and the API keys of the broker in ``broker_ref``, or (a host without
+    the store, :mod:`sandlot.cli.hostagent`) ``jwks_source`` and ``key_resolver``."""
 
     async def jwks() -> Mapping[str, Any]:
         # Read afresh: another replica may have signed with a key it added since (the
@@ -32,33 +42,7 @@ def build_provider(
         return await asyncio.to_thread(keyring.jwks)
 
     async def api_key_resolver(api_key: str, sandbox_id: str) -> AuthContext | None:
-        broker = broker_ref[0]
-        try:
-            principal: Principal = await asyncio.to_thread(broker.keys.authenticate, api_key)
-            row = await asyncio.to_thread(broker.sandboxes.get, sandbox_id)
-        except (Unauthenticated, SandlotError):
-            return None
-        allowed = row.owner_user_id == principal.effective_user or principal.is_admin
-        if not allowed and row.scope_key is not None:
-            try:
-                members = await asyncio.to_thread(
-                    broker.members.members, principal, _scope_of(row.scope_key)
-                )
-                allowed = principal.effective_user in members.members
-            except SandlotError:
-                allowed = False
-        if not allowed:
-            return None
-        policy = settings.policy_for(principal.actor_type)
-        return AuthContext(
-            principal_id=principal.id,
-            actor=principal.actor,
-            caps=frozenset(policy.allowed),
-            sandbox_id=sandbox_id,
-            generation=row.generation,
-            # Revoking the key revokes this id: its sockets close like a token's.
-            jti=api_key_jti(principal.key_id) if principal.key_id else None,
-        )
+        return await resolve_api_key(broker_ref[0], api_key, sandbox_id)
 
     try:
         dataplane_settings = DataplaneSettings.from_env()
@@ -69,8 +53,8 @@ def build_provider(
         "data_dir": settings.data_dir,
         "public_url": dataplane_url or settings.dataplane_url or settings.base_url,
         "issuer": settings.issuer,
-        "jwks": jwks,
-        "api_key_resolver": api_key_resolver,
+        "jwks": jwks_source or jwks,
+        "api_key_resolver": key_resolver or api_key_resolver,
         "dataplane_settings": dataplane_settings,
     }
     members: dict[str, Provider] = {}
@@ -80,6 +64,38 @@ def build_provider(
     if len(members) == 1:
         return next(iter(members.values()))
     return MultiProvider(members, settings.default_provider)
+
+
+async def resolve_api_key(broker: Broker, api_key: str, sandbox_id: str) -> AuthContext | None:
+    """Who an API key used on a sandbox's dataplane (``X-Api-Key``) is, or None if the key
+    is invalid or its user may not reach the sandbox (its owner, an admin, a member of
+    its scope)."""
+    try:
+        principal: Principal = await asyncio.to_thread(broker.keys.authenticate, api_key)
+        row = await asyncio.to_thread(broker.sandboxes.get, sandbox_id)
+    except (Unauthenticated, SandlotError):
+        return None
+    allowed = row.owner_user_id == principal.effective_user or principal.is_admin
+    if not allowed and row.scope_key is not None:
+        try:
+            members = await asyncio.to_thread(
+                broker.members.members, principal, _scope_of(row.scope_key)
+            )
+            allowed = principal.effective_user in members.members
+        except SandlotError:
+            allowed = False
+    if not allowed:
+        return None
+    policy = broker.settings.policy_for(principal.actor_type)
+    return AuthContext(
+        principal_id=principal.id,
+        actor=principal.actor,
+        caps=frozenset(policy.allowed),
+        sandbox_id=sandbox_id,
+        generation=row.generation,
+        # Revoking the key revokes this id: its sockets close like a token's.
+        jti=api_key_jti(principal.key_id) if principal.key_id else None,
+    )
 
 
 def _scope_of(key: str) -> Scope:

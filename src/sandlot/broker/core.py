@@ -11,6 +11,7 @@ from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditLog
 from sandlot.broker.events import EventHub, StoreListener
 from sandlot.broker.fleet import FleetProvider, HostHeartbeat, HostRegistry, Registration
+from sandlot.broker.hostapi import HostApi
 from sandlot.broker.hosts import host_id
 from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.keys import KeyService
@@ -148,6 +149,17 @@ class Broker:
                     credential=provider_api[1] if provider_api else None,
                 ),
             )
+        #: What this broker does for hosts that reach the store through its API.
+        self.host_api = HostApi(
+            store=self.store,
+            settings=settings,
+            registry=self.hosts,
+            sandboxes=self.sandboxes,
+            templates=self.templates,
+            pools=self.pools,
+            idempotency=self.idempotency,
+            hub=self.hub,
+        )
         self.revocations = RevocationWatcher(self.store, provider, clock)
         #: Other processes' events, on a store that can tell (PostgreSQL).
         self.listener = (
@@ -196,6 +208,7 @@ class Broker:
             await self.heartbeat.stop()
         await self.revocations.stop()
         await self.reaper.stop()
+        await self.host_api.close()
         await self.sandboxes.drain()
         await self.provider.close()
         self.store.dispose()

@@ -163,18 +163,18 @@ class HostRegistry:
                 return False
         return False
 
-    def heartbeat(self, host_id: str) -> str | None:
-        """Stamp the host's heartbeat (and mark it ``up``); its state before (None: unknown)."""
+    def heartbeat(self, host_id: str, capacity: int | None = None) -> str | None:
+        """Stamp the host's heartbeat (and mark it ``up``; ``capacity``: as it reports it
+        now); its state before (None: unknown)."""
         with self.store.write() as conn:
             now = self._now(conn)
             was = conn.execute(select(hosts.c.state).where(hosts.c.id == host_id)).first()
             if was is None:
                 return None
-            conn.execute(
-                update(hosts)
-                .where(hosts.c.id == host_id)
-                .values(heartbeat_at=now, state=HOST_UP, lost_at=None)
-            )
+            values: dict[str, Any] = {"heartbeat_at": now, "state": HOST_UP, "lost_at": None}
+            if capacity is not None:
+                values["capacity"] = capacity
+            conn.execute(update(hosts).where(hosts.c.id == host_id).values(**values))
             return str(was.state)
 
     # --- brokers' side ---------------------------------------------------------------

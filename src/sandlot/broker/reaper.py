@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import anyio
@@ -74,6 +75,9 @@ class Reaper:
         self.hub = hub
         #: Whether passes refill pools (a ``sandlot host`` leaves that to the brokers).
         self.refill_pools = True
+        #: Whether passes purge expired idempotency claims and tokens (the brokers' own
+        #: reapers do; a pass run for a host through the API does not, :mod:`.hostapi`).
+        self.purge = True
         self._next_sweep = 0.0
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -85,8 +89,12 @@ class Reaper:
     def now(self) -> float:
         return self.sandboxes.clock()
 
-    async def recover(self) -> list[str]:
-        """At start: re-adopt what the store believes is live; re-drive or fail the rest."""
+    async def recover(self, lost_ids: Collection[str] | None = None) -> list[str]:
+        """At start: re-adopt what the store believes is live; re-drive or fail the rest.
+
+        ``lost_ids``: what the host found lost when it re-adopted its sandboxes itself
+        (a host that reaches the store through the brokers' API, :mod:`.hostapi`);
+        None: the provider re-adopts them here."""
         live = await anyio.to_thread.run_sync(self._hosted_here)
         records = []
         for row in live:
@@ -107,7 +115,10 @@ class Reaper:
                     pool=row.pool,
                 )
             )
-        lost = set(await self.provider.load_state(records))
+        if lost_ids is None:
+            lost = set(await self.provider.load_state(records))
+        else:
+            lost = set(lost_ids) & {r.sandbox_id for r in records}
         adopted = [r.sandbox_id for r in records if r.sandbox_id not in lost]
         await anyio.to_thread.run_sync(self.sandboxes.record_coordinates, adopted)
         for row in live:
@@ -160,7 +171,8 @@ class Reaper:
                 report.host_lost += await self._sweep_lost_hosts(self.registry)
             if self.refill_pools:
                 await self._refill_pools(report)
-            await anyio.to_thread.run_sync(self._purge)
+            if self.purge:
+                await anyio.to_thread.run_sync(self._purge)
             return report
 
     def _hosted_here(self) -> list[SandboxRow]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -59,13 +60,44 @@ _REVOKED_SINCE = select(
 )
 
 
+@dataclass(frozen=True)
+class Revocations:
+    """What one look found: revoked tokens (``jti``, ``sandbox_id``, ``expires_at``,
+    ``revoked_at``), revoked API keys (``id``, ``revoked_at``) and, when there are keys,
+    the live sandboxes they go to."""
+
+    tokens: list[Any]
+    keys: list[Any]
+    live: list[str]
+
+
+def read_revocations(
+    store: Store, *, since: float, keys_since: float, now: float, host: str | None = None
+) -> Revocations:
+    """Tokens revoked since ``since`` (unexpired at ``now``) and keys revoked since
+    ``keys_since``; ``host``: only the sandboxes of that host (a host that reads them
+    through the brokers' API, :mod:`sandlot.broker.hostapi`)."""
+    rows_q, live_q = _REVOKED_SINCE, _LIVE_SANDBOXES
+    if host is not None:
+        rows_q = rows_q.join(sandboxes, sandboxes.c.id == tokens.c.sandbox_id).where(
+            sandboxes.c.host == host
+        )
+        live_q = live_q.where(sandboxes.c.host == host)
+    with store.read() as conn:
+        rows = list(conn.execute(rows_q, {"since": since, "now": now}).all())
+        keys = list(conn.execute(_KEYS_REVOKED_SINCE, {"since": keys_since}).all())
+        live = [r.id for r in conn.execute(live_q).all()] if keys else []
+    return Revocations(rows, keys, live)
+
+
 class RevocationWatcher:
     #: How often the store is read for new revocations (they must reach sockets within 1 s).
     POLL_SECONDS = 0.2
     #: How far before the newest revocation seen each look starts again.
     OVERLAP_SECONDS = 5.0
 
-    def __init__(self, store: Store, provider: Provider, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store | None, provider: Provider, clock: Callable[[], float]) -> None:
+        """``store``: None for a subclass that reads elsewhere (:meth:`fetch`)."""
         self.store = store
         self.provider = provider
         self.clock = clock
@@ -77,18 +109,18 @@ class RevocationWatcher:
         self._pushed: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
 
-    def _fetch(self) -> tuple[list[Any], list[Any], list[str]]:
-        with self.store.read() as conn:
-            rows = list(
-                conn.execute(
-                    _REVOKED_SINCE,
-                    {"since": self._since, "now": self.clock() - TOKEN_LEEWAY_SECONDS},
-                ).all()
+    async def fetch(self) -> Revocations:
+        """The revocations since the last look (read from the store)."""
+        store = self.store
+        assert store is not None
+        return await anyio.to_thread.run_sync(
+            lambda: read_revocations(
+                store,
+                since=self._since,
+                keys_since=self._keys_since,
+                now=self.clock() - TOKEN_LEEWAY_SECONDS,
             )
-            keys = list(conn.execute(_KEYS_REVOKED_SINCE, {"since": self._keys_since}).all())
-            keys = [k for k in keys if api_key_jti(k.id) not in self._pushed]
-            live = [r.id for r in conn.execute(_LIVE_SANDBOXES).all()] if keys else []
-        return rows, keys, live
+        )
 
     async def _push_keys(self, keys: list[Any], live: list[str]) -> None:
         """Revoked keys go to every live sandbox (a key may be used on any it may reach)."""
@@ -106,7 +138,9 @@ class RevocationWatcher:
 
     async def run_once(self) -> int:
         """Push the revocations not pushed yet; returns how many tokens were pushed."""
-        rows, keys, live = await anyio.to_thread.run_sync(self._fetch)
+        found = await self.fetch()
+        rows, live = found.tokens, found.live
+        keys = [k for k in found.keys if api_key_jti(k.id) not in self._pushed]
         if keys:
             await self._push_keys(keys, live)
         fresh: dict[str, list[Any]] = {}

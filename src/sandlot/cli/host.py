@@ -12,6 +12,11 @@ teardowns, orphans) and pushes token revocations to its dataplane, all from the 
 It serves no broker API: clients negotiate with the brokers (``hosts.mode =
 "registered"``), which place sandboxes here and grant tokens for this dataplane.
 
+A host without access to the database registers through the brokers' API instead:
+``--broker URL`` with the host key an admin issued (``--key``, ``--key-file`` or
+``SANDLOT_HOST_KEY``; see :mod:`sandlot.cli.hostagent`). The key names the host: its
+id is the key's, kept in the data directory like the id of a host with the store.
+
 Every flag has an environment variable, for units and scripted topologies:
 
 - ``--store`` / ``SANDLOT_STORE``: the brokers' PostgreSQL (required).
@@ -28,6 +33,9 @@ Every flag has an environment variable, for units and scripted topologies:
   ``DATA_DIR/host-credential`` (mode 0600).
 - ``--capacity`` / ``SANDLOT_HOST_CAPACITY``: the most sandboxes it runs (default 100).
 - ``--data-dir`` / ``SANDLOT_DATA_DIR``: its sandboxes, workspaces and host id.
+- ``--broker`` / ``SANDLOT_HOST_BROKER``: instead of ``--store``, a broker's URL (or the
+  balancer's) to register and report through.
+- ``--key`` / ``--key-file`` / ``SANDLOT_HOST_KEY``: the host key, with ``--broker``.
 """
 
 from __future__ import annotations
@@ -53,6 +61,8 @@ EPILOG = (
     "Example: sandlot host --store postgresql://sandlot@db/sandlot "
     "--broker-url https://sandlot.example --listen 0.0.0.0:8766 "
     "--public-url https://sandlot.example/hosts/h1 --capacity 50 --data-dir /var/lib/sandlot-host"
+    " — or, without the database: sandlot host --broker https://sandlot.example "
+    "--key-file /etc/sandlot/host-key --listen 0.0.0.0:8766 …"
 )
 
 CREDENTIAL_FILE = "host-credential"
@@ -87,12 +97,30 @@ def host_command(
         False, "--unisolated", help="Run sandboxes as plain processes (no isolation)."
     ),
     log_format: str = typer.Option(None, help="text or json (default: text)."),
+    broker: str = typer.Option(
+        None, help="Register through this broker's API, not the store (env SANDLOT_HOST_BROKER)."
+    ),
+    key: str = typer.Option(
+        None, help="The host key an admin issued, with --broker (env SANDLOT_HOST_KEY)."
+    ),
+    key_file: Path = typer.Option(None, help="A file holding the host key, with --broker."),
 ) -> None:
     from sandlot.broker.logs import configure_logging
     from sandlot.broker.settings import ConfigError, load_settings
 
     env = os.environ
+    broker = broker or env.get("SANDLOT_HOST_BROKER") or ""
     with friendly_errors():
+        host_key = _host_key(key, key_file)
+        if host_key and not broker:
+            raise ConfigError("a host key goes with the broker it registers with: --broker URL")
+        if broker and not host_key:
+            raise ConfigError(
+                "--broker needs the host's key: --key-file, --key or SANDLOT_HOST_KEY "
+                "(an admin issues one: sandlot keys create-host)"
+            )
+        if broker and store:
+            raise ConfigError("give either --store (the database) or --broker (its API), not both")
         address = listen or env.get("SANDLOT_HOST_LISTEN") or DEFAULT_LISTEN
         host, _, port_text = address.rpartition(":")
         host = host.strip("[]")
@@ -103,14 +131,18 @@ def host_command(
             host=host,
             port=int(port_text),
             data_dir=data_dir or (None if env.get("SANDLOT_DATA_DIR") else Path(".sandlot-host")),
-            store_url=store,
-            public_url=broker_url,
+            store_url=None if broker else store,
+            public_url=None if broker else broker_url,
             dataplane_url=public_url,
             host_capacity=capacity,
             provider_mode="unisolated" if unisolated else None,
             log_format=log_format,
             sandbox_hosts="embedded",
         )
+        if broker:
+            configure_logging(settings.log_format)
+            _run_agent(settings, broker, host_key, credential_file, provider_url, address)
+            return
         if not settings.store_url or settings.resolved_store_url.startswith("sqlite"):
             raise ConfigError("sandlot host needs the brokers' store: --store postgresql://…")
         if not settings.public_url:
@@ -130,6 +162,85 @@ def host_command(
         settings = replace(settings, dataplane_url=settings.dataplane_url or listen_url)
         api_url = provider_url or env.get("SANDLOT_HOST_PROVIDER_URL") or listen_url
         run_host(settings, sock, api_url, credential)
+
+
+def _host_key(given: str | None, path: Path | None) -> str:
+    """The host key: ``--key``, ``--key-file`` or ``SANDLOT_HOST_KEY`` (never logged)."""
+    if path is not None:
+        try:
+            return path.read_text().strip()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read the host key file {path}: {exc}") from None
+    return (given or os.environ.get("SANDLOT_HOST_KEY") or "").strip()
+
+
+def _claim_host_id(data_dir: Path, wanted: str) -> None:
+    """Keep the key's host id in the data directory; refuse a directory of another host."""
+    from sandlot.broker.hosts import HOST_ID_FILE
+    from sandlot.broker.settings import ConfigError
+
+    path = data_dir / HOST_ID_FILE
+    with contextlib.suppress(FileNotFoundError):
+        found = path.read_text().strip()
+        if found and found != wanted:
+            raise ConfigError(
+                f"{data_dir} holds the sandboxes of host {found}; this key is for host "
+                f"{wanted}: use another --data-dir, or that host's key"
+            )
+        if found:
+            return
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(wanted + "\n")
+
+
+def _run_agent(
+    settings: Any,
+    broker: str,
+    host_key: str,
+    credential_file: Path | None,
+    provider_url: str | None,
+    address: str,
+) -> None:
+    """A host without the store: check the key with the brokers, then serve."""
+    from sandlot.broker.hostkeys import host_of_key
+    from sandlot.broker.settings import ConfigError
+    from sandlot.cli.hostagent import BrokerLink, BrokerUnreachable, HostKeyRefused, hello
+    from sandlot.cli.server import bind_socket
+    from sandlot.protocol.errors import SandlotError
+
+    try:
+        wanted = host_of_key(host_key)
+    except SandlotError:
+        raise ConfigError("the host key is not one (it reads slh_…)") from None
+    _claim_host_id(settings.data_dir, wanted)
+    try:
+        config = hello(broker, host_key)
+    except HostKeyRefused as exc:
+        raise fail(
+            f"the broker at {broker} refuses this host key ({exc}): it was revoked, "
+            "replaced, or never issued there"
+        ) from None
+    except BrokerUnreachable as exc:
+        raise fail(str(exc)) from None
+    except SandlotError as exc:
+        raise fail(f"the broker at {broker} cannot register hosts: {exc.message}") from None
+    credential = _credential(settings.data_dir, credential_file)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as exc:
+        if exc.errno == 98:
+            raise fail(f"{address} is already in use") from None
+        raise
+    settings = replace(settings, port=sock.getsockname()[1], public_url=None)
+    listen_url = settings.base_url
+    settings = replace(
+        settings, dataplane_url=settings.dataplane_url or listen_url, public_url=config.issuer
+    )
+    api_url = provider_url or os.environ.get("SANDLOT_HOST_PROVIDER_URL") or listen_url
+    from sandlot.cli.hostagent import agent_app
+
+    app = agent_app(settings, BrokerLink(broker, host_key), config, api_url, credential)
+    _serve(app, settings, sock, wanted, listen_url, api_url, via=f"the brokers at {broker}")
 
 
 def _credential(data_dir: Path, given: Path | None) -> str:
@@ -214,16 +325,26 @@ def host_app(settings: Any, provider_url: str, credential: str) -> tuple[Any, An
 
 def run_host(settings: Any, sock: Any, provider_url: str, credential: str) -> None:
     from sandlot.broker.hosts import host_id
-    from sandlot.cli.server import make_server, run_until_signalled
 
     app, _broker = host_app(settings, provider_url, credential)
+    listen_url = replace(settings, public_url=None).base_url
+    _serve(
+        app, settings, sock, host_id(settings.data_dir), listen_url, provider_url, via="the store"
+    )
+
+
+def _serve(
+    app: Any, settings: Any, sock: Any, host: str, listen_url: str, provider_url: str, via: str
+) -> None:
+    from sandlot.cli.server import make_server, run_until_signalled
+
     sys.stdout.write(
-        f"sandlot host {host_id(settings.data_dir)} listening on "
-        f"{replace(settings, public_url=None).base_url}\n"
+        f"sandlot host {host} listening on {listen_url}\n"
         f"  dataplane: {settings.dataplane_url}\n"
         f"  provider API: {provider_url}/internal/provider\n"
         f"  provider: {settings.provider_name} ({settings.provider_mode}); "
         f"capacity {settings.host_capacity}\n"
+        f"  registered through {via}\n"
         f"  data directory: {settings.data_dir.absolute()}\n"
     )
     sys.stdout.flush()

@@ -129,3 +129,71 @@ def revoke(
         assert key_id is not None
         revoked = keys.revoke(key_id)
     typer.echo(f"revoked {key_id} and {revoked} tokens")
+
+
+def _host_keys(data_dir: Path | None, store: str | None, config: Path | None):  # type: ignore[no-untyped-def]
+    from sandlot.broker.hostkeys import HostKeyService
+
+    return HostKeyService(_services(data_dir, store, config).store)
+
+
+@app.command(
+    "create-host",
+    epilog="Example: sandlot keys create-host --name rack2-node7 --store postgresql://… --json",
+)
+def create_host(
+    name: str = typer.Option(None, "--name", help="A label for the host."),
+    host_id: str = typer.Option(
+        None, "--host-id", help="Replace the revoked key of this host (default: a new host)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help='Print {"key": …, "host_id": …} as JSON.'),
+    data_dir: Path = DataDir,
+    store: str = StoreUrl,
+    config: Path = ConfigFile,
+) -> None:
+    """Issue the key of a sandbox host that registers through the brokers' API
+    (sandlot host --broker URL --key-file FILE); shown once, only its hash is stored."""
+    with friendly_errors():
+        key, made = _host_keys(data_dir, store, config).create(name=name, host_id=host_id)
+    if as_json:
+        typer.echo(json.dumps({"key": key, "host_id": made, "name": name}))
+    else:
+        typer.echo(key)
+
+
+@app.command("list-hosts", epilog="Example: sandlot keys list-hosts --store postgresql://…")
+def list_hosts(
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+    data_dir: Path = DataDir,
+    store: str = StoreUrl,
+    config: Path = ConfigFile,
+) -> None:
+    """List host keys (never the keys themselves)."""
+    with friendly_errors():
+        infos = _host_keys(data_dir, store, config).list()
+    if as_json:
+        typer.echo(json.dumps([i.__dict__ for i in infos]))
+        return
+    table = Table("host", "name", "created", "revoked")
+    for i in infos:
+        table.add_row(
+            i.host_id,
+            i.name or "",
+            datetime.fromtimestamp(i.created_at, UTC).strftime("%Y-%m-%d %H:%M"),
+            "yes" if i.revoked_at else "",
+        )
+    console.print(table)
+
+
+@app.command("revoke-host", epilog="Example: sandlot keys revoke-host h_0123456789abcdef")
+def revoke_host(
+    host_id: str = typer.Argument(..., help="The host whose key to revoke."),
+    data_dir: Path = DataDir,
+    store: str = StoreUrl,
+    config: Path = ConfigFile,
+) -> None:
+    """Revoke a host's key: its calls are refused within a second; it is declared lost
+    once its heartbeats lapse."""
+    with friendly_errors():
+        _host_keys(data_dir, store, config).revoke(host_id)
+    typer.echo(f"revoked the key of {host_id}")

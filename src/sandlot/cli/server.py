@@ -15,10 +15,11 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import uvicorn
 from fastapi import FastAPI
 from starlette.applications import Starlette
@@ -30,9 +31,11 @@ from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.http.host import DataplaneHost
+from sandlot.web.allowlist import Upstream
 from sandlot.web.app import create_web_app
 from sandlot.web.live import live_routes
 from sandlot.web.settings import load_web_settings
+from sandlot.web.workspaces import dataplane_upstream
 
 if TYPE_CHECKING:
     from sandlot.integrations.mcp import HttpMcp
@@ -86,6 +89,8 @@ def build_app(
         authenticator=broker.keys,
         dataplane_url=f"{own_dataplane.rstrip('/')}/dp",
         registry=app.state.metrics.registry,
+        own_dataplane=dataplane is not None,
+        discover=_host_dataplanes(broker),
     )
     served = WebDispatch(served, web)
     mcp = _mcp_app(served, settings)
@@ -104,6 +109,23 @@ def build_app(
 
     app.router.lifespan_context = lifespan
     return (mcp or served), broker
+
+
+def _host_dataplanes(broker: Broker) -> Callable[[], Awaitable[list[Upstream]]] | None:
+    """The dataplanes of the sandbox hosts in the store, for the web app's gateway: a
+    browser's workspace may be on a registered host, or on another replica's embedded
+    one. None on SQLite (one machine: this server's own dataplane only)."""
+    registry = broker.hosts
+    if registry is None:
+        return None
+
+    async def discover() -> list[Upstream]:
+        records = await anyio.to_thread.run_sync(registry.all)
+        return [
+            dataplane_upstream(f"host:{r.id}", f"{r.dataplane_url.rstrip('/')}/dp") for r in records
+        ]
+
+    return discover
 
 
 class WebDispatch:

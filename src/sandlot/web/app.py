@@ -22,7 +22,7 @@ against a broker). It only wires:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from starlette.routing import BaseRoute, Route, WebSocketRoute
 
 from sandlot import __version__
 from sandlot.protocol.errors import InvalidRequest, ResourceNotFound, SandlotError
+from sandlot.web.allowlist import Upstream
 from sandlot.web.auth import (
     BrowserAuthMiddleware,
     KeyAuthenticator,
@@ -68,7 +69,11 @@ def web_context(conn: HTTPConnection) -> WebContext:
 
 
 def build_workspaces(
-    settings: WebSettings, *, broker_url: str | None, dataplane_url: str | None = None
+    settings: WebSettings,
+    *,
+    broker_url: str | None,
+    dataplane_url: str | None = None,
+    own_dataplane: bool = True,
 ) -> Workspaces:
     """The workspaces of the settings' mode."""
     if settings.mode is WorkspaceMode.LOCAL:
@@ -82,7 +87,7 @@ def build_workspaces(
         return LocalWorkspaces(root, settings.local_users, LocalDataplane(root))
     if not broker_url:
         raise ConfigError("sandbox mode needs the broker's URL")
-    return SandboxWorkspaces(broker_url, dataplane_url=dataplane_url)
+    return SandboxWorkspaces(broker_url, dataplane_url=dataplane_url, own_dataplane=own_dataplane)
 
 
 def _served(routes: Sequence[BaseRoute], path: str) -> bool:
@@ -99,6 +104,8 @@ def create_web_app(
     registry: CollectorRegistry | None = None,
     gateway_settings: GatewaySettings | None = None,
     workspaces: Workspaces | None = None,
+    own_dataplane: bool = True,
+    discover: Callable[[], Awaitable[Iterable[Upstream]]] | None = None,
 ) -> Starlette:
     """The web app (see the module's docstring).
 
@@ -106,12 +113,21 @@ def create_web_app(
     mode); ``dataplane_url``: where its grants point, when not ``{broker_url}/dp``;
     ``authenticator`` checks API keys at sign-in (``None``: only one-time links sign in);
     ``registry`` receives the gateway's metrics and the server's own (the broker's
-    registry, when mounted beside it).
+    registry, when mounted beside it); ``own_dataplane=False``: the broker serves no
+    dataplane (registered sandbox hosts); ``discover``: the dataplanes of the sandbox
+    hosts the gateway may reach besides (:class:`~sandlot.web.gateway.Gateway`).
     """
     if workspaces is None:
-        workspaces = build_workspaces(settings, broker_url=broker_url, dataplane_url=dataplane_url)
+        workspaces = build_workspaces(
+            settings,
+            broker_url=broker_url,
+            dataplane_url=dataplane_url,
+            own_dataplane=own_dataplane,
+        )
     auth = WebAuth(settings, authenticator)
-    gateway = Gateway(workspaces.upstreams(), gateway_settings, registry=registry)
+    gateway = Gateway(
+        workspaces.upstreams(), gateway_settings, registry=registry, discover=discover
+    )
     context = WebContext(settings, auth, gateway, workspaces)
     features = {
         "pty": _served(extra_routes, "/ws/pty"),
@@ -126,7 +142,8 @@ def create_web_app(
     def readiness() -> dict[str, Any]:
         state = workspaces.readiness()
         breakers = gateway.states()
-        ready = bool(state.get("ready")) and all(s != "open" for s in breakers.values())
+        configured = gateway.states(discovered=False).values()
+        ready = bool(state.get("ready")) and all(s != "open" for s in configured)
         return {**state, "ready": ready, "gateway": breakers}
 
     web_metrics.watch_readiness(lambda: bool(readiness()["ready"]))

@@ -62,7 +62,15 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import (
+    AsyncIterable,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -126,6 +134,8 @@ MiB = 1 << 20
 #: Methods whose request may be sent twice with the effect of once (RFC 9110 9.2.2).
 IDEMPOTENT = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 RETRY_STATUSES = frozenset({502, 503, 504})
+#: Refusals a newly discovered upstream may lift (a method refused stays refused).
+_DISCOVERABLE = frozenset({"host", "port", "scheme", "path"})
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9_.:-]{1,128}$")
 _TOKEN = re.compile(r"^[A-Za-z0-9._~+/=-]{1,16384}$")
 #: Bytes of an error answer read to find the dataplane's envelope in it.
@@ -364,6 +374,14 @@ class Gateway:
     ``tls`` is the context for ``https``/``wss`` upstreams; ``clock`` drives the
     breakers and the DNS re-checks. :meth:`aclose` (or ``async with``) closes its
     connections.
+
+    ``discover``: where more upstreams come from while it runs (the dataplanes of the
+    sandbox hosts registered with the broker, read from its store; never a browser's
+    input). A URL that no upstream admits has it asked again, at most every
+    ``discover_seconds``, before the call is refused; the upstreams it returns replace
+    the ones it returned before. Discovered upstreams do not count in the readiness
+    (:meth:`states` with ``discovered=False``): one host down does not make the web
+    server unready.
     """
 
     def __init__(
@@ -375,6 +393,8 @@ class Gateway:
         registry: CollectorRegistry | None = None,
         tls: ssl.SSLContext | None = None,
         clock: Callable[[], float] = time.monotonic,
+        discover: Callable[[], Awaitable[Iterable[Upstream]]] | None = None,
+        discover_seconds: float = 1.0,
     ) -> None:
         self.settings = s = settings or GatewaySettings()
         self._resolver = resolver or system_resolver
@@ -382,17 +402,15 @@ class Gateway:
         self._tls = tls or ssl.create_default_context()
         self.allowlist = Allowlist(upstreams)
         pins: dict[tuple[str, int], Pin] = {}
+        self._pins = pins
         self._routes: dict[str, _Route] = {}
         for upstream in self.allowlist.upstreams:
-            _, host, port = upstream.origin
-            breaker = CircuitBreaker(
-                upstream.name,
-                failures=s.breaker_failures,
-                cool_down=s.breaker_cool_down,
-                clock=clock,
-            )
-            pin = pins.setdefault((host, port), Pin(host, port))
-            self._routes[upstream.name] = _Route(upstream, pin, breaker)
+            self._add_route(upstream)
+        self._static = frozenset(self._routes)
+        self._discover = discover
+        self._discover_seconds = discover_seconds
+        self._discovered_at = -math.inf
+        self._discover_lock = asyncio.Lock()
         self._timeouts = {
             "connect": s.connect_timeout,
             "read": s.read_timeout,
@@ -463,7 +481,7 @@ class Gateway:
         rid = request_id_of(headers)
         limit = self.settings.max_file_bytes if max_bytes is None else max_bytes
         try:
-            route, target = self._target(method, url)
+            route, target = await self._target(method, url)
             _check_token(token)
             retry = method in IDEMPOTENT or idempotent
             retry = retry or any(k.lower() == "idempotency-key" for k in (headers or {}))
@@ -502,7 +520,7 @@ class Gateway:
         caller closes it (or :func:`relay` does)."""
         rid = request_id_of(headers)
         try:
-            route, target = self._target("GET", url, websocket=True)
+            route, target = await self._target("GET", url, websocket=True)
             _check_token(token)
             await self._verify(route)
             return await self._open_websocket(route, target, token, headers, subprotocols, rid)
@@ -513,9 +531,14 @@ class Gateway:
             exc.request_id = rid
             raise
 
-    def states(self) -> dict[str, str]:
-        """Each upstream's breaker state (``closed``, ``half-open``, ``open``) for ``/readyz``."""
-        return {name: r.breaker.state.value for name, r in self._routes.items()}
+    def states(self, *, discovered: bool = True) -> dict[str, str]:
+        """Each upstream's breaker state (``closed``, ``half-open``, ``open``) for ``/readyz``
+        (``discovered=False``: the configured upstreams only)."""
+        return {
+            name: r.breaker.state.value
+            for name, r in self._routes.items()
+            if discovered or name in self._static
+        }
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -528,17 +551,61 @@ class Gateway:
 
     # --- rules --------------------------------------------------------------------------
 
-    def _target(
+    def _add_route(self, upstream: Upstream) -> None:
+        _, host, port = upstream.origin
+        breaker = CircuitBreaker(
+            upstream.name,
+            failures=self.settings.breaker_failures,
+            cool_down=self.settings.breaker_cool_down,
+            clock=self._clock,
+        )
+        pin = self._pins.setdefault((host, port), Pin(host, port))
+        self._routes[upstream.name] = _Route(upstream, pin, breaker)
+
+    async def _target(
         self, method: str, url: str, *, websocket: bool = False
     ) -> tuple[_Route, httpx.URL]:
         try:
-            upstream, target = self.allowlist.match(method, url, websocket=websocket)
+            try:
+                upstream, target = self.allowlist.match(method, url, websocket=websocket)
+            except SandlotError as exc:
+                if exc.metadata.get("reason") not in _DISCOVERABLE or not await self._rediscover():
+                    raise
+                upstream, target = self.allowlist.match(method, url, websocket=websocket)
         except SandlotError as exc:
             reason = exc.metadata.get("reason", "url")
             self.metrics.refusals.labels(reason).inc()
             log.info("gateway: refused a call (%s)", reason)
             raise
         return self._routes[upstream.name], target
+
+    async def _rediscover(self) -> bool:
+        """Ask ``discover`` for the upstreams again (at most every ``discover_seconds``);
+        whether they changed."""
+        if self._discover is None:
+            return False
+        async with self._discover_lock:
+            if self._clock() - self._discovered_at < self._discover_seconds:
+                return False
+            self._discovered_at = self._clock()
+            try:
+                found = {u.name: u for u in await self._discover()}
+            except Exception:
+                log.exception("gateway: discovering upstreams failed")
+                return False
+        found = {name: u for name, u in found.items() if name not in self._static}
+        changed = False
+        for name in [n for n in self._routes if n not in self._static and n not in found]:
+            del self._routes[name]
+            changed = True
+        for name, upstream in found.items():
+            route = self._routes.get(name)
+            if route is None or route.upstream != upstream:
+                self._add_route(upstream)
+                changed = True
+        if changed:
+            self.allowlist = Allowlist(r.upstream for r in self._routes.values())
+        return changed
 
     def _request_headers(
         self,

@@ -183,11 +183,22 @@ def _checked_id(value: str, what: str) -> str:
     return value
 
 
+def dataplane_upstream(name: str, dataplane_url: str) -> Upstream:
+    """The gateway's upstream for the dataplane at ``dataplane_url`` (``…/dp``): calls may
+    address the paths under it."""
+    base = dataplane_url.rstrip("/")
+    path = base.split("://", 1)[-1].partition("/")[2]
+    prefix = f"/{path}/" if path else "/"
+    return Upstream(name, base, (prefix,))
+
+
 class SandboxWorkspaces:
     """Sandboxes negotiated with the broker at ``broker_url`` for each signed-in user.
 
     ``dataplane_url`` is where the broker's grants point (its ``/dp`` mount, or the
-    sandbox host's with several workers): the only upstream the gateway may reach.
+    sandbox host's with several workers): the only upstream configured for the gateway;
+    ``own_dataplane=False`` for a broker that serves none (its sandboxes are on registered
+    hosts, whose dataplanes the gateway discovers: :func:`dataplane_upstream`).
     Clients unused for ``idle_seconds`` are closed (their leases left to expire); at most
     ``max_clients`` are kept.
     """
@@ -199,6 +210,7 @@ class SandboxWorkspaces:
         broker_url: str,
         *,
         dataplane_url: str | None = None,
+        own_dataplane: bool = True,
         timeout: float = 30.0,
         idle_seconds: float = 3600.0,
         max_clients: int = 1000,
@@ -206,6 +218,7 @@ class SandboxWorkspaces:
     ) -> None:
         self.broker_url = broker_url.rstrip("/")
         self.dataplane_url = (dataplane_url or f"{self.broker_url}/dp").rstrip("/")
+        self.own_dataplane = own_dataplane
         self.timeout = timeout
         self.idle_seconds = idle_seconds
         self.max_clients = max_clients
@@ -214,9 +227,9 @@ class SandboxWorkspaces:
         self._closing: set[asyncio.Task[None]] = set()
 
     def upstreams(self) -> list[Upstream]:
-        path = self.dataplane_url.split("://", 1)[-1].partition("/")[2]
-        prefix = f"/{path}/" if path else "/"
-        return [Upstream("dataplane", self.dataplane_url, (prefix,))]
+        if not self.own_dataplane:
+            return []
+        return [dataplane_upstream("dataplane", self.dataplane_url)]
 
     async def start(self) -> None:
         return None

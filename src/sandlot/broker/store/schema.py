@@ -232,6 +232,20 @@ hosts = Table(
     Column("lost_at", Float),
 )
 
+#: Credentials of sandbox hosts that register through the brokers' API instead of the
+#: store (:mod:`sandlot.broker.hostkeys`): issued by an admin, one per host id, stored
+#: hashed like API keys.
+host_keys = Table(
+    "host_keys",
+    metadata,
+    #: The host id the credential stands for (``h_…``): its holder registers as that host.
+    Column("id", String(80), primary_key=True),
+    Column("secret_hash", String(64), nullable=False),
+    Column("name", String(200)),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float),
+)
+
 signing_keys = Table(
     "signing_keys",
     metadata,
