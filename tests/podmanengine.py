@@ -121,6 +121,9 @@ class PodmanEngine:
         argv += ["sh", str(self.dir / "varlib"), self.podman(), "system", "service", "--time=0"]
         self.proc = subprocess.Popen(
             [*argv, self.url],
+            # Its own directory: conmon writes an `oom` file into its working directory
+            # when a container is killed out of memory.
+            cwd=self.dir,
             stdout=self.log,
             stderr=subprocess.STDOUT,
             env=self.env,
