@@ -237,6 +237,7 @@ async def test_a_sandbox_the_engine_cannot_start_fails_with_the_reason(
             await h.provider.delete(sid)
             assert await h.provider.list_sandboxes() == set()
         assert "sandlot-no-such-image:1" in h.changes[0][1].reason  # type: ignore[operator]
+        assert h.changes[0][1].reason.startswith("IMAGE: ")  # type: ignore[union-attr]
         assert "not found" in h.changes[0][1].reason  # type: ignore[operator]
         assert "lower the provider's ulimits" in h.changes[-1][1].reason  # type: ignore[operator]
 
@@ -266,6 +267,7 @@ async def test_a_container_that_dies_fails_its_sandbox_at_once(
                 await asyncio.sleep(0.02)
         sid, status = h.changes[-1]
         assert sid == "sb_die" and "exit code 137" in (status.reason or "")
+        assert (status.reason or "").startswith("EXITED: ")
         async with httpx.AsyncClient(timeout=10) as c:
             r = await c.post(h.url("sb_die", "/exec"), json={"command": "true"},
                              headers=h.headers("sb_die"))  # fmt: skip

@@ -96,6 +96,11 @@ from sandlot.providers.socketrelay import Upstream, open_socket
 
 log = logging.getLogger("sandlot.providers.docker")
 
+
+class _ImageMissing(ProviderUnavailable):
+    """The template's image is not on the engine (it is never pulled)."""
+
+
 LABEL_SANDBOX = "sandlot.sandbox"
 LABEL_GENERATION = "sandlot.generation"
 LABEL_INSTANCE = "sandlot.instance"
@@ -317,11 +322,15 @@ class DockerProvider(InboxProvider[_Sandbox]):
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            reason = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            said = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+            # The reason starts with its code, as the kubernetes provider's do.
+            code = "IMAGE" if isinstance(exc, _ImageMissing) else "START"
+            reason = f"{code}: {said}"
             log.error("creating sandbox %s failed: %s", sid, reason)
             box = self._sandboxes.get(sid)
             if box is not None:
                 box.state, box.reason = SandboxState.FAILED, reason[:500]
+                box.failure = code
                 box.settled.set()
                 await self._notify(sid)
             return
@@ -420,7 +429,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         try:
             container = await self._docker(self._client.containers.create, **config)
         except docker.errors.NotFound as exc:  # the image (Podman's 404 is not ImageNotFound)
-            raise ProviderUnavailable(f"image {config['image']!r} not found on the engine") from exc
+            raise _ImageMissing(f"image {config['image']!r} not found on the engine") from exc
         except ProviderUnavailable as exc:
             if not _conflict(exc.__cause__):
                 raise
@@ -482,15 +491,19 @@ class DockerProvider(InboxProvider[_Sandbox]):
                 self._client.containers.get, self._container_name(sandbox_id)
             )
         except docker.errors.NotFound:
-            box.state, box.reason = SandboxState.FAILED, "the container is gone"
+            box.state, box.reason = SandboxState.FAILED, "DELETED: the container is gone"
+            box.failure = "DELETED"
             return True
         if container.status in ("running", "paused"):
             return False
         state = container.attrs.get("State", {})
+        code = state.get("ExitCode")
         if state.get("OOMKilled"):
-            reason = "out of memory"
+            box.failure = "OOM"
+            reason = f"OOM: the sandbox ran out of memory (OOMKilled, exit code {code})"
         else:
-            reason = f"the container is {container.status} (exit code {state.get('ExitCode')})"
+            box.failure = "EXITED"
+            reason = f"EXITED: the container is {container.status} (exit code {code})"
         box.state, box.reason = SandboxState.FAILED, reason
         return True
 
