@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from sandlot.protocol.errors import InvalidRequest
@@ -32,6 +32,23 @@ from sandlot.providers.base import (
 )
 
 _SANDBOX_OF_PATH = re.compile(r"^/([A-Za-z0-9_.-]{1,128})(?:/|$)")
+
+
+def choose_provider(
+    configured: Iterable[str], default: str, template: Template, preference: str = "auto"
+) -> str:
+    """The provider that makes a sandbox of ``template``: the template's pin, else the
+    request's preference, else ``default``; a name not configured is the client's mistake."""
+    wanted = template.provider or (None if preference == "auto" else preference)
+    if wanted is None:
+        return default
+    names = sorted(configured)
+    if wanted not in names:
+        raise InvalidRequest(
+            f"provider {wanted!r} is not configured (configured: {', '.join(names)})",
+            metadata={"provider": wanted, "configured": names},
+        )
+    return wanted
 
 
 class MultiProvider(Provider):
@@ -67,16 +84,7 @@ class MultiProvider(Provider):
     # --- choosing -----------------------------------------------------------------------
 
     def choose(self, template: Template, preference: str = "auto") -> str:
-        wanted = template.provider or (None if preference == "auto" else preference)
-        if wanted is None:
-            return self.default
-        if wanted not in self.members:
-            configured = sorted(self.members)
-            raise InvalidRequest(
-                f"provider {wanted!r} is not configured (configured: {', '.join(configured)})",
-                metadata={"provider": wanted, "configured": configured},
-            )
-        return wanted
+        return choose_provider(self.members, self.default, template, preference)
 
     def member(self, name: str) -> Provider:
         try:

@@ -37,6 +37,7 @@ from sandlot.providers.base import (
     SandboxSpec,
     StatusListener,
 )
+from sandlot.providers.multi import choose_provider
 
 SECRET_HEADER = "x-sandlot-provider-secret"
 
@@ -207,16 +208,7 @@ class RemoteProvider(Provider):
     def choose(self, template: Template, preference: str = "auto") -> str:
         if not self.members:
             return super().choose(template, preference)
-        wanted = template.provider or (None if preference == "auto" else preference)
-        if wanted is None:
-            return self.default
-        if wanted not in self.members:
-            configured = sorted(self.members)
-            raise InvalidRequest(
-                f"provider {wanted!r} is not configured (configured: {', '.join(configured)})",
-                metadata={"provider": wanted, "configured": configured},
-            )
-        return wanted
+        return choose_provider(self.members, self.default, template, preference)
 
     def member(self, name: str) -> Provider:
         if not self.members:
