@@ -51,8 +51,6 @@ from typing import Any
 
 import anyio
 import typer
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
 
 from sandlot.cli.errors import fail, friendly_errors
 
@@ -267,49 +265,28 @@ def _credential(data_dir: Path, given: Path | None) -> str:
 
 def host_app(settings: Any, provider_url: str, credential: str) -> tuple[Any, Any]:
     """The host's ASGI app (provider API, health, dataplane at ``/dp``) and its broker."""
-    from sandlot.broker.app import MountDispatch, RequestIdMiddleware
     from sandlot.broker.assembly import build_provider
     from sandlot.broker.core import Broker
-    from sandlot.broker.routes.errors import error_response
-    from sandlot.protocol.errors import InternalError, SandlotError
-    from sandlot.providers.remote import provider_router
+    from sandlot.cli.hostagent import host_frame
 
     ref: list[Broker] = []
     provider = build_provider(settings, ref, dataplane_url=settings.dataplane_url)
     broker = Broker(settings, provider, provider_api=(provider_url, credential))
     broker.reaper.refill_pools = False
     ref.append(broker)
-    app = FastAPI(title="sandlot host", openapi_url=None, docs_url=None, redoc_url=None)
 
-    @app.exception_handler(SandlotError)
-    async def _sandlot_error(request: Request, exc: SandlotError) -> JSONResponse:
-        return error_response(request, exc)
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(request, InternalError("internal error"))
-
-    @app.get("/healthz")
-    async def healthz() -> Any:
-        return {"ok": True}
-
-    @app.get("/readyz")
-    async def readyz() -> Any:
+    async def readiness() -> tuple[bool, dict[str, Any]]:
         store_ok = await anyio.to_thread.run_sync(broker.store.ping)
         ready = store_ok and bool(provider.readiness().get("ok")) and broker.started
-        body = {
+        return ready, {
             "ready": ready,
             "host": broker.sandboxes.host,
             "store": {"ok": store_ok},
             "provider": {"name": provider.name},
         }
-        return JSONResponse(body, status_code=200 if ready else 503)
-
-    app.include_router(provider_router(provider, credential))
-    app.add_middleware(RequestIdMiddleware)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
         # The brokers migrate the store and write templates and signing keys.
         await anyio.to_thread.run_sync(broker.store.migrate)
         await broker.start(migrate=False)
@@ -318,9 +295,7 @@ def host_app(settings: Any, provider_url: str, credential: str) -> tuple[Any, An
         finally:
             await broker.stop()
 
-    app.router.lifespan_context = lifespan
-    dataplane = getattr(provider, "app", None)
-    return (MountDispatch(app, {"/dp": dataplane}) if dataplane else app), broker
+    return host_frame(provider, credential, readiness, lifespan), broker
 
 
 def run_host(settings: Any, sock: Any, provider_url: str, credential: str) -> None:

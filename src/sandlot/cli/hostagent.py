@@ -28,7 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -407,10 +407,7 @@ def agent_app(
     settings: Any, link: BrokerLink, config: BrokerConfig, provider_url: str, credential: str
 ) -> Any:
     """The ASGI app of a host without the store: provider API, health, dataplane at ``/dp``."""
-    from sandlot.broker.app import MountDispatch, RequestIdMiddleware
     from sandlot.broker.assembly import build_provider
-    from sandlot.broker.routes.errors import error_response
-    from sandlot.providers.remote import provider_router
 
     holder: list[HostAgent] = []
     # One line per call to the brokers (several a second) is noise, not news.
@@ -439,6 +436,46 @@ def agent_app(
         },
     )
     holder.append(agent)
+
+    async def readiness() -> tuple[bool, dict[str, Any]]:
+        ready = agent.ready and bool(provider.readiness().get("ok"))
+        return ready, {
+            "ready": ready,
+            "host": config.host_id,
+            "brokers": {"registered": agent.ready},
+            "provider": {"name": provider.name},
+        }
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: Any) -> AsyncIterator[None]:
+        await provider.start(agent.on_status)
+        await agent.adopt()
+        agent.start()
+        try:
+            yield
+        finally:
+            await agent.stop()
+            await provider.close()
+            await link.close()
+
+    return host_frame(provider, credential, readiness, lifespan)
+
+
+def host_frame(
+    provider: Provider,
+    credential: str,
+    readiness: Callable[[], Awaitable[tuple[bool, dict[str, Any]]]],
+    lifespan: Callable[[Any], contextlib.AbstractAsyncContextManager[None]],
+) -> Any:
+    """A sandbox host's app, with or without the store: the provider API for the brokers,
+    ``/healthz``, ``/readyz`` (``readiness``: ready, and the body), error envelopes, and
+    the provider's dataplane at ``/dp``."""
+    from fastapi.responses import JSONResponse
+
+    from sandlot.broker.app import MountDispatch, RequestIdMiddleware
+    from sandlot.broker.routes.errors import error_response
+    from sandlot.providers.remote import provider_router
+
     app = FastAPI(title="sandlot host", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(SandlotError)
@@ -455,31 +492,11 @@ def agent_app(
 
     @app.get("/readyz")
     async def readyz() -> Any:
-        ready = agent.ready and bool(provider.readiness().get("ok"))
-        body = {
-            "ready": ready,
-            "host": config.host_id,
-            "brokers": {"registered": agent.ready},
-            "provider": {"name": provider.name},
-        }
+        ready, body = await readiness()
         return JSONResponse(body, status_code=200 if ready else 503)
 
     app.include_router(provider_router(provider, credential))
     app.add_middleware(RequestIdMiddleware)
-
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        await provider.start(agent.on_status)
-        await agent.adopt()
-        agent.start()
-        try:
-            yield
-        finally:
-            await agent.stop()
-            await provider.close()
-            await link.close()
-
     app.router.lifespan_context = lifespan
-    app.state.agent = agent
     dataplane = getattr(provider, "app", None)
     return MountDispatch(app, {"/dp": dataplane}) if dataplane else app
