@@ -414,8 +414,9 @@ def type_in_terminal(page: Page, text: str) -> None:
 # --- a folder dropped from the desktop --------------------------------------------------------
 
 
-def drop_folder(page: Page, target: Locator, folder: Path) -> None:
-    """Drops ``folder`` from "the desktop" on an empty spot of ``target``.
+def drop_folder(page: Page, target: Locator, folder: Path) -> list[dict[str, object]]:
+    """Drops ``folder`` from "the desktop" on an empty spot of ``target``; answers the drag
+    events the page saw (type, target, items and files, whether the page took them).
 
     This is the browser's own drop of a real folder (Chrome DevTools'
     ``Input.dispatchDragEvent`` with the folder's path, what the OS hands the browser when
@@ -427,6 +428,11 @@ def drop_folder(page: Page, target: Locator, folder: Path) -> None:
     ``createReader().readEntries()`` until it answers an empty batch, each file with
     ``entry.file()``), and must call ``preventDefault()`` on ``dragenter``/``dragover``
     for the drop to happen at all.
+
+    A drag the browser never turned into page events (no ``drop`` reached the page within
+    5 s: DevTools' drag input is not acknowledged by the page) is dispatched once more, as
+    a person whose drop did not register drops again; a drop the page saw is never
+    repeated.
     """
     # As a person would: onto a tree that has listed the workspace (its first listing no
     # longer moves what is under the pointer).
@@ -446,16 +452,41 @@ def drop_folder(page: Page, target: Locator, folder: Path) -> None:
         [box["x"] + box["width"] / 2, box["y"], box["y"] + box["height"]],
     )
     assert point is not None, "the tree has no empty spot to drop on"
-    cdp = page.context.new_cdp_session(page)
+    # What the page made of each drag event, seen after its own handlers (bubbling to the
+    # window), for the test's diagnosis.
+    page.evaluate(
+        """() => {
+          const seen = (window.sandlotDrags = []);
+          for (const type of ["dragenter", "dragover", "dragleave", "drop"])
+            window.addEventListener(type, (e) => seen.push({
+              type,
+              target: e.target instanceof Element
+                ? (e.target.getAttribute("data-testid") ?? e.target.tagName)
+                : String(e.target),
+              items: e.dataTransfer ? e.dataTransfer.items.length : -1,
+              files: e.dataTransfer ? e.dataTransfer.files.length : -1,
+              taken: e.defaultPrevented,
+            }));
+        }"""
+    )
     data = {"items": [], "files": [str(folder)], "dragOperationsMask": 1}  # copy
-    try:
-        for kind in ("dragEnter", "dragOver", "drop"):
-            cdp.send(
-                "Input.dispatchDragEvent",
-                {"type": kind, "x": point[0], "y": point[1], "data": data},
-            )
-    finally:
-        cdp.detach()
+    for _attempt in range(2):
+        cdp = page.context.new_cdp_session(page)
+        try:
+            for kind in ("dragEnter", "dragOver", "drop"):
+                cdp.send(
+                    "Input.dispatchDragEvent",
+                    {"type": kind, "x": point[0], "y": point[1], "data": data},
+                )
+        finally:
+            cdp.detach()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            seen: list[dict[str, object]] = page.evaluate("() => window.sandlotDrags")
+            if any(event["type"] == "drop" for event in seen):
+                return seen
+            time.sleep(0.05)
+    return page.evaluate("() => window.sandlotDrags")  # type: ignore[no-any-return]
 
 
 # --- screenshots ------------------------------------------------------------------------------
