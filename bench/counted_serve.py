@@ -46,7 +46,8 @@ _urlopen = urllib3.connectionpool.HTTPConnectionPool.urlopen
 def _counted_urlopen(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
     path = url.split("?", 1)[0]
     watch = "watch=true" in url or "watch=True" in url
-    _count(f"k8s {method} {_NAMED.sub(r'/\1/{name}', path)}{' (watch)' if watch else ''}")
+    kind = _NAMED.sub(lambda m: f"/{m.group(1)}/{{name}}", path)
+    _count(f"k8s {method} {kind}{' (watch)' if watch else ''}")
     return _urlopen(self, method, url, *args, **kwargs)
 
 
@@ -54,12 +55,17 @@ _send = httpx.AsyncClient.send
 
 
 async def _counted_send(self: httpx.AsyncClient, request: httpx.Request, **kwargs: Any) -> Any:
-    _count(f"http {request.method} {request.url.path}")
+    _count(f"http {request.method} {re.sub(r'/sb_[^/]+', '/{sandbox}', request.url.path)}")
     return await _send(self, request, **kwargs)
 
 
-def _on_statement(*_args: Any) -> None:
-    _count("sql statement")
+_TABLE = re.compile(r"\b(?:FROM|INTO|UPDATE)\s+\"?(\w+)", re.IGNORECASE)
+
+
+def _on_statement(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+    verb = statement.lstrip().split(None, 1)[0].upper() if statement.strip() else "?"
+    table = _TABLE.search(statement)
+    _count(f"sql {verb} {table.group(1) if table else ''}".rstrip())
 
 
 _asyncio_to_thread = asyncio.to_thread

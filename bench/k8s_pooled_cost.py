@@ -48,7 +48,9 @@ class CountedServer(SandlotServer):
 
     def __init__(self, data_dir: Path, config: str) -> None:
         self.counts_file = data_dir.parent / f"{data_dir.name}-counts.json"
-        super().__init__(data_dir, config=config, env={"SANDLOT_COUNTS_FILE": str(self.counts_file)})
+        super().__init__(
+            data_dir, config=config, env={"SANDLOT_COUNTS_FILE": str(self.counts_file)}
+        )
         self._seq = 0
 
     def argv(self) -> list[str]:
@@ -136,10 +138,15 @@ async def run(args: argparse.Namespace) -> None:
         stop_cluster(cluster)
     n = args.ensures
     print(f"load average: {os.getloadavg()[0]:.1f}\n")
-    print(f"| per pooled `ensure` (median or mean of {n}) | `ensure` → active | its first `exec true` |")
+    print(
+        f"| per pooled `ensure` (median or mean of {n}) | `ensure` → active "
+        "| its first `exec true` |"
+    )
     print("|---|---|---|")
     ms = lambda xs: f"{statistics.median(xs) * 1000:.2f} ms"  # noqa: E731
-    print(f"| the server's CPU time (median) | {ms(found['ensure_cpu'])} | {ms(found['exec_cpu'])} |")
+    print(
+        f"| the server's CPU time (median) | {ms(found['ensure_cpu'])} | {ms(found['exec_cpu'])} |"
+    )
     print(f"| wall time (median) | {ms(found['ensure_wall'])} | {ms(found['exec_wall'])} |")
     for name in sorted(set(found["ensure_counts"]) | set(found["exec_counts"])):
         e = found["ensure_counts"].get(name, 0.0)
