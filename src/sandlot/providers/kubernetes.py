@@ -710,6 +710,8 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 if pod is not None:  # a suspend cut short: its pod goes now
                     await self._remove_pod(rec.sandbox_id)
                 continue
+            if rec.state is SandboxState.PROVISIONING and self._adopt_starting(rec, pod):
+                continue
             ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
             if (
                 rec.state is SandboxState.PROVISIONING
@@ -747,6 +749,43 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 await self._patch_trust(rec.sandbox_id, {"jwks.json": self._jwks_text})
         await self.cleanup_leftovers(keep=set(self._sandboxes))
         return lost
+
+    def _adopt_starting(self, rec: AdoptionRecord, pod: Any) -> bool:
+        """A pod found for a sandbox still provisioning — another replica is starting it,
+        or this process was killed while it started — is adopted and probed, not made
+        again (which would delete the pod another replica waits for)."""
+        if (
+            pod is None
+            or pod.metadata.deletion_timestamp is not None
+            or (pod.metadata.labels or {}).get(LABEL_GENERATION) != str(rec.generation)
+            or pod_failure(pod) is not None
+        ):
+            return False
+        sid = rec.sandbox_id
+        spec = SandboxSpec(sid, rec.generation, rec.template, pool=rec.pool)
+        box = _Sandbox(spec, SandboxState.PROVISIONING)
+        box.pod_uid, box.pod = pod.metadata.uid, pod
+        self._sandboxes[sid] = box
+        self._peers.forget(sid)
+        task = asyncio.get_running_loop().create_task(self._await_start(sid, box))
+        self._tasks[sid] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(sid, None))
+        return True
+
+    async def _await_start(self, sid: str, box: _Sandbox) -> None:
+        """An adopted starting pod: probed once it runs (now, or on the watch's next
+        event), failed if it does not serve within the start timeout."""
+        await self._read_trust(sid, box)
+        pod = box.pod
+        ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
+        if pod.status is not None and pod.status.phase == "Running" and ip and box.probing is None:
+            box.pod_ip = ip
+            box.probing = asyncio.get_running_loop().create_task(self._probe(sid, box, ip))
+        try:
+            await asyncio.wait_for(box.settled.wait(), self.start_timeout)
+        except TimeoutError:
+            if box.state is SandboxState.PROVISIONING:
+                await self._fail(sid, box, await self._pending_reason(sid))
 
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
         """Delete this instance's pods, trust ConfigMaps and claims that belong to no
