@@ -131,16 +131,18 @@ async def test_replicas_share_one_warm_pool(
             assert from_pool, "no thread was served from the shared pool"
 
             # Each claimed pool pod is labelled claimed once, the same pod (uid) it was;
-            # every pod of the pool that no thread got is back in the pool.
+            # every pod of the pool that no thread got is back in the pool, but those
+            # the replicas hold claimed ahead for their next ensure (one each at most).
             pods = instance_pods(core, instance)
             for sid in from_pool:
                 labels = pods[sid].metadata.labels
                 assert POOL not in labels and labels[CLAIMED] == "warm"
                 assert pods[sid].metadata.uid == warm[sid].metadata.uid
-            for sid in set(warm) - mine:
+            claimed = {s for s, p in pods.items() if p.metadata.labels.get(CLAIMED) == "warm"}
+            ahead = claimed - from_pool
+            assert len(ahead) <= 2 and not ahead & mine
+            for sid in set(warm) - mine - ahead:
                 assert pods[sid].metadata.labels[POOL] == "warm"
-            claimed = [s for s, p in pods.items() if p.metadata.labels.get(CLAIMED) == "warm"]
-            assert sorted(claimed) == sorted(from_pool)
 
             # Every thread's pod answers through either replica's relay.
             for client in clients:
@@ -158,6 +160,7 @@ async def test_replicas_share_one_warm_pool(
                     s
                     for s, p in instance_pods(core, instance).items()
                     if p.metadata.labels.get(POOL)
+                    or (p.metadata.labels.get(CLAIMED) and s not in mine)
                 }
                 sb = await clients[i % 2].ensure(f"thr_rep_after{i}")
                 assert sb.id in ready
