@@ -16,11 +16,15 @@ so that suspend and resume work wherever the sandbox is served.
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from sandlot.protocol.sessions import Template
-from sandlot.providers.base import SandboxSpec
+from sandlot.protocol.states import SandboxState
+from sandlot.providers.base import AdoptionRecord, SandboxSpec
+from sandlot.providers.k8spool import pool_of
 from sandlot.providers.podspec import ANNOTATION_SPEC, LABEL_GENERATION, LABEL_SANDBOX, pod_failure
+from sandlot.providers.socketrelay import TcpUpstream
 
 
 def spec_of(pod: Any, pool: str | None) -> SandboxSpec | None:
@@ -43,6 +47,51 @@ def spec_of(pod: Any, pool: str | None) -> SandboxSpec | None:
         )
     except (ValueError, KeyError, TypeError):
         return None
+
+
+class PodBox(Protocol):
+    reason: str | None
+    pod_ip: str | None
+    pod_uid: str | None
+    pod: Any
+    upstream: Any
+    settled: Any
+
+
+BoxT = TypeVar("BoxT", bound=PodBox)
+
+
+def peer_box(
+    pod: Any, box_type: Callable[[SandboxSpec, SandboxState], BoxT], port: int
+) -> BoxT | None:
+    """The record of another replica's running pod, as this replica serves it."""
+    spec = spec_of(pod, pool_of(pod))
+    if spec is None:
+        return None
+    box = box_type(spec, SandboxState.ACTIVE)
+    box.reason = "adopted from another replica"
+    box.pod_ip, box.pod_uid, box.pod = pod.status.pod_ip, pod.metadata.uid, pod
+    box.upstream = TcpUpstream(pod.status.pod_ip, port)
+    box.settled.set()
+    return box
+
+
+def starting_box(
+    rec: AdoptionRecord, pod: Any, box_type: Callable[[SandboxSpec, SandboxState], BoxT]
+) -> BoxT | None:
+    """The record of a provisioning sandbox whose pod exists (None: no such pod, or one
+    of another generation, being deleted or failed)."""
+    if (
+        pod is None
+        or pod.metadata.deletion_timestamp is not None
+        or (pod.metadata.labels or {}).get(LABEL_GENERATION) != str(rec.generation)
+        or pod_failure(pod) is not None
+    ):
+        return None
+    spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template, pool=rec.pool)
+    box = box_type(spec, SandboxState.PROVISIONING)
+    box.pod_uid, box.pod = pod.metadata.uid, pod
+    return box
 
 
 class PeerPods:
@@ -77,4 +126,4 @@ class PeerPods:
         return pod
 
 
-__all__ = ["PeerPods", "spec_of"]
+__all__ = ["PeerPods", "peer_box", "spec_of", "starting_box"]

@@ -96,8 +96,8 @@ from sandlot.providers.base import (
     StatusListener,
 )
 from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
-from sandlot.providers.k8speers import PeerPods, spec_of
-from sandlot.providers.k8spool import PodClaims, pool_of
+from sandlot.providers.k8speers import PeerPods, peer_box, starting_box
+from sandlot.providers.k8spool import PodClaims
 from sandlot.providers.podspec import (
     LABEL_GENERATION,
     LABEL_INSTANCE,
@@ -557,14 +557,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         if box is not None or self._loop is None:
             return box
         pod = self._peers.serving(sandbox_id)
-        spec = spec_of(pod, pool_of(pod)) if pod is not None else None
-        if pod is None or spec is None:
+        box = peer_box(pod, _Sandbox, self.settings.port) if pod is not None else None
+        if box is None:
             return None
-        box = _Sandbox(spec, SandboxState.ACTIVE)
-        box.reason = "adopted from another replica"
-        box.pod_ip, box.pod_uid, box.pod = pod.status.pod_ip, pod.metadata.uid, pod
-        box.upstream = TcpUpstream(pod.status.pod_ip, self.settings.port)
-        box.settled.set()
         self._sandboxes[sandbox_id] = box
         self._peers.forget(sandbox_id)
         # Its control key and revocations, for pushes (until then a push falls back).
@@ -754,17 +749,10 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         """A pod found for a sandbox still provisioning — another replica is starting it,
         or this process was killed while it started — is adopted and probed, not made
         again (which would delete the pod another replica waits for)."""
-        if (
-            pod is None
-            or pod.metadata.deletion_timestamp is not None
-            or (pod.metadata.labels or {}).get(LABEL_GENERATION) != str(rec.generation)
-            or pod_failure(pod) is not None
-        ):
+        box = starting_box(rec, pod, _Sandbox)
+        if box is None:
             return False
         sid = rec.sandbox_id
-        spec = SandboxSpec(sid, rec.generation, rec.template, pool=rec.pool)
-        box = _Sandbox(spec, SandboxState.PROVISIONING)
-        box.pod_uid, box.pod = pod.metadata.uid, pod
         self._sandboxes[sid] = box
         self._peers.forget(sid)
         task = asyncio.get_running_loop().create_task(self._await_start(sid, box))
