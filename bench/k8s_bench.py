@@ -50,10 +50,19 @@ from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import SandboxSpec
 
 
+def k8s_bin() -> str:
+    """Where the cluster's binaries are (``scripts/k8s-cluster env``)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "k8s-cluster"
+    out = subprocess.run([script, "env"], check=True, capture_output=True, text=True).stdout
+    for line in out.splitlines():
+        key, _, value = line.removeprefix("export ").partition("=")
+        if key == "SANDLOT_K8S_BIN":
+            return value
+    raise RuntimeError("scripts/k8s-cluster env names no SANDLOT_K8S_BIN")
+
+
 def kubectl(cluster: Cluster, *args: str) -> None:
-    binary = os.environ.get("SANDLOT_K8S_BIN", "") or str(
-        Path.home() / ".cache/sandlot/k8s/v1.20.2/bin"
-    )
+    binary = os.environ.get("SANDLOT_K8S_BIN", "") or k8s_bin()
     subprocess.run(
         [f"{binary}/kubectl", "--kubeconfig", cluster.kubeconfig, "-n", NAMESPACE, *args],
         check=True,

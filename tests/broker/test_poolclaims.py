@@ -47,7 +47,9 @@ async def test_concurrent_ensures_claim_each_pool_sandbox_once(make_harness: Mak
     mine = {next(iter(ids)) for ids in by_thread.values()}
     assert len(mine) == 8
     # Every pool sandbox a thread got is claimed at the provider; every other claim was
-    # given back (the thread was bound by another of its ensures first).
+    # given back (the thread was bound by another of its ensures first), the one claimed
+    # ahead for the next ensure when the broker stops.
+    await h.broker.sessions.pool_claims.close()
     held = {sid for sid, n in provider.claimed.items() if n}
     assert held == mine & set(pooled)
     assert held, "no thread was served from the pool"
@@ -67,4 +69,38 @@ async def test_a_refused_claim_tries_the_next_and_none_means_a_new_sandbox(
     # Every pool sandbox claimed elsewhere: the store's pool rows are not handed out.
     fresh = await _ensure(h.client, k, "thr_b")
     assert fresh not in pooled
+    assert h.broker.pools.get("warm").ready == 2
+
+
+async def test_the_next_pool_sandbox_is_claimed_ahead_and_given_back_at_stop(
+    make_harness: MakeHarness,
+) -> None:
+    provider = ClaimingProvider()
+    h = await make_harness(provider=provider)
+    pooled = await _pool(h, 4)
+    k = h.key("alice")
+    calls: list[str] = []
+    claim = provider.claim_pooled
+
+    async def counted(sandbox_id: str) -> bool:
+        calls.append(sandbox_id)
+        return await claim(sandbox_id)
+
+    provider.claim_pooled = counted  # type: ignore[method-assign]
+    first = await _ensure(h.client, k, "thr_a")
+    assert first in pooled
+    async with asyncio.timeout(10):  # the next one is claimed in the background
+        while len([s for s, n in provider.claimed.items() if n]) < 2:
+            await asyncio.sleep(0.01)
+    ahead = next(s for s, n in provider.claimed.items() if n and s != first)
+    before = len(calls)
+    # The next ensure takes the one held: no claim on its path (one more ahead after).
+    assert await _ensure(h.client, k, "thr_b") == ahead
+    assert calls[before : before + 1] != [ahead]
+    assert ahead not in calls[before:]
+    # The store's pool sandboxes that no thread has are not handed out twice, and what is
+    # held ahead goes back when the broker stops.
+    await h.broker.sessions.pool_claims.close()
+    claimed = {s for s, n in provider.claimed.items() if n}
+    assert claimed == {first, ahead}
     assert h.broker.pools.get("warm").ready == 2

@@ -155,12 +155,19 @@ def pool_server(
             core.delete_namespaced_pod(pod.metadata.name, NAMESPACE, grace_period_seconds=0)
 
 
-def pool_pods(core: Any, data_dir: Path) -> dict[str, Any]:
-    """The live pods labelled as waiting in the pool ``warm``, by sandbox id."""
+def pool_pods(
+    core: Any, data_dir: Path, bound: set[str] | frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """The live pods of the pool ``warm`` that no thread has (``bound``), by sandbox id:
+    those labelled as waiting in it, and one held claimed ahead for the next ensure."""
     return {
         p.metadata.labels["sandlot.sandbox"]: p
         for p in live_pods(core, data_dir)
         if p.metadata.labels.get(POOL) == "warm"
+        or (
+            p.metadata.labels.get(CLAIMED) == "warm"
+            and p.metadata.labels["sandlot.sandbox"] not in bound
+        )
     }
 
 
@@ -202,20 +209,22 @@ async def test_concurrent_ensures_claim_one_pool_pod_per_thread(
     assert from_pool, "no thread was served from the warm pool"
 
     # Each claimed pool pod is labelled claimed, once; every pod of the pool that no
-    # thread got is back in the pool.
+    # thread got is back in the pool, but one the broker may hold claimed ahead for the
+    # next ensure (docs/KUBERNETES.md).
     pods = {p.metadata.labels["sandlot.sandbox"]: p for p in live_pods(core, server.data_dir)}
     for sid in from_pool:
         labels = pods[sid].metadata.labels
         assert POOL not in labels and labels[CLAIMED] == "warm"
         assert pods[sid].metadata.uid == warm[sid].metadata.uid
-    for sid in set(warm) - mine:
+    claimed = {s for s, p in pods.items() if p.metadata.labels.get(CLAIMED) == "warm"}
+    ahead = claimed - from_pool
+    assert len(ahead) <= 1 and not ahead & mine
+    for sid in set(warm) - mine - ahead:
         assert pods[sid].metadata.labels[POOL] == "warm"
-    claimed = [s for s, p in pods.items() if p.metadata.labels.get(CLAIMED) == "warm"]
-    assert sorted(claimed) == sorted(from_pool)
 
     # The reaper refills the pool with new pods; the threads' pods stay theirs.
     await pool_ready(server, headers, MIN_READY)
-    refilled = pool_pods(core, server.data_dir)
+    refilled = pool_pods(core, server.data_dir, mine)
     assert len(refilled) == MIN_READY and not set(refilled) & mine
 
     # A broker killed and restarted keeps the ready pool pods and the threads' pods.

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from sandlot.broker.core import Broker
+from sandlot.broker.identities import identity
 from sandlot.broker.principals import Principal
 from sandlot.broker.revocations import api_key_jti
 from sandlot.broker.settings import BrokerSettings, ConfigError
@@ -44,6 +45,10 @@ def build_provider(
     async def api_key_resolver(api_key: str, sandbox_id: str) -> AuthContext | None:
         return await resolve_api_key(broker_ref[0], api_key, sandbox_id)
 
+    async def store_identity(name: str, proposed: str) -> str:
+        # Replicas on one store share what the first of them proposed.
+        return await asyncio.to_thread(identity, broker_ref[0].store, name, proposed)
+
     try:
         dataplane_settings = DataplaneSettings.from_env()
     except ValueError as exc:
@@ -57,6 +62,8 @@ def build_provider(
         "api_key_resolver": key_resolver or api_key_resolver,
         "dataplane_settings": dataplane_settings,
     }
+    if jwks_source is None:  # a process with the store
+        wired["identity_source"] = store_identity
     members: dict[str, Provider] = {}
     for name, table in settings.providers.items():
         config = {k: v for k, v in table.items() if k != "kind"}

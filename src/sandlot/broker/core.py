@@ -208,6 +208,7 @@ class Broker:
             await self.heartbeat.stop()
         await self.revocations.stop()
         await self.reaper.stop()
+        await self.sessions.pool_claims.close()
         await self.host_api.close()
         await self.sandboxes.drain()
         await self.provider.close()

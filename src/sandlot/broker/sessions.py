@@ -232,6 +232,9 @@ class SessionService:
             result is None or result.grant.sandbox.id != reserved.sandbox_id
         ):
             await self.pool_claims.release(reserved)
+        if reserved is not None and reserved.template is not None:
+            # The next pooled ensure finds its sandbox claimed already.
+            self.pool_claims.replenish(reserved.template, reserved.provider)
         if result is None:
             return None
         if result.provision is not None:

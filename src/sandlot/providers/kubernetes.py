@@ -70,7 +70,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +83,7 @@ from kubernetes.client.exceptions import ApiException
 from sandlot.protocol.errors import (
     InvalidRequest,
     ProviderUnavailable,
+    SandboxNotFound,
 )
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
@@ -95,6 +96,7 @@ from sandlot.providers.base import (
     StatusListener,
 )
 from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
+from sandlot.providers.k8speers import PeerPods, peer_box, starting_box
 from sandlot.providers.k8spool import PodClaims
 from sandlot.providers.podspec import (
     LABEL_GENERATION,
@@ -204,6 +206,12 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         #: The last resourceVersion the watch saw (it resumes from there).
         self.resource_version: str | None = None
         self._claims = PodClaims(self._api, lambda: self._core, self.namespace)
+        #: The store's identity of the deployment, shared by replicas (None: the data
+        #: directory's hash alone, a process without the store).
+        self._identity: Callable[[str, str], Awaitable[str]] | None = cfg.get("identity_source")
+        #: Pods of the instance that other replicas made (:mod:`~sandlot.providers.k8speers`).
+        self._peers = PeerPods()
+        self._adoptions: set[asyncio.Task[None]] = set()
 
     # --- lifecycle of the provider --------------------------------------------------
 
@@ -221,6 +229,11 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     async def start(self, listener: StatusListener | None = None) -> None:
         self._listener = listener
+        if self._identity is not None:
+            # Replicas on one store label their pods alike: the first one's proposal.
+            instance = await self._identity("kubernetes.instance", self.instance)
+            self.instance = instance
+            self.settings = dataclasses.replace(self.settings, instance=instance)
         try:
             configuration = await asyncio.to_thread(self._client_config)
             self._api_client = k8s.ApiClient(configuration)
@@ -350,6 +363,8 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         labels = pod.metadata.labels or {}
         sid = labels.get(LABEL_SANDBOX, "")
         box = self._sandboxes.get(sid)
+        if box is None and sid:
+            self._peers.saw(kind, sid, pod)  # another replica's, or not yet ours
         if box is None or labels.get(LABEL_GENERATION) != str(box.spec.generation):
             return
         uid = pod.metadata.uid
@@ -529,6 +544,31 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             await asyncio.sleep(0.1)
         return False
 
+    def _box(self, sandbox_id: str) -> _Sandbox:
+        box = self._known(sandbox_id)
+        if box is None:
+            raise SandboxNotFound(f"no sandbox {sandbox_id}")
+        return box
+
+    def _known(self, sandbox_id: str) -> _Sandbox | None:
+        """The sandbox's record: this replica's, or made now from the running pod of
+        another replica that the watch saw (:mod:`~sandlot.providers.k8speers`)."""
+        box = self._sandboxes.get(sandbox_id)
+        if box is not None or self._loop is None:
+            return box
+        pod = self._peers.serving(sandbox_id)
+        box = peer_box(pod, _Sandbox, self.settings.port) if pod is not None else None
+        if box is None:
+            return None
+        self._sandboxes[sandbox_id] = box
+        self._peers.forget(sandbox_id)
+        # Its control key and revocations, for pushes (until then a push falls back).
+        task = self._loop.create_task(self._read_trust(sandbox_id, box))
+        self._adoptions.add(task)
+        task.add_done_callback(self._adoptions.discard)
+        log.info("adopted sandbox %s, a pod of another replica", sandbox_id)
+        return box
+
     def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.FAILED:
             metadata = {"reason": box.failure} if box.failure else None
@@ -552,6 +592,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         """Pod (and its ``Sandbox`` resource), trust ConfigMap and workspace claim (unless
         kept). Idempotent."""
         ns = self.namespace
+        self._peers.forget(sandbox_id)
         if self.sandbox_resources is not None:
             with contextlib.suppress(ApiException):
                 await self._api(
@@ -585,7 +626,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         written to the sandbox's ConfigMap, the copy a dataplane that starts again reads.
         Should the push fail, the dataplane is asked to re-read its trust directory every
         second until the kubelet has surely updated the mounted copy."""
-        box = self._sandboxes.get(sandbox_id)
+        box = self._known(sandbox_id)
         if box is None:
             return
         doc = box.note_revoked(tokens)
@@ -664,6 +705,8 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 if pod is not None:  # a suspend cut short: its pod goes now
                     await self._remove_pod(rec.sandbox_id)
                 continue
+            if rec.state is SandboxState.PROVISIONING and self._adopt_starting(rec, pod):
+                continue
             ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
             if (
                 rec.state is SandboxState.PROVISIONING
@@ -702,6 +745,36 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         await self.cleanup_leftovers(keep=set(self._sandboxes))
         return lost
 
+    def _adopt_starting(self, rec: AdoptionRecord, pod: Any) -> bool:
+        """A pod found for a sandbox still provisioning — another replica is starting it,
+        or this process was killed while it started — is adopted and probed, not made
+        again (which would delete the pod another replica waits for)."""
+        box = starting_box(rec, pod, _Sandbox)
+        if box is None:
+            return False
+        sid = rec.sandbox_id
+        self._sandboxes[sid] = box
+        self._peers.forget(sid)
+        task = asyncio.get_running_loop().create_task(self._await_start(sid, box))
+        self._tasks[sid] = task
+        task.add_done_callback(lambda _t: self._tasks.pop(sid, None))
+        return True
+
+    async def _await_start(self, sid: str, box: _Sandbox) -> None:
+        """An adopted starting pod: probed once it runs (now, or on the watch's next
+        event), failed if it does not serve within the start timeout."""
+        await self._read_trust(sid, box)
+        pod = box.pod
+        ip = pod.status.pod_ip if pod is not None and pod.status is not None else None
+        if pod.status is not None and pod.status.phase == "Running" and ip and box.probing is None:
+            box.pod_ip = ip
+            box.probing = asyncio.get_running_loop().create_task(self._probe(sid, box, ip))
+        try:
+            await asyncio.wait_for(box.settled.wait(), self.start_timeout)
+        except TimeoutError:
+            if box.state is SandboxState.PROVISIONING:
+                await self._fail(sid, box, await self._pending_reason(sid))
+
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
         """Delete this instance's pods, trust ConfigMaps and claims that belong to no
         sandbox in ``keep``; the ids removed."""
@@ -730,7 +803,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     async def claim_pooled(self, sandbox_id: str) -> bool:
         """A label update naming the pod's resourceVersion (:mod:`~sandlot.providers.k8spool`)."""
-        box = self._sandboxes.get(sandbox_id)
+        box = self._known(sandbox_id)
         if box is None or box.state is not SandboxState.ACTIVE:
             return False
         name = object_name(self.instance, sandbox_id)

@@ -38,6 +38,8 @@ LABEL_CLAIMED = "sandlot.claimed-from"
 #: ``deny`` on pods whose template has no network (the egress policy selects them).
 LABEL_EGRESS = "sandlot.egress"
 ANNOTATION_SANDBOX = "sandlot/sandbox-id"
+#: What the pod was made from, for another broker replica (:mod:`sandlot.providers.k8speers`).
+ANNOTATION_SPEC = "sandlot/spec"
 TRUST_MOUNT = "/run/sandlot-trust"
 WORKSPACE = "/workspace"
 CONTAINER = "dataplane"
@@ -258,10 +260,25 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
         "metadata": {
             "name": object_name(inst, sid),
             "labels": pod_labels,
-            "annotations": {ANNOTATION_SANDBOX: sid},
+            "annotations": {ANNOTATION_SANDBOX: sid, ANNOTATION_SPEC: spec_annotation(spec)},
         },
         "spec": pod_spec,
     }
+
+
+def spec_annotation(spec: SandboxSpec) -> str:
+    """What another replica needs to serve the sandbox as its own (no secret: the pod's
+    own spec carries the template's environment already)."""
+    return json.dumps(
+        {
+            "template": spec.template.model_dump(mode="json"),
+            "volumes": dict(spec.volumes),
+            "provider": spec.provider,
+            "owner": spec.owner_user_id,
+            "name": spec.name,
+        },
+        sort_keys=True,
+    )
 
 
 def trust_manifest(

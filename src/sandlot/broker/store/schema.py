@@ -257,6 +257,16 @@ signing_keys = Table(
     UniqueConstraint("kid"),
 )
 
+#: Identities made once per store and shared by every process on it: the ``kubernetes``
+#: provider's instance (the label its pods carry, :func:`sandlot.broker.identities.identity`).
+identities = Table(
+    "identities",
+    metadata,
+    Column("name", String(80), primary_key=True),
+    Column("value", String(200), nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
 __all__ = [
     "api_keys",
     "audit",
@@ -264,6 +274,7 @@ __all__ = [
     "events",
     "hosts",
     "idempotency",
+    "identities",
     "leases",
     "metadata",
     "pools",
