@@ -48,7 +48,9 @@ from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import SandboxSpec
 
 PYTHONPATH = "/opt/sandlot/lib"
-IMPORT = "import gc; gc.disable(); import sandlot.dataplane.standalone"
+IMPORT = (
+    "from sandlot.dataplane.prelude import prepare; prepare(); import sandlot.dataplane.standalone"
+)
 
 
 def container_cpu(container_id: str) -> float | None:
@@ -118,7 +120,7 @@ def import_profile(engine: Engine, image: str) -> tuple[float, list[tuple[str, f
     """The dataplane's imports in the container: total and the heaviest ones (ms)."""
     out = engine.client.containers.run(
         image,
-        # As ``python -m sandlot.dataplane`` imports it: the collector off meanwhile.
+        # As ``python -m sandlot.dataplane`` imports it: its prelude first.
         ["python3", "-X", "importtime", "-c", IMPORT],
         environment={"PYTHONPATH": PYTHONPATH},
         network_mode="none",
