@@ -653,8 +653,13 @@ def _ulimits(table: Any) -> list[tuple[str, tuple[int, int]]]:
 
 
 def _conflict(exc: BaseException | None) -> bool:
-    """The engine refused to create a container whose name is taken."""
-    return isinstance(exc, docker.errors.APIError) and exc.status_code == 409
+    """The engine refused to create a container whose name is taken (Docker: 409;
+    Podman's compatible API: 500, "the container name … is already in use")."""
+    if not isinstance(exc, docker.errors.APIError):
+        return False
+    return exc.status_code == 409 or (
+        exc.status_code == 500 and "already in use" in str(exc.explanation or "")
+    )
 
 
 __all__ = ["DockerProvider"]
