@@ -7,7 +7,9 @@ Figures, each side by side with the engine's own operation in the same run:
 
 - create → ready: ``DockerProvider.create`` until the dataplane in the container
   answers, against ``docker run`` of the same image (create and start a container whose
-  process is ``true``, until it exited: a process that ran);
+  process is ``true``, until it exited: a process that ran), and against the same
+  ``docker run`` with the sandbox container's own settings (limits, user, mounts,
+  read-only root, init): the engine's part alone;
 - ensure of a new thread served from a warm pool (``bench/pooled.py``): ``sandlot serve``
   with the provider and a pool of ready containers, the SDK's ``ensure`` until the
   binding is active, and until its first ``exec true`` answered — what a user waits for
@@ -46,7 +48,9 @@ from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import SandboxSpec
 
 PYTHONPATH = "/opt/sandlot/lib"
-IMPORT = "import gc; gc.disable(); import sandlot.dataplane.standalone"
+IMPORT = (
+    "from sandlot.dataplane.prelude import prepare; prepare(); import sandlot.dataplane.standalone"
+)
 
 
 def container_cpu(container_id: str) -> float | None:
@@ -92,11 +96,31 @@ def docker_run(engine: Engine, image: str) -> float:
     return took
 
 
+def docker_run_as_sandbox(engine: Engine, h: Harness) -> float:
+    """``docker run`` of ``true`` with everything a sandbox's container has (its limits,
+    user, mounts, read-only root, ``/tmp``, init, no network): what the engine's part of
+    create → ready costs, for comparison with the bare ``docker run``."""
+    spec = SandboxSpec("sb_asrun", 1, Template(name="t", image="host"))
+    h.provider._prepare_dirs(spec.sandbox_id)
+    config = h.provider._container_config(spec)
+    for key in ("name", "labels", "detach"):
+        del config[key]
+    config["command"] = ["true"]
+    client = engine.client
+    t0 = time.perf_counter()
+    container = client.containers.create(**config)
+    container.start()
+    container.wait()
+    took = time.perf_counter() - t0
+    container.remove(force=True, v=True)
+    return took
+
+
 def import_profile(engine: Engine, image: str) -> tuple[float, list[tuple[str, float]]]:
     """The dataplane's imports in the container: total and the heaviest ones (ms)."""
     out = engine.client.containers.run(
         image,
-        # As ``python -m sandlot.dataplane`` imports it: the collector off meanwhile.
+        # As ``python -m sandlot.dataplane`` imports it: its prelude first.
         ["python3", "-X", "importtime", "-c", IMPORT],
         environment={"PYTHONPATH": PYTHONPATH},
         network_mode="none",
@@ -173,6 +197,7 @@ async def table(
     first_exec: list[float] = []
     cpu_ready: list[float] = []
     direct: list[float] = []
+    as_sandbox: list[float] = []
     bare: list[float] = []
     counter = iter(range(1_000_000))
 
@@ -186,6 +211,9 @@ async def table(
     async def one_run() -> None:
         direct.append(await asyncio.to_thread(docker_run, engine, image))
 
+    async def one_run_as_sandbox() -> None:
+        as_sandbox.append(await asyncio.to_thread(docker_run_as_sandbox, engine, h))
+
     async def one_python() -> None:
         bare.append(await asyncio.to_thread(python_bare, engine, image))
 
@@ -196,7 +224,7 @@ async def table(
     cpu_ready.clear()
     direct.clear()
     for _ in range(args.creates):
-        round_ = [one_sandbox, one_run, one_python]
+        round_ = [one_sandbox, one_run, one_run_as_sandbox, one_python]
         rng.shuffle(round_)
         for op in round_:
             await op()
@@ -231,6 +259,12 @@ async def table(
     print(
         f"| create → ready (median of {len(sandbox)}) | {ms(c50 * 1000)} | "
         f"{ms(d50 * 1000)} (`docker run … true`) | {ratio(c50, d50)} |"
+    )
+    s50 = statistics.median(as_sandbox)
+    print(
+        f"| … against `docker run … true` with the sandbox's own container settings (limits, "
+        f"user, mounts, read-only root, init; median of {len(as_sandbox)}) | {ms(c50 * 1000)} | "
+        f"{ms(s50 * 1000)} | {ratio(c50, s50)} |"
     )
     q50 = statistics.median(pooled.ensure)
     g50 = statistics.median(pooled.first_exec)

@@ -9,7 +9,8 @@
   machine and kept as a tarball under ``~/.cache/sandlot/docker``) is ``docker
   import``-ed, then sandlot's package and its server dependencies, copied from the
   running interpreter's environment (same CPython minor version, same glibc: this is
-  bookworm too), are added as a second layer and compiled there.
+  bookworm too), are added as a second layer and compiled there (unchecked hash-based
+  pycs: the read-only root never changes under them).
 
 Why debootstrap rather than a tree assembled from the host's files: the sandbox is a
 real Debian userland (bash, coreutils, apt's view of the world) that behaves like the
@@ -44,6 +45,10 @@ SANDBOX_UID = 1000
 #: Explicit, as the provider's are: Podman's default ``nofile`` (1,048,576) is above this
 #: machine's hard limit, which the runtime may not raise.
 ULIMITS = [Ulimit(name="nofile", soft=4096, hard=4096), Ulimit(name="nproc", soft=4096, hard=4096)]
+#: How the image's Python files are compiled: hash-based pycs the interpreter does not
+#: check against their sources (a module loads without a stat of its source; the image
+#: never changes under them).
+COMPILE = ["--invalidation-mode", "unchecked-hash"]
 #: What the in-sandbox dataplane imports (``sandlot[server]`` less the broker's own).
 DATAPLANE_DISTS = [
     "pydantic",
@@ -248,7 +253,7 @@ def build_image(engine: Engine, tag: str = IMAGE) -> str:
         client.api.import_image_from_file(str(base_tarball()), repository=base)
     container = client.containers.create(
         base,
-        ["python3", "-m", "compileall", "-q", "-j0", "/opt/sandlot/lib"],
+        ["python3", "-m", "compileall", "-q", "-j0", *COMPILE, "/opt/sandlot/lib"],
         network_mode="none",
         ulimits=ULIMITS,
     )

@@ -22,7 +22,7 @@ from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from tests.dataplane.conftest import Keys
-from tests.dockerengine import Engine
+from tests.dockerengine import ULIMITS, Engine
 from tests.providers.dockerharness import make_provider, serving
 
 # The first test of a session builds the image (and, once per machine, its base).
@@ -58,6 +58,14 @@ async def test_a_sandbox_is_a_locked_down_container(
         assert host["NetworkMode"] == "none"
         assert host["Memory"] == 256 << 20 and host["MemorySwap"] == 256 << 20
         assert host["PidsLimit"] == 128 and host["NanoCpus"] == 500_000_000
+        # A container left under a sandbox's name (a crash between create and start) is
+        # replaced by the sandbox's own.
+        name = f"sandlot-{h.provider.instance[:8]}-sb_left"
+        left = engine.client.containers.create(
+            image, ["true"], name=name, network_mode="none", ulimits=ULIMITS
+        )
+        await h.create("sb_left")
+        assert h.container("sb_left").name == name and h.container("sb_left").id != left.id
         assert host["ReadonlyRootfs"] is True
         assert "no-new-privileges" in host["SecurityOpt"] and not host.get("CapAdd")
         # Podman's inspect lists what "ALL" dropped, one by one; inside, none is left either way.

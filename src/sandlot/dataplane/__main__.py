@@ -1,10 +1,8 @@
 """``python -m sandlot.dataplane``: see :mod:`sandlot.dataplane.standalone`."""
 
-import gc
+from sandlot.dataplane.prelude import prepare
 
-# Imports create many objects and few cycles: collecting meanwhile costs a sixth of the
-# start. ``main`` freezes what they made and turns the collector back on.
-gc.disable()
+prepare()
 
 from sandlot.dataplane.standalone import main  # noqa: E402
 

@@ -47,17 +47,17 @@ import importlib.util
 import json
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sandlot.dataplane.http.host import create_standalone_app
 from sandlot.dataplane.services.auth import JwksSource, TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import ProviderUnavailable
-from sandlot.protocol.sessions import Template
+from sandlot.protocol.templates import Template
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.runtime.direct import DirectRuntime
 
@@ -199,6 +199,9 @@ class StandaloneDataplane:
             runtime, verifier=verifier, settings=settings, announce=True
         )
         self.host = self.inner.host
+        #: Work that waits until the dataplane serves (started with the app, see :func:`main`).
+        self.after_start: Callable[[], Coroutine[Any, Any, None]] | None = None
+        self._after: asyncio.Task[None] | None = None
 
     def reload(self) -> None:
         """Read the revoked tokens (at start-up, before the server runs)."""
@@ -232,6 +235,8 @@ class StandaloneDataplane:
                     await self.verifier.load_keys()
                 except ProviderUnavailable:
                     log.warning("the broker's keys are unavailable yet; read on first use")
+                if self.after_start is not None:
+                    self._after = asyncio.get_running_loop().create_task(self.after_start())
             return message
 
         return wrapped
@@ -370,15 +375,48 @@ def _define(module: ModuleType, **names: Any) -> None:
         module.__dict__.setdefault(name, value)
 
 
-def build_wire_models() -> None:
-    """The validators of the wire models the dataplane's requests use, built before it
-    answers: its first request is as fast as the next ones. (Every wire model's build is
-    deferred to its first use; the broker's, which this process never uses, stay unbuilt.)"""
+async def build_wire_models(served: Callable[[], bool]) -> None:
+    """The validators of the wire models the dataplane's requests use, built once it
+    serves, one model per turn of the event loop: its later requests are as fast as the
+    next ones, and a request that comes first builds what it uses itself (every wire
+    model's build is deferred to its first use; the broker's, which this process never
+    uses, stay unbuilt). Before serving they would delay readiness by a tenth of the
+    start-up."""
+    from pydantic import BaseModel
+
     from sandlot.protocol import common, dataplane, events, frames, tokens
 
-    for module in (common, tokens, dataplane, events):
-        common.build_models(module)
+    # uvicorn says it serves with a flag, not an event.
+    while not served():  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+    for module in (common, tokens, dataplane, events, frames):
+        for value in list(vars(module).values()):
+            if (
+                isinstance(value, type)
+                and issubclass(value, BaseModel)
+                and value.__module__ == module.__name__
+                and not value.__pydantic_complete__
+            ):
+                value.model_rebuild()
+                await asyncio.sleep(0)
     frames.build()
+
+
+def websocket_protocol() -> Callable[..., Any]:
+    """uvicorn's WebSocket protocol, imported on the first upgrade: the ``websockets``
+    library it stands on is a tenth of the dataplane's start, and most sandboxes open
+    their first WebSocket (a shell, a streamed exec) well after they start, if ever."""
+    loaded: list[Callable[..., Any]] = []
+
+    def protocol(*args: Any, **kwargs: Any) -> Any:
+        if not loaded:
+            from uvicorn.config import WS_PROTOCOLS
+            from uvicorn.importer import import_from_string
+
+            loaded.append(import_from_string(WS_PROTOCOLS["auto"]))
+        return loaded[0](*args, **kwargs)
+
+    return protocol
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -391,15 +429,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     config_class, server_class = uvicorn_server()
     config = config_class(
-        app, log_level="warning", lifespan="on", ws_ping_interval=None, access_log=False, **where
+        app,
+        log_level="warning",
+        lifespan="on",
+        # Called as a class is, once per upgrade.
+        ws=cast("type[asyncio.Protocol]", websocket_protocol()),
+        ws_ping_interval=None,
+        access_log=False,
+        **where,
     )
     config.load()
-    build_wire_models()
+    server = server_class(config)
+    app.after_start = lambda: build_wire_models(lambda: server.started)
     # The start-up's objects live as long as the process: out of the collector's way
     # (``__main__`` turned it off while the modules were imported).
     gc.freeze()
     gc.enable()
-    server_class(config).run()
+    server.run()
 
 
 __all__ = ["StandaloneDataplane", "StandaloneOptions", "main"]

@@ -74,6 +74,7 @@ from typing import Any
 import docker
 import docker.errors
 import httpx
+from docker.models.containers import _create_container_args as create_container_args
 from docker.types import Mount, Ulimit
 
 from sandlot.protocol.errors import (
@@ -419,30 +420,38 @@ class DockerProvider(InboxProvider[_Sandbox]):
         self._write_trust(sandbox_id, "revoked.json", {"revoked": []})
 
     async def _start_container(self, spec: SandboxSpec) -> Any:
-        """Create and start the container: two calls to the engine, unless a container of
-        the same name is left from a crash mid-create (removed, the workspace volume kept)
-        or the image is missing (never pulled: the image is the engine's own)."""
+        """Create and start the container: two calls to the engine in one hop to a thread,
+        unless a container of the same name is left from a crash mid-create (removed, the
+        workspace volume kept) or the image is missing (never pulled: the image is the
+        engine's own). The engine's low-level calls: the SDK's ``containers.create``
+        would read the new container back (a third call) before it starts."""
         sid = spec.sandbox_id
         await asyncio.to_thread(self._prepare_dirs, sid)
         config = self._container_config(spec)
         del config["detach"]
         try:
-            container = await self._docker(self._client.containers.create, **config)
+            return await self._docker(self._create_and_start, config)
         except docker.errors.NotFound as exc:  # the image (Podman's 404 is not ImageNotFound)
             raise _ImageMissing(f"image {config['image']!r} not found on the engine") from exc
-        except ProviderUnavailable as exc:
-            if not _conflict(exc.__cause__):
-                raise
-            old = await self._docker(self._client.containers.get, config["name"])
-            await self._docker(old.remove, force=True)
-            container = await self._docker(self._client.containers.create, **config)
-        try:
-            await self._docker(container.start)
         except ProviderUnavailable as exc:
             if "rlimit" in str(exc):  # above the engine's hard limit (Podman's default is)
                 raise ProviderUnavailable(f"{exc} (lower the provider's ulimits)") from exc
             raise
-        return container
+
+    def _create_and_start(self, config: dict[str, Any]) -> Any:
+        """(In a thread.) The container made from ``config`` and started: its model, not
+        read back from the engine (``reload`` reads it)."""
+        api = self._client.api
+        args = create_container_args({**config, "version": api._version})
+        try:
+            created = api.create_container(**args)
+        except docker.errors.APIError as exc:
+            if not _conflict(exc):
+                raise
+            api.remove_container(config["name"], force=True)
+            created = api.create_container(**args)
+        api.start(created["Id"])
+        return self._client.containers.prepare_model({"Id": created["Id"]})
 
     async def _wait_ready(self, sandbox_id: str, container: Any) -> Upstream:
         """The dataplane answers on its socket: its upstream (its state read once).
@@ -644,8 +653,13 @@ def _ulimits(table: Any) -> list[tuple[str, tuple[int, int]]]:
 
 
 def _conflict(exc: BaseException | None) -> bool:
-    """The engine refused to create a container whose name is taken."""
-    return isinstance(exc, docker.errors.APIError) and exc.status_code == 409
+    """The engine refused to create a container whose name is taken (Docker: 409;
+    Podman's compatible API: 500, "the container name … is already in use")."""
+    if not isinstance(exc, docker.errors.APIError):
+        return False
+    return exc.status_code == 409 or (
+        exc.status_code == 500 and "already in use" in str(exc.explanation or "")
+    )
 
 
 __all__ = ["DockerProvider"]

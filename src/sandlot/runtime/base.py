@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.templates import Template
 from sandlot.runtime.tools import LIMIT, TOOLS, TOOLS_DIR, ToolUnavailable, limited_argv
 
 #: The sandbox's home, default working directory, and what relative paths resolve from.

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.templates import Template
 from sandlot.runtime.base import (
     WORKSPACE,
     ExitStatus,

@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.templates import Template
 from sandlot.runtime.base import (
     WORKSPACE,
     ExitStatus,

@@ -34,8 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from sandlot.protocol.sessions import NetworkMode, Template
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.templates import NetworkMode, Template
 from sandlot.runtime.artifacts import ArtifactUnavailable
 from sandlot.runtime.base import (
     WORKSPACE,

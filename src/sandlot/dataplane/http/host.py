@@ -35,8 +35,8 @@ from sandlot.dataplane.services.sandbox import Connection, SandboxEntry
 from sandlot.dataplane.services.socketlimits import SocketLimits
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import SandboxNotFound
-from sandlot.protocol.sessions import SandboxActivity
 from sandlot.protocol.states import SandboxState
+from sandlot.protocol.templates import SandboxActivity
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.runtime.base import SandboxRuntime
 
