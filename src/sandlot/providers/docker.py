@@ -74,7 +74,6 @@ from typing import Any
 import docker
 import docker.errors
 import httpx
-from docker.models.containers import _create_container_args as create_container_args
 from docker.types import Mount, Ulimit
 
 from sandlot.protocol.errors import (
@@ -420,11 +419,10 @@ class DockerProvider(InboxProvider[_Sandbox]):
         self._write_trust(sandbox_id, "revoked.json", {"revoked": []})
 
     async def _start_container(self, spec: SandboxSpec) -> Any:
-        """Create and start the container: two calls to the engine in one hop to a thread,
+        """Create and start the container in one hop to a thread,
         unless a container of the same name is left from a crash mid-create (removed, the
         workspace volume kept) or the image is missing (never pulled: the image is the
-        engine's own). The engine's low-level calls: the SDK's ``containers.create``
-        would read the new container back (a third call) before it starts."""
+        engine's own)."""
         sid = spec.sandbox_id
         await asyncio.to_thread(self._prepare_dirs, sid)
         config = self._container_config(spec)
@@ -439,19 +437,18 @@ class DockerProvider(InboxProvider[_Sandbox]):
             raise
 
     def _create_and_start(self, config: dict[str, Any]) -> Any:
-        """(In a thread.) The container made from ``config`` and started: its model, not
-        read back from the engine (``reload`` reads it)."""
-        api = self._client.api
-        args = create_container_args({**config, "version": api._version})
+        """(In a thread.) The container made from ``config`` and started (one left under
+        its name by an earlier run is replaced)."""
+        containers = self._client.containers
         try:
-            created = api.create_container(**args)
+            container = containers.create(**config)
         except docker.errors.APIError as exc:
             if not _conflict(exc):
                 raise
-            api.remove_container(config["name"], force=True)
-            created = api.create_container(**args)
-        api.start(created["Id"])
-        return self._client.containers.prepare_model({"Id": created["Id"]})
+            self._client.api.remove_container(config["name"], force=True)
+            container = containers.create(**config)
+        container.start()
+        return container
 
     async def _wait_ready(self, sandbox_id: str, container: Any) -> Upstream:
         """The dataplane answers on its socket: its upstream (its state read once).
