@@ -192,7 +192,11 @@ class EventHub:
             running = None
         if running is loop:
             self._wake(stream_id)
-        else:
+        elif stream_id in self._waiters or stream_id in self._versions:
+            # A stream no one here follows is not worth waking the loop for (with replicas,
+            # every attach anywhere notifies every replica): a subscriber that starts
+            # following it after this check reads its version first, then the store,
+            # where the event already is.
             loop.call_soon_threadsafe(self._wake, stream_id)
 
     def _wake(self, stream_id: str) -> None:

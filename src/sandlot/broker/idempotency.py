@@ -314,3 +314,14 @@ class Claim:
 
     def finished(self, status: int, body: Any) -> None:
         self.status, self.body = status, body
+
+    def params(self) -> dict[str, Any]:
+        """The parameters of this key's claim, made now by this process, for a call that
+        claims it and records its answer at once (:mod:`sandlot.broker.quickattach`);
+        :meth:`settled` once that committed."""
+        return self.store._row(self.principal_id, self.key, self.fingerprint)
+
+    def settled(self, status: int, body: Any) -> None:
+        """The key was claimed and its answer recorded, in one transaction that committed."""
+        self.replay, self.owned = None, True
+        self.finished(status, body)

@@ -33,6 +33,7 @@ from sandlot.broker.idempotency import Claim
 from sandlot.broker.keys import check_key_live
 from sandlot.broker.poolclaims import PoolClaims, Reservation
 from sandlot.broker.principals import Principal
+from sandlot.broker.quickattach import QuickAttach
 from sandlot.broker.ratelimit import Charge
 from sandlot.broker.sandboxes import SandboxRow, SandboxService, get_sandbox
 from sandlot.broker.scopes import check_scope_access
@@ -94,6 +95,8 @@ class _Negotiated:
     resume: bool
     #: The negotiation's audit row, written last (:meth:`SessionService._settle`).
     audit: dict[str, Any]
+    #: The scope's live binding and its sandbox, for :class:`QuickAttach` to remember.
+    live: tuple[BindingRow, SandboxRow] | None = None
 
 
 class _LostRace(Exception):
@@ -118,6 +121,8 @@ class SessionService:
         self.templates = templates
         self.hub = hub
         self.pool_claims = PoolClaims(store, sandboxes)
+        #: PostgreSQL: an attach to a live binding this process knows, in one round trip.
+        self.quick = QuickAttach(self) if store.dialect == "postgresql" else None
         #: Checked before every negotiation with the scope the caller named (before any
         #: promotion): raises to refuse it. Set by a platform that owns the scopes, e.g.
         #: a LangGraph server whose threads the caller must be able to see.
@@ -314,6 +319,10 @@ class SessionService:
         template: Template | None = None
         if req.mode.creates:
             template = self.templates.get(req.template or self.settings.default_template)
+        if self.quick is not None and reserved is None:
+            quick = self.quick.attach(ctx, principal, req, scope, caps, claim, charge)
+            if quick is not None:
+                return _Negotiated(quick.grant, None, template, False, {})
         for _ in range(5):
             try:
                 with self.store.write() as conn:
@@ -326,7 +335,9 @@ class SessionService:
                     )
                     # A resume changes the answer after this transaction.
                     self._settle(conn, result, None if result.resume else claim, charge)
-                    return result
+                if self.quick is not None and result.live is not None:
+                    self.quick.learn(*result.live)
+                return result
             except _LostRace:
                 continue
             except IntegrityError:
@@ -440,7 +451,7 @@ class SessionService:
             details={"mode": req.mode.value, "caps": [c.value for c in caps]},
             now=now,
         )
-        grant = self._grant(
+        grant = self.grant(
             binding,
             sandbox,
             scope,
@@ -451,7 +462,8 @@ class SessionService:
             token=minted,
             caps=caps,
         )
-        return _Negotiated(grant, provision, template, resume, audit)
+        known = (binding, sandbox) if req.sandbox_id is None else None
+        return _Negotiated(grant, provision, template, resume, audit, known)
 
     def _wake(self, conn: Connection, sandbox: SandboxRow, now: float) -> tuple[SandboxRow, bool]:
         """An attach counts as activity: the sandbox as it is now, and whether to resume it."""
@@ -682,8 +694,38 @@ class SessionService:
     ) -> tuple[float, dict[str, Any]]:
         """The lease's expiry and row; written here unless ``write`` is false (then
         :meth:`mint` writes it with the token)."""
+        expires, row = self.lease_row(principal, actor, binding, caps, now)
+        if not write:
+            return expires, row
+        renewed = conn.execute(
+            sql.RENEW_LEASE,
+            {
+                "b_binding": binding.id,
+                "b_principal": principal.lease_holder,
+                "b_user": row["user_id"],
+                "b_actor_type": row["actor_type"],
+                "b_actor_id": row["actor_id"],
+                "b_caps": row["caps"],
+                "b_expires": expires,
+            },
+        ).rowcount
+        if not renewed:
+            conn.execute(leases.insert(), row)
+        return expires, row
+
+    def lease_row(
+        self,
+        principal: Principal,
+        actor: Actor,
+        binding: BindingRow,
+        caps: list[Capability],
+        now: float,
+    ) -> tuple[float, dict[str, Any]]:
+        """The expiry and row of ``principal``'s lease on ``binding``, attaching now."""
         expires = now + self.settings.lease_ttl_seconds
-        values = {
+        return expires, {
+            "binding_id": binding.id,
+            "principal_id": principal.lease_holder,
             "user_id": principal.effective_user,
             "actor_type": principal.actor_type.value,
             # The actor that attached last: refresh mints its tokens for it.
@@ -692,24 +734,6 @@ class SessionService:
             "expires_at": expires,
             "released_at": None,
         }
-        row = {**values, "binding_id": binding.id, "principal_id": principal.lease_holder}
-        if not write:
-            return expires, row
-        renewed = conn.execute(
-            sql.RENEW_LEASE,
-            {
-                "b_binding": binding.id,
-                "b_principal": principal.lease_holder,
-                "b_user": values["user_id"],
-                "b_actor_type": values["actor_type"],
-                "b_actor_id": values["actor_id"],
-                "b_caps": values["caps"],
-                "b_expires": expires,
-            },
-        ).rowcount
-        if not renewed:
-            conn.execute(leases.insert(), row)
-        return expires, row
 
     def mint(
         self,
@@ -795,7 +819,7 @@ class SessionService:
             owner_user_id=binding.owner_user_id,
         )
 
-    def _grant(
+    def grant(
         self,
         binding: BindingRow,
         sandbox: SandboxRow,

@@ -221,6 +221,19 @@ class Store:
                 raise backend_unavailable() from exc
             raise
 
+    @contextlib.contextmanager
+    def autocommit(self) -> Iterator[Connection]:
+        """A connection whose every statement is a transaction of its own (no ``BEGIN``,
+        no ``COMMIT``: one round trip for a statement that does a whole transaction's
+        work, such as a server-side function)."""
+        try:
+            with self.engine.connect() as conn:
+                yield conn.execution_options(isolation_level="AUTOCOMMIT")
+        except (DBAPIError, PoolTimeout) as exc:
+            if _unreachable(exc):
+                raise backend_unavailable() from exc
+            raise
+
     def serialize(self, conn: Connection, name: str) -> None:
         """Hold the lock called ``name`` until the write transaction ``conn`` ends.
 
