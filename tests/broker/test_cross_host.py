@@ -166,7 +166,7 @@ def test_suspend_and_resume_through_the_other_replica(
     report(
         record_property,
         "a sandbox of replica a suspended at replica b 4 times and resumed there by request "
-        "(2), by its thread's ensure (1) and by a lease heartbeat (1), each forwarded to a's "
+        "(2), by its thread's ensure (1) and by a heartbeat (1), each forwarded to a's "
         "provider API: the same sandbox, its files kept, never failed; released at b, "
         "torn down at a",
     )
@@ -288,4 +288,75 @@ def _mixed(
         "created by the other replica through its provider API), the next refused at both "
         "(503 no_capacity); each suspended and resumed through a replica that does not host "
         "it, its files kept",
+    )
+
+
+@pytest.mark.timeout(240)
+def test_forwarding_to_and_from_workers(tmp_path: Path, record_property: RecordProperty) -> None:
+    """A replica with ``--workers 2`` beside a plain one: the plain one reaches the
+    sandboxes of the other's sandbox host (its provider API on the dataplane port), and
+    the workers reach the plain one's (a worker forwards as a single process does)."""
+    with postgres_cluster() as store:
+        config = HOSTS + f'[server]\nstore_url = "{store}"\n'
+        plain_port = free_port()
+        issuer = f"http://127.0.0.1:{plain_port}"
+        plain = SandlotServer(
+            tmp_path / "plain",
+            config=config,
+            env={"SANDLOT_PUBLIC_URL": issuer, "SANDLOT_DATAPLANE_URL": issuer},
+        )
+        plain.port = plain_port
+        workers = SandlotServer(
+            tmp_path / "workers",
+            workers=2,
+            config=config,
+            env={"SANDLOT_PUBLIC_URL": issuer, "SANDLOT_DATAPLANE_PORT": str(free_port())},
+        )
+        # It announces the issuer: its own port is the one it is given.
+        workers_port = workers.port = free_port()
+        servers = [plain, workers]
+        try:
+            plain.start()
+            plain.url = issuer
+            workers.start()
+            workers.url = f"http://127.0.0.1:{workers_port}"
+            _wait_ready(workers.url)
+            headers = plain.headers("workers")
+            done = []
+            for host, via in ((workers, plain), (plain, workers)):
+                thread = f"workers_{len(done)}"
+                r = _ensure(host.url, headers, thread)
+                assert r.status_code == 200, r.text
+                grant = r.json()
+                sandbox = grant["sandbox"]["id"]
+                assert not grant["dataplane"]["http_base_url"].startswith(via.url + "/")
+                wait_active(host.url, headers, grant)
+                assert _exec(grant, "echo here > /workspace/f && echo ok") == (200, "ok\n")
+                # Several times: the workers' requests spread over both worker processes.
+                for _ in range(3):
+                    r = _act(via.url, headers, sandbox, "suspend")
+                    assert r.status_code == 200 and r.json()["state"] == "suspended", r.text
+                    r = _ensure(via.url, headers, thread)
+                    assert r.status_code == 200 and r.json()["sandbox"]["id"] == sandbox, r.text
+                    wait_active(via.url, headers, r.json())
+                    assert _exec(r.json(), "cat /workspace/f") == (200, "here\n")
+                phases = _phases(store, sandbox)
+                assert "failed" not in [p[0] for p in phases], phases
+                done.append(thread)
+            (provider_url,) = _sql(
+                store,
+                "SELECT provider_url FROM hosts WHERE provider_url != :p",
+                p=issuer,
+            )[0]
+            # The workers' sandbox host is reached on its own (dataplane) port.
+            assert provider_url != workers.url and provider_url.startswith("http://127.0.0.1:")
+        finally:
+            for srv in servers:
+                srv.stop()
+                srv.cleanup()
+    report(
+        record_property,
+        "a replica with --workers 2 beside a plain one on PostgreSQL: each one's sandbox "
+        "suspended and resumed 3 times through the other (from worker processes, and into "
+        "the workers' sandbox host): the same sandbox, its files kept, never failed",
     )

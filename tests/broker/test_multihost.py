@@ -2,8 +2,9 @@
 in their own namespace (``tests/multihost.py``), and faults: kill -9 of a replica in the
 middle of ensures, a replica cut from the database, PostgreSQL restarted, a replica that
 hosts sandboxes cut from the balancer and the clients; and, in a topology of its own,
-2 ``sandlot host`` nodes the replicas place on (``registered``), one partitioned from
-both networks and healed.
+2 ``sandlot host`` nodes behind the balancer that the replicas place on
+(``registered``), one partitioned from both networks and healed, then one partitioned in
+the middle of an ensure storm.
 
 Each fault runs during an ensure storm whose clients retry what is retryable (a
 balancer's 502/503/504, ``503 BACKEND_UNAVAILABLE``) with the request's Idempotency-Key;
@@ -418,7 +419,7 @@ HOSTS = FAST_REAPER + (
 )
 HOST_THREADS = 6
 #: Each host's capacity: room on one host for both hosts' threads, and a storm's.
-HOST_CAPACITY = 16
+HOST_CAPACITY = 32 if FULL else 16
 #: The storm whose hosts are partitioned: threads x concurrent ensures each.
 HOST_STORM_THREADS, HOST_STORM_PER_THREAD = (12, 200) if FULL else (6, 20)
 

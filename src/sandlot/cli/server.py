@@ -64,6 +64,10 @@ def build_app(
     sandboxes on it, ``hosts.mode = "mixed"``).
     """
     ref: list[Broker] = []
+    if dataplane_url:
+        # The sandbox host of ``--workers``: its dataplane is on a port of its own, and its
+        # host is registered with that address.
+        settings = replace(settings, dataplane_url=dataplane_url)
     # With registered sandbox hosts the broker runs no provider of its own.
     provider = (
         None
