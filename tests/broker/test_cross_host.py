@@ -360,3 +360,25 @@ def test_forwarding_to_and_from_workers(tmp_path: Path, record_property: RecordP
         "suspended and resumed 3 times through the other (from worker processes, and into "
         "the workers' sandbox host): the same sandbox, its files kept, never failed",
     )
+
+
+def test_mixed_mode_settings(tmp_path: Path) -> None:
+    from sandlot.broker.core import Broker
+    from sandlot.broker.settings import ConfigError, load_settings
+
+    config = tmp_path / "c.toml"
+    config.write_text('[hosts]\nmode = "mixed"\nprovider_url = "http://10.0.0.11:8765"\n')
+    settings = load_settings(environ={}, config_file=config, data_dir=tmp_path)
+    assert settings.sandbox_hosts == "mixed"
+    assert settings.host_provider_url == "http://10.0.0.11:8765"
+    env = {"SANDLOT_HOST_PROVIDER_URL": "http://10.0.0.12:8765"}
+    assert (
+        load_settings(environ=env, config_file=config, data_dir=tmp_path).host_provider_url
+        == "http://10.0.0.12:8765"
+    )
+    # One SQLite store is one machine: nothing to place on but itself.
+    from sandlot.broker.assembly import build_provider
+
+    ref: list[Broker] = []
+    with pytest.raises(ConfigError, match="server store"):
+        Broker(settings, build_provider(settings, ref))
