@@ -199,7 +199,7 @@ def test_mixed_replicas_place_on_themselves_and_registered_hosts(
                 }
                 srv = SandlotServer(tmp_path / name, config=config, env=env)
                 srv.port = port
-                servers.append(srv.start())
+                servers.append(srv.start(timeout=90))
                 srv.url = own
                 _wait_ready(own)
             host = SandlotHost(
@@ -316,9 +316,10 @@ def test_forwarding_to_and_from_workers(tmp_path: Path, record_property: RecordP
         workers_port = workers.port = free_port()
         servers = [plain, workers]
         try:
-            plain.start()
+            # A loaded machine starts --workers slowly.
+            plain.start(timeout=90)
             plain.url = issuer
-            workers.start()
+            workers.start(timeout=90)
             workers.url = f"http://127.0.0.1:{workers_port}"
             _wait_ready(workers.url)
             headers = plain.headers("workers")
