@@ -204,7 +204,7 @@ def test_mixed_replicas_place_on_themselves_and_registered_hosts(
                 _wait_ready(own)
             host = SandlotHost(
                 tmp_path / "h1", store=store, broker_url=issuer, capacity=capacity, config=HOSTS
-            ).start()
+            ).start(timeout=90)
             _mixed(servers, host, store, capacity, record_property)
         finally:
             for srv in servers:
