@@ -5,6 +5,11 @@ One frontend on a loopback port:
 - ``/replicas/NAME/…`` goes to replica ``NAME`` alone, with the prefix taken off: a
   replica's ``dataplane_url`` is ``{balancer}/replicas/NAME``, so a sandbox's dataplane
   traffic (HTTP, WebSockets) crosses the balancer and reaches the host that runs it;
+- ``/hosts/NAME/dp/…`` goes to sandbox host ``NAME`` (a ``sandlot host``), with
+  ``/hosts/NAME`` taken off: that host's public URL is ``{balancer}/hosts/NAME``, and
+  only its dataplane is routed (its provider API is for brokers, on its own address);
+- ``/internal/…`` (a replica's provider API, for the other replicas), directly or under
+  ``/replicas/NAME``, is refused;
 - everything else is balanced round robin over the replicas that pass the health check
   (``GET /readyz``), request by request (keep-alive connections included).
 
@@ -30,9 +35,14 @@ import pytest
 REPLICA_HEADER = "X-Sandlot-Replica"
 
 
-def haproxy_config(port: int, replicas: Mapping[str, int | str], bind: str = "127.0.0.1") -> str:
+def haproxy_config(
+    port: int,
+    replicas: Mapping[str, int | str],
+    bind: str = "127.0.0.1",
+    hosts: Mapping[str, str] | None = None,
+) -> str:
     """The configuration of a balancer on ``bind:port`` over ``replicas`` (name → port on
-    loopback, or ``address:port``)."""
+    loopback, or ``address:port``) and sandbox ``hosts`` (name → ``address:port``)."""
     where = {n: p if isinstance(p, str) else f"127.0.0.1:{p}" for n, p in replicas.items()}
     lines = [
         "global",
@@ -55,8 +65,15 @@ def haproxy_config(port: int, replicas: Mapping[str, int | str], bind: str = "12
         "frontend sandlot",
         f"    bind {bind}:{port}",
     ]
+    # The replicas' provider APIs answer the other replicas, not clients.
+    lines.append(
+        "    http-request deny deny_status 404 if { path_beg /internal/ } "
+        "|| { path_reg ^/replicas/[^/]+/internal/ }"
+    )
     for name in replicas:
         lines.append(f"    use_backend host_{name} if {{ path_beg /replicas/{name}/ }}")
+    for name in hosts or {}:
+        lines.append(f"    use_backend sandbox_host_{name} if {{ path_beg /hosts/{name}/dp/ }}")
     lines += [
         "    default_backend replicas",
         "backend replicas",
@@ -71,6 +88,13 @@ def haproxy_config(port: int, replicas: Mapping[str, int | str], bind: str = "12
         lines += [
             f"backend host_{name}",
             f"    http-request replace-path /replicas/{name}(/.*) \\1",
+            f"    http-response set-header {REPLICA_HEADER} {name}",
+            f"    server {name} {a}",
+        ]
+    for name, a in (hosts or {}).items():
+        lines += [
+            f"backend sandbox_host_{name}",
+            f"    http-request replace-path /hosts/{name}(/.*) \\1",
             f"    http-response set-header {REPLICA_HEADER} {name}",
             f"    server {name} {a}",
         ]

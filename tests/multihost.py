@@ -20,8 +20,10 @@ it hosts), while it still reaches the database. Sandbox hosts separate from the
 brokers are more nodes: :meth:`MultiHost.add_node` makes one on the networks it names,
 and :meth:`netns.Node.popen` starts anything in it; :meth:`MultiHost.add_sandbox_host`
 starts ``sandlot host`` in a node on both networks (the store on the back one; its
-dataplane and provider API on its front address, its public URL, which the clients and
-the replicas reach directly).
+dataplane and provider API on its front address). The sandbox hosts named when the
+deployment is made (``hosts=``) are reached through the balancer, as in docs/SCALE.md:
+their public URL is ``{balancer}/hosts/NAME`` (HAProxy routes ``/hosts/NAME/dp/`` to
+them); the replicas reach their provider API on their own address.
 """
 
 from __future__ import annotations
@@ -99,7 +101,10 @@ class NodeHost:
         self.capacity: int = kw["capacity"]
         self.config: str = kw["config"]
         self.mode = isolation_mode()
+        #: Its own address (its provider API, its health).
         self.url = f"http://{node.addresses['front']}:{HOST_PORT}"
+        #: Where clients reach its dataplane: through the balancer, or its own address.
+        self.public: str = kw.get("public") or self.url
         self.host_id = ""
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = data_dir.parent / f"{data_dir.name}.log"
@@ -111,7 +116,7 @@ class NodeHost:
             *(sys.executable, "-m", "sandlot.cli.main", "host"),
             *("--store", self.store, "--broker-url", self.broker_url),
             *("--listen", f"{self.node.addresses['front']}:{HOST_PORT}"),
-            *("--public-url", self.url, "--provider-url", self.url),
+            *("--public-url", self.public, "--provider-url", self.url),
             *("--capacity", str(self.capacity), "--data-dir", str(self.data_dir)),
             *("--config", str(config)),
         ]
@@ -212,7 +217,9 @@ class Postgres:
 
 
 class MultiHost:
-    def __init__(self, topo: Topology, base: Path, replicas: int) -> None:
+    def __init__(
+        self, topo: Topology, base: Path, replicas: int, hosts: tuple[str, ...] = ()
+    ) -> None:
         self.topo = topo
         self.base = base
         topo.network("front")
@@ -222,6 +229,10 @@ class MultiHost:
         self.clients = topo.node("clients", ["front"])
         self.names = [f"r{i}" for i in range(1, replicas + 1)]
         for name in self.names:
+            topo.node(name, ["front", "back"])
+        #: Sandbox hosts behind the balancer (their nodes made now, for its configuration).
+        self.host_names = hosts
+        for name in hosts:
             topo.node(name, ["front", "back"])
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.driver = Driver(self.clients.argv([]), env=env, cwd=str(ROOT))
@@ -236,8 +247,10 @@ class MultiHost:
         return self.topo.node(name, networks)
 
     def add_sandbox_host(self, name: str, capacity: int, config: str) -> NodeHost:
-        """A ``sandlot host`` node on both networks, started (after :meth:`start`)."""
-        node = self.add_node(name, ["front", "back"])
+        """A ``sandlot host`` node on both networks, started (after :meth:`start`); one
+        named in ``hosts`` is reached through the balancer."""
+        behind = name in self.host_names
+        node = self.topo.nodes[name] if behind else self.add_node(name, ["front", "back"])
         host = NodeHost(
             node,
             self.driver,
@@ -246,6 +259,7 @@ class MultiHost:
             broker_url=self.lb,
             capacity=capacity,
             config=config,
+            public=f"{self.lb}/hosts/{name}" if behind else None,
         )
         self.hosts[name] = host
         return host.start()
@@ -293,8 +307,11 @@ class MultiHost:
         where: dict[str, int | str] = {
             n: f"{self.topo.nodes[n].addresses['front']}:{PORT}" for n in self.names
         }
+        hosts = {n: f"{self.topo.nodes[n].addresses['front']}:{HOST_PORT}" for n in self.host_names}
         config = self.base / "haproxy.cfg"
-        config.write_text(haproxy_config(LB_PORT, where, bind=self.lb_node.addresses["front"]))
+        config.write_text(
+            haproxy_config(LB_PORT, where, bind=self.lb_node.addresses["front"], hosts=hosts)
+        )
         subprocess.run([binary, "-c", "-q", "-f", str(config)], check=True)
         log = (self.base / "haproxy.log").open("wb")
         self.haproxy = self.lb_node.popen(
@@ -425,10 +442,13 @@ def multihost(
     replicas: int = 3,
     settings: str = FAST_REAPER,
     extra: dict[str, str] | None = None,
+    hosts: tuple[str, ...] = (),
 ) -> Iterator[MultiHost]:
-    """The deployment above, started; everything torn down after (failure or not)."""
+    """The deployment above, started; everything torn down after (failure or not).
+    ``hosts``: sandbox hosts reached through the balancer (started with
+    :meth:`MultiHost.add_sandbox_host`)."""
     with topology() as topo:
-        cluster = MultiHost(topo, base, replicas)
+        cluster = MultiHost(topo, base, replicas, hosts)
         try:
             cluster.start(settings, extra)
             yield cluster

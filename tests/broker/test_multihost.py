@@ -2,8 +2,9 @@
 in their own namespace (``tests/multihost.py``), and faults: kill -9 of a replica in the
 middle of ensures, a replica cut from the database, PostgreSQL restarted, a replica that
 hosts sandboxes cut from the balancer and the clients; and, in a topology of its own,
-2 ``sandlot host`` nodes the replicas place on (``registered``), one partitioned from
-both networks and healed.
+2 ``sandlot host`` nodes behind the balancer that the replicas place on
+(``registered``), one partitioned from both networks and healed, then one partitioned in
+the middle of an ensure storm.
 
 Each fault runs during an ensure storm whose clients retry what is retryable (a
 balancer's 502/503/504, ``503 BACKEND_UNAVAILABLE``) with the request's Idempotency-Key;
@@ -56,11 +57,18 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
 
 
 def storm(
-    run: Run, prefix: str, threads: int, per_thread: int, fault: Callable[[], None] | None = None
+    run: Run,
+    prefix: str,
+    threads: int,
+    per_thread: int,
+    fault: Callable[[], None] | None = None,
+    names: list[str] | None = None,
 ) -> dict[str, Any]:
     """An ensure storm through the balancer; ``fault`` runs once the first thread is done,
-    while the second thread's ensures are in flight."""
-    names = [f"{prefix}_{i}_{uuid.uuid4().hex[:6]}" for i in range(threads)]
+    while the second thread's ensures are in flight. ``names``: these threads (existing
+    ones, say) rather than ``threads`` new ones."""
+    if names is None:
+        names = [f"{prefix}_{i}_{uuid.uuid4().hex[:6]}" for i in range(threads)]
     call = run.cluster.driver.start(
         "storm", base=run.cluster.lb, headers=run.headers, threads=names, per_thread=per_thread
     )
@@ -410,21 +418,33 @@ HOSTS = FAST_REAPER + (
     f"[hosts]\nheartbeat_seconds = {HOST_HEARTBEAT}\nlost_after_seconds = {HOST_LOST_AFTER}\n"
 )
 HOST_THREADS = 6
+#: Each host's capacity: room on one host for both hosts' threads, and a storm's.
+HOST_CAPACITY = 32 if FULL else 16
+#: The storm whose hosts are partitioned: threads x concurrent ensures each.
+HOST_STORM_THREADS, HOST_STORM_PER_THREAD = (12, 200) if FULL else (6, 20)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(2400 if FULL else 600)
 def test_sandbox_host_partitioned_from_everything(
     tmp_path_factory: pytest.TempPathFactory, record_property: RecordProperty
 ) -> None:
-    """Two ``sandlot host`` nodes, the replicas placing on them (``registered``): one host
-    cut from both networks has its sandboxes failed (``host_lost``) once; their threads
-    say so (410) and start over on the other host; healed, it is ``up`` again and removes
-    what it still ran."""
+    """Two ``sandlot host`` nodes reached through the balancer, the replicas placing on
+    them (``registered``): one host cut from both networks has its sandboxes failed
+    (``host_lost``) once; their threads say so (410) and start over on the other host;
+    healed, it is ``up`` again and removes what it still ran. Then a host cut in the
+    middle of an ensure storm: the same, and no thread rebound, every retry answered
+    alike."""
     base = tmp_path_factory.mktemp("multihost-hosts")
-    with multihost(base, settings=HOSTS, extra={"SANDLOT_SANDBOX_HOSTS": "registered"}) as c:
+    with multihost(
+        base,
+        settings=HOSTS,
+        extra={"SANDLOT_SANDBOX_HOSTS": "registered"},
+        hosts=("h1", "h2"),
+    ) as c:
         for name in ("h1", "h2"):
-            c.add_sandbox_host(name, capacity=HOST_THREADS, config=HOSTS)
+            c.add_sandbox_host(name, capacity=HOST_CAPACITY, config=HOSTS)
         _partition_a_sandbox_host(c, record_property)
+        _partition_a_host_mid_storm(c, record_property)
     assert c.topo.leftovers() == []
 
 
@@ -445,9 +465,7 @@ def _partition_a_sandbox_host(c: MultiHost, record_property: RecordProperty) -> 
         return dict(r)
 
     def host_of(grant: dict[str, Any]) -> str:
-        url = grant["dataplane"]["http_base_url"]
-        (name,) = [n for n, h in c.hosts.items() if url.startswith(h.url + "/dp/")]
-        return name
+        return _host_of(c, grant["dataplane"]["http_base_url"])
 
     def exec_until_ok(grant: dict[str, Any], command: str) -> tuple[int, str]:
         # The sandbox may still be starting: its dataplane says so (retryable).
@@ -567,3 +585,181 @@ def _partition_a_sandbox_host(c: MultiHost, record_property: RecordProperty) -> 
         f"healed: the host up again, the failed sandboxes removed from it, 0 orphans, "
         f"0 duplicates, 0 server errors in {len(statuses)} requests",
     )
+
+
+def _host_of(c: MultiHost, dataplane: str) -> str:
+    """The sandbox host whose dataplane ``dataplane`` is (through the balancer)."""
+    (name,) = [n for n, h in c.hosts.items() if dataplane.startswith(h.public + "/dp/")]
+    return name
+
+
+def _wait_host_state(c: MultiHost, host_id: str, state: str, timeout: float) -> float:
+    """Until the store says the host is ``state``; the seconds it took."""
+    started = time.monotonic()
+    while c.pg.query(f"SELECT state FROM hosts WHERE id = '{host_id}'") != [[state]]:
+        assert time.monotonic() - started < timeout, (host_id, state)
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
+def _partition_a_host_mid_storm(c: MultiHost, record_property: RecordProperty) -> None:
+    """Threads on both hosts (placed by a storm through the balancer, their dataplanes
+    through it too); a storm over them, one host cut from both networks after its first
+    thread: while the host is merely unreachable, every thread keeps its binding; once
+    it is declared lost, a storm over the same threads: the lost host's threads answered
+    410 ``host_lost`` (each retry alike), the others their binding; a storm of new
+    threads lands on the surviving host alone; nothing rebound, nothing duplicated, no
+    server error; healed, 0 orphans."""
+    run = Run(c)
+    made = storm(run, "hstorm", HOST_STORM_THREADS, HOST_STORM_PER_THREAD)
+    made["per_thread"] = HOST_STORM_PER_THREAD
+    assert_exactly_once(run, made)
+    names: list[str] = made["names"]
+    placed = {n: _host_of(c, made["threads"][n]["dataplanes"][0]) for n in names}
+    for name in names:
+        got = made["threads"][name]
+        status, out = _exec_until_ok(run, got["dataplanes"][0], name)
+        assert (status, out) == (200, f"{name}\n"), (name, status, out)
+    # Both hosts, as a rule (a host whose heartbeat is late on a loaded machine is skipped
+    # meanwhile: no exact split).
+    spread = {h: list(placed.values()).count(h) for h in c.hosts}
+    # The first thread's host is cut while the storm's later threads are in flight.
+    victim = placed[names[0]]
+    (survivor,) = set(c.hosts) - {victim}
+    victim_id = c.hosts[victim].host_id
+    lost = [n for n in names if placed[n] == victim]
+    kept = [n for n in names if placed[n] == survivor]
+    sessions = {n: made["threads"][n]["sessions"][0] for n in names}
+
+    cut_at: list[float] = []
+
+    def cut() -> None:
+        c.topo.partition(victim, "front")
+        c.topo.partition(victim, "back")
+        cut_at.append(time.monotonic())
+
+    try:
+        during = storm(run, "", 0, HOST_STORM_PER_THREAD, fault=cut, names=names)
+        _assert_unrebound(during, names, lost, sessions, HOST_STORM_PER_THREAD)
+        _wait_host_state(c, victim_id, "lost", HOST_LOST_AFTER + 60)
+        declared = time.monotonic() - cut_at[0]
+        after = storm(run, "", 0, HOST_STORM_PER_THREAD, names=names)
+        _assert_unrebound(after, names, lost, sessions, HOST_STORM_PER_THREAD)
+        assert after["answers"] == {
+            "200": len(kept) * HOST_STORM_PER_THREAD,
+            "410 SESSION_EXPIRED": len(lost) * HOST_STORM_PER_THREAD,
+        }, after["answers"]
+        assert all(after["threads"][n]["sessions"] == [] for n in lost), after["threads"]
+        # A retry of a refused ensure (its Idempotency-Key again) is refused alike.
+        key = str(uuid.uuid4())
+        refusals = [
+            c.driver.call(
+                "request",
+                method="POST",
+                url=f"{c.lb}/v1/sandbox/sessions",
+                json={"thread_id": lost[0], "mode": "ensure"},
+                headers={**run.headers, "Idempotency-Key": key},
+                timeout=60,
+            )
+            for _ in range(2)
+        ]
+        assert [r["status"] for r in refusals] == [410, 410], refusals
+        assert refusals[0]["body"] == refusals[1]["body"], refusals
+        assert refusals[0]["body"]["error"]["metadata"]["reason"] == "host_lost", refusals
+        # Failed once each, visibly: one binding.failed (host_lost) on each lost binding.
+        for name in lost:
+            rows = c.pg.query(
+                "SELECT event::jsonb->'details'->'phase'->>'reason' FROM events "
+                f"WHERE stream_id = '{sessions[name]}' "
+                "AND event::jsonb->>'event_type' = 'binding.failed'"
+            )
+            assert rows == [["host_lost"]], (name, rows)
+        states = c.pg.query(
+            "SELECT s.state, s.reason, count(*) FROM sandboxes s JOIN bindings b "
+            "ON b.sandbox_id = s.id WHERE b.id IN ("
+            + ", ".join(f"'{sessions[n]}'" for n in lost)
+            + ") GROUP BY s.state, s.reason"
+        )
+        assert states == [["failed", "host_lost", str(len(lost))]], states
+        # New threads meanwhile: all on the surviving host, once each.
+        fresh = storm(run, "hfresh", HOST_STORM_THREADS, HOST_STORM_PER_THREAD)
+        assert fresh["server_errors"] == [] and fresh["gave_up"] == 0, fresh
+        assert fresh["answers"] == {"200": HOST_STORM_THREADS * HOST_STORM_PER_THREAD}
+        assert fresh["replays_mismatched"] == [], fresh["replays_mismatched"][:3]
+        for name in fresh["names"]:
+            got = fresh["threads"][name]
+            assert len(got["sessions"]) == 1 and len(got["sandboxes"]) == 1, (name, got)
+            assert _host_of(c, got["dataplanes"][0]) == survivor, got
+        like = f"thread:{fresh['names'][0].rsplit('_', 2)[0]}_%"
+        assert c.counts("bindings", like) == {f"thread:{n}": 1 for n in fresh["names"]}
+        assert c.counts("sandboxes", like) == {f"thread:{n}": 1 for n in fresh["names"]}
+    finally:
+        c.topo.heal(victim, "front")
+        c.topo.heal(victim, "back")
+    _wait_host_state(c, victim_id, "up", 60)
+    assert c.orphans(timeout=60) == {}
+    # Nothing was rebound: one binding and one sandbox per thread of the storm.
+    like = f"thread:{names[0].rsplit('_', 2)[0]}_%"
+    assert c.counts("bindings", like) == {f"thread:{n}": 1 for n in names}
+    assert c.counts("sandboxes", like) == {f"thread:{n}": 1 for n in names}
+    for name in kept:
+        status, out = _exec_until_ok(run, made["threads"][name]["dataplanes"][0], name, "cat mark")
+        assert (status, out) == (200, f"{name}\n"), (name, status, out)
+    report(
+        record_property,
+        f"multi-host, sandbox hosts behind the balancer: {HOST_STORM_THREADS} threads placed "
+        f"{spread}; host {victim} cut from both networks during {HOST_STORM_PER_THREAD} "
+        f"concurrent ensure for each: no thread answered another binding than its own "
+        f"(answers {during['answers']}: 410 host_lost once it was declared lost, "
+        f"seen {declared:.1f} s after the cut, {during['seconds']:.0f} s storm); a storm over the "
+        f"same threads: its {len(lost)} threads 410 host_lost, each failed once (one "
+        f"binding.failed), the other host's {len(kept)} their binding; a retried refusal "
+        f"refused alike; {HOST_STORM_THREADS} new threads on "
+        f"{survivor} alone; healed: 0 orphans, 0 duplicates, 0 server errors",
+    )
+
+
+def _assert_unrebound(
+    result: dict[str, Any],
+    names: list[str],
+    lost: list[str],
+    sessions: dict[str, str],
+    per_thread: int,
+) -> None:
+    """No thread answered with another binding than its own; answers are 200 or, for a
+    thread of the lost host once it is declared lost, 410; no server error, no retried
+    request answered differently."""
+    assert result["server_errors"] == [], result["server_errors"][:5]
+    assert result["gave_up"] == 0, result
+    assert set(result["answers"]) <= {"200", "410 SESSION_EXPIRED"}, result["answers"]
+    assert sum(result["answers"].values()) == len(names) * per_thread, result["answers"]
+    assert result["answers"].get("410 SESSION_EXPIRED", 0) <= len(lost) * per_thread
+    for name in names:
+        got = result["threads"][name]
+        assert set(got["sessions"]) <= {sessions[name]}, (name, got)
+        if name not in lost:
+            assert got["sessions"] == [sessions[name]], (name, got)
+    assert result["replays_mismatched"] == [], result["replays_mismatched"][:3]
+
+
+def _exec_until_ok(
+    run: Run, dataplane: str, thread: str, command: str | None = None
+) -> tuple[int, str]:
+    """Exec in a storm thread's sandbox with a fresh grant (the storm kept none)."""
+    r = run.cluster.driver.call(
+        "request",
+        method="POST",
+        url=f"{run.cluster.lb}/v1/sandbox/sessions",
+        json={"thread_id": thread, "mode": "ensure"},
+        headers=run.headers,
+        timeout=60,
+    )
+    assert r["status"] == 200, r
+    grant = r["body"]
+    assert grant["dataplane"]["http_base_url"] == dataplane, grant
+    deadline = time.monotonic() + 60
+    while True:
+        got = _exec(run, dataplane, grant["token"], command or f"echo {thread} > mark && cat mark")
+        if got[0] == 200 or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)

@@ -59,9 +59,9 @@ class Broker:
         provider_api: tuple[str, str] | None = None,
     ) -> None:
         """``provider``: None with ``hosts.mode = "registered"`` (the registered hosts'
-        providers, reached through :class:`FleetProvider`). ``provider_api``: where brokers
-        reach this process's provider and the credential it asks for (a ``sandlot host``),
-        registered with its host."""
+        providers, reached through :class:`FleetProvider`). ``provider_api``: where other
+        processes reach this process's provider and the credential it asks for (a
+        ``sandlot host``, a replica on a server store), registered with its host."""
         self.settings = settings
         self.store = store or Store(settings.resolved_store_url)
         self.hub = EventHub()
@@ -92,12 +92,22 @@ class Broker:
             )
         )
         registered = settings.sandbox_hosts == "registered"
-        if registered and self.hosts is None:
-            raise ConfigError("hosts.mode = 'registered' needs a server store (PostgreSQL)")
+        places = settings.sandbox_hosts in ("registered", "mixed")
+        if places and self.hosts is None:
+            raise ConfigError(
+                f"hosts.mode = {settings.sandbox_hosts!r} needs a server store (PostgreSQL)"
+            )
+        #: The other hosts' provider APIs (to act on the sandboxes they run).
+        self.remote = FleetProvider(self.hosts) if self.hosts is not None else None
         if provider is None:
-            if self.hosts is None or not registered:
+            if self.remote is None or not registered:
                 raise ConfigError("a broker without registered hosts needs a provider")
-            provider = FleetProvider(self.hosts)
+            provider = self.remote
+        elif places and not provider.host_bound:
+            raise ConfigError(
+                "hosts.mode = 'mixed' needs a provider that runs sandboxes on this machine"
+                f" (not {provider.name!r}): use 'registered' or 'embedded'"
+            )
         self.provider: Provider = provider
         self.sandboxes = SandboxService(
             store=self.store,
@@ -108,7 +118,8 @@ class Broker:
             clock=clock,
             # One SQLite store is one machine's; replicas share a server database.
             host=None if self.store.dialect == "sqlite" else host_id(settings.data_dir),
-            fleet=self.hosts if registered else None,
+            fleet=self.hosts if places else None,
+            remote=self.remote,
         )
         self.sessions = SessionService(
             store=self.store,
@@ -182,7 +193,7 @@ class Broker:
         if recover and self.heartbeat is not None:
             await self.heartbeat.register()
             self.heartbeat.start()
-        if recover and self.sandboxes.fleet is not None:
+        if recover and self.settings.sandbox_hosts == "registered":
             # The hosts run, re-adopt and revoke for their own sandboxes.
             recover = False
         if recover:
@@ -212,5 +223,7 @@ class Broker:
         await self.host_api.close()
         await self.sandboxes.drain()
         await self.provider.close()
+        if self.remote is not None and self.remote is not self.provider:
+            await self.remote.close()
         self.store.dispose()
         self.started = False

@@ -9,7 +9,9 @@ finish its teardown. Without this, every replica took the others' sandboxes
 for vanished ones and ended them (and their bindings).
 
 A host is its data directory: the server and its worker processes share one,
-and two replicas never do. The id is made once and kept in the directory.
+and two replicas never do. The id is made once and kept in the directory, and so is
+the credential its provider API asks for (:func:`host_credential`), which other
+processes read from the host's row in the store to act on its sandboxes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import secrets
 from pathlib import Path
 
 HOST_ID_FILE = "host-id"
+CREDENTIAL_FILE = "host-credential"
 
 
 def host_id(data_dir: Path) -> str:
@@ -35,6 +38,40 @@ def host_id(data_dir: Path) -> str:
     tmp.write_text(made + "\n")
     try:
         # A link fails if another process made the id first: then that one is the id.
+        os.link(tmp, path)
+    except FileExistsError:
+        return path.read_text().strip()
+    finally:
+        tmp.unlink()
+    return made
+
+
+def host_credential(data_dir: Path, given: Path | None = None) -> str:
+    """The secret of the provider API of the host whose data directory is ``data_dir``:
+    the file ``given``, ``SANDLOT_HOST_CREDENTIAL``, or one made once and kept in
+    ``DATA_DIR/host-credential`` (mode 0600)."""
+    from sandlot.broker.settings import ConfigError
+
+    if given is not None:
+        value = given.read_text().strip()
+        if len(value) < 16:
+            raise ConfigError("the credential must be at least 16 characters")
+        return value
+    if os.environ.get("SANDLOT_HOST_CREDENTIAL"):
+        return os.environ["SANDLOT_HOST_CREDENTIAL"]
+    path = data_dir / CREDENTIAL_FILE
+    with contextlib.suppress(FileNotFoundError):
+        kept = path.read_text().strip()
+        if kept:
+            return kept
+    data_dir.mkdir(parents=True, exist_ok=True)
+    made = secrets.token_urlsafe(32)
+    tmp = data_dir / f".{CREDENTIAL_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
+    try:
+        # As for the id: the first process to make one wins, the others read it.
         os.link(tmp, path)
     except FileExistsError:
         return path.read_text().strip()

@@ -125,14 +125,19 @@ class SandboxService:
         clock: Clock = time.time,
         host: str | None = None,
         fleet: HostRegistry | None = None,
+        remote: Provider | None = None,
     ) -> None:
         self.store = store
         self.provider = provider
         #: The sandbox host this process is, for a provider bound to one (else None).
         self.host = host if provider.host_bound else None
-        #: With registered hosts (``hosts.mode = "registered"``): new sandboxes are placed
-        #: on them, and this process runs none itself.
+        #: With registered hosts (``hosts.mode`` ``registered`` or ``mixed``): new sandboxes
+        #: are placed on them (``mixed``: this process's own host among them).
         self.fleet = fleet
+        #: The provider APIs of the other hosts in the store
+        #: (:class:`~sandlot.broker.fleet.FleetProvider`): what this process does to a
+        #: sandbox another host runs (resume, suspend, create after placement) goes there.
+        self.remote = remote
         self.settings = settings
         self.templates = templates
         self.hub = hub
@@ -158,8 +163,8 @@ class SandboxService:
         ``provider``: the configured provider chosen for it (:meth:`choose_provider`);
         None: the template's pin, else the default. With registered hosts, the row names
         the host placed on (``provider``: only hosts that run it; None: any) and that
-        host's dataplane; the provider is asked to create it after the transaction
-        commits (:meth:`provision`).
+        host's dataplane (placed on this process's own host, ``mixed``: as embedded); the
+        provider is asked to create it after the transaction commits (:meth:`provision`).
         """
         now = self.clock()
         if owner_user_id is not None and pool is None:
@@ -175,8 +180,8 @@ class SandboxService:
             if taken is not None:
                 raise ResourceConflict(f"a live sandbox named {name!r} already exists")
         host: str | None
-        if self.fleet is not None:
-            placed = self.fleet.place(conn, provider=provider)
+        placed = self.fleet.place(conn, provider=provider) if self.fleet is not None else None
+        if placed is not None and placed.id != self.host:
             host, provider_name = placed.id, placed.provider
             coords = dataplane_coordinates(placed.dataplane_url, sandbox_id)
         else:
@@ -298,21 +303,33 @@ class SandboxService:
 
     def is_hosted_here(self, row: SandboxRow) -> bool:
         """Whether this process's provider runs the sandbox (see :mod:`sandlot.broker.hosts`)."""
-        if self.fleet is not None:
-            return False
-        return row.host is None or self.host is None or row.host == self.host
+        if self.host is None:
+            # No host of its own: every sandbox (one machine, or a provider every replica
+            # reaches alike), or none (``registered``: the hosts run them all).
+            return self.fleet is None
+        return row.host is None or row.host == self.host
 
     def reaches(self, row: SandboxRow) -> bool:
-        """Whether this process's provider can act on the sandbox (its own, or any
-        registered host's through the fleet)."""
-        return self.fleet is not None or self.is_hosted_here(row)
+        """Whether this process can act on the sandbox: its own, or another host's
+        through that host's provider API."""
+        return self.is_hosted_here(row) or (self.remote is not None and row.host is not None)
+
+    def provider_for(self, row: SandboxRow) -> Provider:
+        """The provider that acts on the sandbox: this process's for its own, else its
+        host's provider API (``503 PROVIDER_UNAVAILABLE`` when none is reachable)."""
+        if self.is_hosted_here(row):
+            return self.provider
+        if self.remote is None or row.host is None:
+            raise ProviderUnavailable(
+                f"sandbox {row.id} runs on another host, which this process cannot reach",
+                metadata={"sandbox_id": row.id, "host": row.host},
+            )
+        return self.remote
 
     def _hosted_here(self) -> Any:
         """The SQL form of :meth:`is_hosted_here`."""
-        if self.fleet is not None:
-            return false()
         if self.host is None:
-            return true()
+            return true() if self.fleet is None else false()
         return or_(sandboxes.c.host.is_(None), sandboxes.c.host == self.host)
 
     # --- provider calls ------------------------------------------------------------
@@ -321,7 +338,7 @@ class SandboxService:
         """Ask the provider to create the sandbox; accepted at once, completes in background."""
         spec = self.spec_for(row, template)
         try:
-            status = await self.provider.create(spec)
+            status = await self.provider_for(row).create(spec)
             if status.state is SandboxState.PROVISIONING:
                 failpoints.hit("mid_provision")
         except SandlotError as exc:
@@ -482,11 +499,15 @@ class SandboxService:
             conn.execute(update(tokens).where(*cond).values(revoked_at=now))
         return [RevokedToken(r.jti, r.expires_at) for r in rows]
 
-    async def push_revocations(self, sandbox_id: str, revoked: list[RevokedToken]) -> None:
+    async def push_revocations(
+        self, sandbox_id: str, revoked: list[RevokedToken], provider: Provider | None = None
+    ) -> None:
+        """Push revoked tokens to the sandbox's dataplane (``provider``: the one that runs
+        it, this process's by default)."""
         if not revoked:
             return
         try:
-            await self.provider.revoke(sandbox_id, revoked)
+            await (provider or self.provider).revoke(sandbox_id, revoked)
         except Exception:
             # The tokens stay revoked in the store; the dataplane also refuses a
             # token whose sandbox generation or existence no longer matches.
@@ -522,27 +543,40 @@ class SandboxService:
             self.hub.notify(sandbox_id)
             if binding_id:
                 self.hub.notify(binding_id)
-        await self.push_revocations(sandbox_id, revoked)
         if not self.reaches(row):
             # Its host's reaper deletes it (finish_terminating); its dataplane already
             # refuses the revoked tokens, pushed there by its host's RevocationWatcher.
             return row
+        provider = self.provider_for(row)
+        if provider is self.provider:
+            await self.push_revocations(sandbox_id, revoked, provider)
+        else:
+            # Another host's: in the background (its own watcher reads them too).
+            self.spawn(self.push_revocations(sandbox_id, revoked, provider))
         if row.state is SandboxState.TERMINATED:
-            # Deleted before: the provider is asked once more (a retry after a failure).
-            await self._delete(sandbox_id)
+            # Deleted before: the provider is asked once more (a retry after a failure;
+            # another host's reaper removes what it still runs).
+            if provider is self.provider:
+                await self._delete(sandbox_id, provider)
             return row
-        teardown = self._teardown(sandbox_id, reason)
-        if not wait:
+        teardown = self._teardown(sandbox_id, reason, provider)
+        if not wait or provider is not self.provider:
+            # Another host's deletion is not waited for: an unreachable host would hold the
+            # caller for its timeouts, and that host's reaper finishes it anyway.
             return row
         # Shielded: a caller that goes away does not stop a teardown half way.
         await asyncio.shield(teardown)
         return await anyio.to_thread.run_sync(self.get, sandbox_id)
 
-    def _teardown(self, sandbox_id: str, reason: str) -> asyncio.Task[bool]:
+    def _teardown(
+        self, sandbox_id: str, reason: str, provider: Provider | None = None
+    ) -> asyncio.Task[bool]:
         """The one provider deletion of an accepted teardown (joined by later requests)."""
         task = self._teardowns.get(sandbox_id)
         if task is None:
-            task = asyncio.get_running_loop().create_task(self._finish(sandbox_id, reason))
+            task = asyncio.get_running_loop().create_task(
+                self._finish(sandbox_id, reason, provider or self.provider)
+            )
             self._teardowns[sandbox_id] = task
             self._tasks.add(task)
 
@@ -553,8 +587,8 @@ class SandboxService:
             task.add_done_callback(forget)
         return task
 
-    async def _finish(self, sandbox_id: str, reason: str) -> bool:
-        if not await self._delete(sandbox_id):
+    async def _finish(self, sandbox_id: str, reason: str, provider: Provider) -> bool:
+        if not await self._delete(sandbox_id, provider):
             return False
         try:
             await self.apply_state(sandbox_id, SandboxState.TERMINATED, reason=reason)
@@ -563,9 +597,9 @@ class SandboxService:
             return False
         return True
 
-    async def _delete(self, sandbox_id: str) -> bool:
+    async def _delete(self, sandbox_id: str, provider: Provider | None = None) -> bool:
         try:
-            await self.provider.delete(sandbox_id)
+            await (provider or self.provider).delete(sandbox_id)
         except Exception:
             log.exception("provider delete failed for %s (the reaper will retry)", sandbox_id)
             return False
@@ -597,15 +631,19 @@ class SandboxService:
         return done
 
     async def suspend(self, sandbox_id: str, *, reason: str) -> None:
+        provider = self.provider
         with contextlib.suppress(SandboxNotFound):
-            # Which configured provider runs it (a worker may not have seen it yet).
+            # Which configured provider runs it (a worker may not have seen it yet), and
+            # where: another host's sandbox is suspended by that host.
             row = await anyio.to_thread.run_sync(self.get, sandbox_id)
-            self.provider.assign(row.id, row.provider)
-        if not self.provider.can_suspend(sandbox_id):
+            provider = self.provider_for(row)
+            if provider is self.provider:
+                self.provider.assign(row.id, row.provider)
+        if provider is self.provider and not self.provider.can_suspend(sandbox_id):
             await self.terminate(sandbox_id, reason=reason)
             return
         try:
-            status = await self.provider.suspend(sandbox_id)
+            status = await provider.suspend(sandbox_id)
         except SandboxNotFound:
             await self.apply_state(sandbox_id, SandboxState.FAILED, reason="sandbox vanished")
             return
@@ -613,13 +651,10 @@ class SandboxService:
 
     async def resume(self, sandbox_id: str, *, reason: str) -> SandboxState:
         row = await anyio.to_thread.run_sync(self.get, sandbox_id)
-        if not self.reaches(row):
-            raise ProviderUnavailable(
-                f"sandbox {sandbox_id} is suspended on another host; retry there",
-                metadata={"sandbox_id": sandbox_id, "host": row.host},
-            )
+        # Another host's sandbox is resumed by that host, through its provider API.
+        provider = self.provider_for(row)
         try:
-            status = await self.provider.resume(sandbox_id)
+            status = await provider.resume(sandbox_id)
         except SandboxNotFound:
             await self.apply_state(sandbox_id, SandboxState.FAILED, reason="sandbox vanished")
             return SandboxState.FAILED

@@ -49,6 +49,10 @@ class CapabilityPolicy:
     allowed: frozenset[Capability]
 
 
+#: ``[hosts] mode``: where a broker's new sandboxes run (docs/SCALE.md).
+SANDBOX_HOST_MODES = ("embedded", "registered", "mixed")
+
+
 @dataclass(frozen=True)
 class BrokerSettings:
     host: str = "127.0.0.1"
@@ -88,9 +92,13 @@ class BrokerSettings:
     pools: Mapping[str, Pool] = field(default_factory=dict)
     admins: frozenset[str] = frozenset()
     default_template: str = "default"
-    #: ``embedded``: sandboxes run in this process's provider; ``registered``: on the sandbox
-    #: hosts registered in the store (:mod:`sandlot.broker.fleet`).
+    #: ``embedded``: new sandboxes run in this process's provider; ``registered``: on the
+    #: sandbox hosts registered in the store (:mod:`sandlot.broker.fleet`); ``mixed``: both,
+    #: each new one on the registered host with the most free slots, this one included.
     sandbox_hosts: str = "embedded"
+    #: Where other replicas reach this process's provider API (a server store only; None:
+    #: its listening address). ``SANDLOT_HOST_PROVIDER_URL``, ``[hosts] provider_url``.
+    host_provider_url: str | None = None
     host_heartbeat_seconds: float = 2.0
     host_lost_after_seconds: float = 20.0
     host_capacity: int = 100
@@ -226,6 +234,7 @@ def load_settings(
         ("heartbeat_seconds", "host_heartbeat_seconds"),
         ("lost_after_seconds", "host_lost_after_seconds"),
         ("capacity", "host_capacity"),
+        ("provider_url", "host_provider_url"),
     ):
         if key in hosts:
             values[name] = hosts[key]
@@ -269,6 +278,7 @@ def load_settings(
         "SANDLOT_DATAPLANE_URL": "dataplane_url",
         "SANDLOT_SANDBOX_HOSTS": "sandbox_hosts",
         "SANDLOT_HOST_CAPACITY": "host_capacity",
+        "SANDLOT_HOST_PROVIDER_URL": "host_provider_url",
     }
     for var, key in env_map.items():
         if env.get(var):
@@ -292,8 +302,8 @@ def load_settings(
         values["host_lost_after_seconds"] = float(values.get("host_lost_after_seconds", 20.0))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"hosts.capacity and the hosts' delays must be numbers: {exc}") from exc
-    if values.get("sandbox_hosts", "embedded") not in ("embedded", "registered"):
-        raise ConfigError("hosts.mode must be 'embedded' or 'registered'")
+    if values.get("sandbox_hosts", "embedded") not in SANDBOX_HOST_MODES:
+        raise ConfigError("hosts.mode must be 'embedded', 'registered' or 'mixed'")
     if values["host_capacity"] < 1:
         raise ConfigError("hosts.capacity must be at least 1")
     if not 0 < values["host_heartbeat_seconds"] < values["host_lost_after_seconds"]:

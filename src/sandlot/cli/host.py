@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -63,7 +62,6 @@ EPILOG = (
     "--key-file /etc/sandlot/host-key --listen 0.0.0.0:8766 …"
 )
 
-CREDENTIAL_FILE = "host-credential"
 DEFAULT_LISTEN = "127.0.0.1:8766"
 
 
@@ -242,25 +240,14 @@ def _run_agent(
 
 
 def _credential(data_dir: Path, given: Path | None) -> str:
-    """The provider API's secret: the file given, the variable, or one kept in the data dir."""
-    if given is not None:
-        value = given.read_text().strip()
-        if len(value) < 16:
-            raise typer.BadParameter("the credential must be at least 16 characters")
-        return value
-    if os.environ.get("SANDLOT_HOST_CREDENTIAL"):
-        return os.environ["SANDLOT_HOST_CREDENTIAL"]
-    path = data_dir / CREDENTIAL_FILE
-    with contextlib.suppress(FileNotFoundError):
-        kept = path.read_text().strip()
-        if kept:
-            return kept
-    data_dir.mkdir(parents=True, exist_ok=True)
-    made = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(made + "\n")
-    return made
+    """The provider API's secret (:func:`sandlot.broker.hosts.host_credential`)."""
+    from sandlot.broker.hosts import host_credential
+    from sandlot.broker.settings import ConfigError
+
+    try:
+        return host_credential(data_dir, given)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
 
 
 def host_app(settings: Any, provider_url: str, credential: str) -> tuple[Any, Any]:

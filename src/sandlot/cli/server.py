@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.assembly import build_provider
 from sandlot.broker.core import Broker, prepare_store
+from sandlot.broker.hosts import host_credential
 from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.http.host import DataplaneHost
@@ -56,16 +57,30 @@ def build_app(
     the broker's at ``/metrics``.
 
     With ``provider_secret`` the app also exposes its provider to broker worker
-    processes (see :mod:`sandlot.providers.remote`).
+    processes (see :mod:`sandlot.providers.remote`). On a server store (PostgreSQL) a
+    server that runs sandboxes always exposes it, guarded by its host's credential
+    (:func:`sandlot.broker.hosts.host_credential`), and registers it with its host: other
+    replicas act on its sandboxes there (resume, suspend, and create when they place
+    sandboxes on it, ``hosts.mode = "mixed"``).
     """
     ref: list[Broker] = []
+    if dataplane_url:
+        # The sandbox host of ``--workers``: its dataplane is on a port of its own, and its
+        # host is registered with that address.
+        settings = replace(settings, dataplane_url=dataplane_url)
     # With registered sandbox hosts the broker runs no provider of its own.
     provider = (
         None
         if settings.sandbox_hosts == "registered"
         else build_provider(settings, ref, dataplane_url=dataplane_url)
     )
-    broker = Broker(settings, provider, run_reaper=run_reaper)
+    provider_api = None
+    if provider is not None and not settings.resolved_store_url.startswith("sqlite"):
+        if provider_secret is None:
+            provider_secret = host_credential(settings.data_dir)
+        own = dataplane_url or replace(settings, public_url=None).base_url
+        provider_api = (settings.host_provider_url or own, provider_secret)
+    broker = Broker(settings, provider, run_reaper=run_reaper, provider_api=provider_api)
     ref.append(broker)
     provider = broker.provider
     app = create_app(broker)
