@@ -144,7 +144,8 @@ async function boot(): Promise<void> {
   hub.on((events, live) => {
     tree.apply(events, live);
     editor.apply(events, live);
-    feed.apply(events);
+    if (live) feed.apply(events);
+    else feed.backlog(events);
     if (live && events.some((e) => e.details.fs)) git.soon();
   });
 
