@@ -233,7 +233,7 @@ class Tab {
         // The shell's recent output replaces the screen: a full reset (ESC c) parsed in
         // order, after what xterm already holds.
         this.queue = [];
-        this.write(`\x1bc${f.data ?? ""}`);
+        this.write(`\x1bc${f.data ?? ""}`, false);
         this.offset = (f.offset ?? 0) + utf8Length(f.data ?? "");
         break;
       case "output":
@@ -262,9 +262,15 @@ class Tab {
     }
   }
 
-  private write(data: Chunk): void {
+  /** Output for xterm, in order; ``counted`` output may start a flood (the history a tab
+   * opens with does not: it goes to xterm at once). */
+  private write(data: Chunk, counted = true): void {
     if (!data.length) return;
     this.queue.push(data);
+    if (!counted) {
+      if (!this.pacing) this.feed();
+      return;
+    }
     const now = performance.now();
     if (now - this.windowStart > PACE) {
       this.windowStart = now;
