@@ -14,7 +14,8 @@ export class Git {
 
   constructor(private readonly showDiff: (path: string) => void) {
     this.list = h("ul", { class: "git-list", "data-testid": "git", "aria-label": "Changed files" });
-    this.note = h("p", { class: "note", role: "status" });
+    // Says something from the start, so the first answer does not move the panels above.
+    this.note = h("p", { class: "note", role: "status", text: "Looking for changes…" });
     const refresh = h("button", { type: "button", class: "small", text: "Refresh" });
     refresh.addEventListener("click", () => void this.refresh());
     this.el = h(

@@ -429,10 +429,20 @@ export class FileTree {
     const entries = [...data.items]
       .map((item) => item.webkitGetAsEntry?.())
       .filter((e): e is FileSystemEntry => !!e);
-    if (entries.length) {
-      for (const entry of entries) await collect(entry, "", files);
-    } else {
-      for (const file of data.files) files.push({ file, path: file.name });
+    try {
+      if (entries.length) {
+        for (const entry of entries) await collect(entry, "", files);
+      } else {
+        for (const file of data.files) files.push({ file, path: file.name });
+      }
+    } catch (e) {
+      this.progress.dataset.state = "failed";
+      this.say(`Could not read what was dropped: ${e instanceof Error ? e.message : String(e)}`);
+      return;
+    }
+    if (!files.length) {
+      this.say("Nothing to upload in what was dropped");
+      return;
     }
     await this.uploadAll(dir, files);
   }
@@ -441,6 +451,7 @@ export class FileTree {
     if (!files.length) return;
     const total = files.reduce((n, f) => n + f.file.size, 0);
     let done = 0;
+    this.progress.dataset.state = "running";
     try {
       for (const [i, { file, path }] of files.entries()) {
         const target = dir === "." ? path : `${dir}/${path}`;

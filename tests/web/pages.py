@@ -414,8 +414,9 @@ def type_in_terminal(page: Page, text: str) -> None:
 # --- a folder dropped from the desktop --------------------------------------------------------
 
 
-def drop_folder(page: Page, target: Locator, folder: Path) -> None:
-    """Drops ``folder`` from "the desktop" on an empty spot of ``target``.
+def drop_folder(page: Page, target: Locator, folder: Path) -> list[dict[str, object]]:
+    """Drops ``folder`` from "the desktop" on an empty spot of ``target``; answers the drag
+    events the page saw (type, target, items and files, whether the page took them).
 
     This is the browser's own drop of a real folder (Chrome DevTools'
     ``Input.dispatchDragEvent`` with the folder's path, what the OS hands the browser when
@@ -427,35 +428,94 @@ def drop_folder(page: Page, target: Locator, folder: Path) -> None:
     ``createReader().readEntries()`` until it answers an empty batch, each file with
     ``entry.file()``), and must call ``preventDefault()`` on ``dragenter``/``dragover``
     for the drop to happen at all.
+
+    The drop is aimed at the lowest empty spot of the tree, and let go only once the page
+    has taken the drag there; if the layout moved under the pointer meanwhile, the drag is
+    cancelled and aimed again, as a person would. A drop the page saw is never repeated.
     """
     # As a person would: onto a tree that has listed the workspace (its first listing no
     # longer moves what is under the pointer).
     expect(target).to_have_attribute("aria-busy", "false", timeout=10_000)
+    # What the page made of each drag event, seen after its own handlers (bubbling to the
+    # window), for the test's diagnosis.
+    page.evaluate(
+        """() => {
+          const seen = (window.sandlotDrags = []);
+          for (const type of ["dragenter", "dragover", "dragleave", "drop"])
+            window.addEventListener(type, (e) => seen.push({
+              type,
+              target: e.target instanceof Element
+                ? (e.target.getAttribute("data-testid") ?? e.target.className)
+                : String(e.target),
+              at: [e.clientX, e.clientY],
+              items: e.dataTransfer ? e.dataTransfer.items.length : -1,
+              files: e.dataTransfer ? e.dataTransfer.files.length : -1,
+              taken: e.defaultPrevented,
+            }));
+        }"""
+    )
+    data = {"items": [], "files": [str(folder)], "dragOperationsMask": 1}  # copy
+    # One DevTools session for the whole drag, kept until the page has seen the drop:
+    # closing it ends the browser's drag state.
+    cdp = page.context.new_cdp_session(page)
+    try:
+        for _attempt in range(3):
+            point = _drop_point(page, target)
+            before = page.evaluate("() => window.sandlotDrags.length")
+            for kind in ("dragEnter", "dragOver"):
+                cdp.send(
+                    "Input.dispatchDragEvent",
+                    {"type": kind, "x": point[0], "y": point[1], "data": data},
+                )
+            page.wait_for_function(
+                "(n) => window.sandlotDrags.slice(n).some((e) => e.type === 'dragover')",
+                arg=before,
+                timeout=10_000,
+            )
+            # The page moved under the pointer (a panel beside the tree grew between the
+            # aim and the drag): the page did not take the drag there, so, as a person
+            # would, let go elsewhere and aim again.
+            if not page.evaluate("() => window.sandlotDrags.at(-1).taken"):
+                cdp.send(
+                    "Input.dispatchDragEvent",
+                    {"type": "dragCancel", "x": point[0], "y": point[1], "data": data},
+                )
+                time.sleep(0.2)
+                continue
+            cdp.send(
+                "Input.dispatchDragEvent",
+                {"type": "drop", "x": point[0], "y": point[1], "data": data},
+            )
+            break
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            seen: list[dict[str, object]] = page.evaluate("() => window.sandlotDrags")
+            if any(event["type"] == "drop" for event in seen):
+                break
+            time.sleep(0.05)
+        return page.evaluate("() => window.sandlotDrags")  # type: ignore[no-any-return]
+    finally:
+        cdp.detach()
+
+
+def _drop_point(page: Page, target: Locator) -> tuple[float, float]:
+    """The lowest point of ``target`` that shows no node of the tree (a drop on a folder
+    node uploads into that folder; on the tree's empty space, into the root)."""
     box = target.bounding_box()
     assert box is not None, "the drop target is not shown"
-    # The lowest point of the target that is not a node of the tree (a drop on a folder
-    # node uploads into that folder; on the tree's empty space, into the root).
     point = page.evaluate(
         """([x, top, bottom]) => {
           for (let y = bottom - 4; y > top; y -= 4) {
             const hit = document.elementFromPoint(x, y);
-            if (hit && !hit.closest('[data-testid="tree-node"]')) return [x, y];
+            const tree = hit && hit.closest('[data-testid="tree"]');
+            if (tree && !hit.closest('[data-testid="tree-node"]')) return [x, y];
           }
           return null;
         }""",
         [box["x"] + box["width"] / 2, box["y"], box["y"] + box["height"]],
     )
     assert point is not None, "the tree has no empty spot to drop on"
-    cdp = page.context.new_cdp_session(page)
-    data = {"items": [], "files": [str(folder)], "dragOperationsMask": 1}  # copy
-    try:
-        for kind in ("dragEnter", "dragOver", "drop"):
-            cdp.send(
-                "Input.dispatchDragEvent",
-                {"type": kind, "x": point[0], "y": point[1], "data": data},
-            )
-    finally:
-        cdp.detach()
+    return point[0], point[1]
 
 
 # --- screenshots ------------------------------------------------------------------------------

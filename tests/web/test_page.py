@@ -342,7 +342,14 @@ def test_a_folder_dropped_on_the_tree_is_uploaded(
     (folder / "README.md").write_text("# dropped\n")
     (folder / "src" / "main.py").write_text("print('dropped')\n")
     (folder / "src" / "deep" / "data.bin").write_bytes(bytes(range(256)))
-    drop_folder(page, page.get_by_test_id("tree"), folder)
+    drags = drop_folder(page, page.get_by_test_id("tree"), folder)
+    progress = page.get_by_test_id("upload-progress")
+    try:
+        expect(progress).to_have_attribute("data-state", "done", timeout=SOON)
+    except AssertionError as e:
+        told = progress.evaluate("(e) => [e.hidden, e.dataset.state, e.textContent]")
+        raise AssertionError(f"no upload: status {told}, drag events {drags}") from e
+    expect(progress).to_contain_text("Uploaded 3 files")
     expect(node(page, name)).to_be_visible(timeout=SOON)
     expect(node(page, name)).to_have_attribute("data-kind", "dir")
     node(page, name).click()
