@@ -186,7 +186,7 @@ async def test_a_dropped_socket_reattaches_from_its_offset_with_nothing_lost(
         async with browser.socket() as first:
             session = await opened(first)
             await first.type(
-                f"for i in $(seq 1 {lines}); do echo line-$i; done; echo all-$((1000+1))\r"
+                f"for i in $(seq 1 {lines}); do echo line-$i; done; sleep 1; echo all-$((1000+1))\r"
             )
             await first.until_output("line-1\r\n")
             # The network goes: no close frame, no goodbye.
