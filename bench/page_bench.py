@@ -31,8 +31,8 @@ EventSource; it changes nothing the page does).
    point of the frame; *on screen* is xterm's ``onRender`` after the echoed byte was
    parsed into its buffer (the DOM renderer has written the rows; the browser paints
    them at the end of that frame). Beside it, from the same browser: a plain
-   ``WebSocket`` on ``/ws/pty`` (no xterm, no page), and jupyter_server's
-   ``/terminals/websocket`` running the same program.
+   ``WebSocket`` on ``/ws/pty?binary=1`` (the page's frames; no xterm, no page), and
+   jupyter_server's ``/terminals/websocket`` running the same program.
 4. **Agent write → tree**: the page calls a binding that writes a file through the SDK
    with an *agent* key (the write's own time returned beside it); timed from the call to
    the file's ``tree-node[data-path=…]`` in the DOM, with the activity stream's event
@@ -44,7 +44,8 @@ EventSource; it changes nothing the page does).
 6. **10 MB to the terminal**: ``head -c 10000000 /dev/urandom | base64`` in a new
    terminal tab; long tasks (``PerformanceObserver``, ``longtask``) until the last line
    is on screen; beside it, the same output received by a plain ``WebSocket`` on
-   ``/ws/pty`` and on jupyter_server's terminal.
+   ``/ws/pty`` (binary frames as the page asks, then boring-ui's JSON frames) and on
+   jupyter_server's terminal, each with the CPU time its server's process spent.
 
 The tree bounds are raised as in ``bench/web_bench.py`` (``SANDLOT_WEB_TREE_MAX_NODES``,
 ``SANDLOT_DP_MAX_LIST_ENTRIES``) so that the 10,000-file folder is listed whole.
@@ -55,6 +56,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
 import statistics
 import sys
@@ -99,6 +101,11 @@ PROBE = r"""
       this.addEventListener("message", (e) => {
         if (!pty) return;
         B.lastPty = now();
+        if (typeof e.data !== "string") {  // output in a binary frame: 8 bytes of offset
+          B.ptyBytes += e.data.byteLength - 8;
+          B.ptyFrames = (B.ptyFrames || 0) + 1;
+          return;
+        }
         B.ptyBytes += e.data.length;
         if (!B.marks.session && e.data.includes('"type":"session"')) B.marks.session = now();
       });
@@ -233,17 +240,29 @@ ECHO_JS = """async (n) => {
   return out;
 }"""
 
+#: The text of a peer's frame: ``kind`` is "sandlot" (/ws/pty with ``binary=1``: output in
+#: binary frames, 8 bytes of offset then UTF-8, as the page asks for it), "sandlot-json"
+#: (/ws/pty's JSON frames, boring-ui's) or "jupyter" (terminado's JSON arrays).
+PEER_TEXT = """(kind, decoder, data) => {
+  if (typeof data !== "string") return decoder.decode(new Uint8Array(data, 8), { stream: true });
+  const f = JSON.parse(data);
+  if (kind === "jupyter") return f[0] === "stdout" ? f[1] : "";
+  return f.type === "output" || f.type === "history" ? f.data : "";
+}"""
+
 #: A plain WebSocket terminal in the page: open, then ``stty raw -echo; cat``; kept in
-#: ``window.__peer``. ``kind`` is "sandlot" (/ws/pty JSON frames) or "jupyter".
-PEER_OPEN_JS = """async ([kind, url]) => {
+#: ``window.__peer``.
+PEER_OPEN_JS = (
+    """async ([kind, url]) => {
   const ws = new WebSocket(url);
-  let seen = "";
+  ws.binaryType = "arraybuffer";
+  const decoder = new TextDecoder();
+  const textOf = """
+    + PEER_TEXT
+    + """;
   const P = { ws, kind, waiters: [], onText: null };
   ws.onmessage = (e) => {
-    let text = "";
-    const f = JSON.parse(e.data);
-    if (kind === "jupyter") { if (f[0] === "stdout") text = f[1]; }
-    else if (f.type === "output" || f.type === "history") text = f.data;
+    const text = textOf(kind, decoder, e.data);
     if (text && P.onText) P.onText(text);
   };
   P.send = (s) => ws.send(
@@ -270,6 +289,7 @@ PEER_OPEN_JS = """async ([kind, url]) => {
   await ready;
   return true;
 }"""
+)
 
 PEER_ECHO_JS = """async (n) => {
   const P = window.__peer, out = [], keys = "abcdefghijklmnopqrstuvwxyz";
@@ -285,34 +305,41 @@ PEER_ECHO_JS = """async (n) => {
 }"""
 
 #: 10 MB through a plain WebSocket terminal (a fresh shell, not the raw cat one).
-PEER_FLOOD_JS = """async ([kind, url, command]) => {
+PEER_FLOOD_JS = (
+    """async ([kind, url, command]) => {
   const ws = new WebSocket(url);
-  let acc = "", bytes = 0, t0 = 0, prompt = false;
+  ws.binaryType = "arraybuffer";
+  const decoder = new TextDecoder();
+  const textOf = """
+    + PEER_TEXT
+    + """;
+  let acc = "", bytes = 0, t0 = 0, frames = 0;
   return await new Promise((res, rej) => {
     const timer = setTimeout(
       () => rej(new Error(kind + " flood timeout: " + JSON.stringify(acc))), 120000);
     ws.onmessage = (e) => {
-      const f = JSON.parse(e.data);
-      const text = kind === "jupyter" ? (f[0] === "stdout" ? f[1] : "")
-        : (f.type === "output" || f.type === "history" ? f.data : "");
+      const text = textOf(kind, decoder, e.data);
+      frames += 1;
       bytes += text.length;
       acc = (acc + text).slice(-200);
       if (!t0 && /[#$] $/.test(acc)) {
         t0 = performance.now();
         acc = "";
         bytes = 0;
+        frames = 0;
         ws.send(JSON.stringify(
           kind === "jupyter" ? ["stdin", command] : { type: "input", data: command }));
       } else if (t0 && acc.includes("END-42X")) {
         clearTimeout(timer);
         const took = performance.now() - t0;
         ws.close();
-        res([took, bytes]);
+        res([took, bytes, frames]);
       }
     };
     ws.onerror = () => rej(new Error("ws " + url));
   });
 }"""
+)
 
 #: 10 MB in the page's terminal (the active tab): long tasks until the last line is shown.
 FLOOD_JS = """async (command) => {
@@ -328,6 +355,7 @@ FLOOD_JS = """async (command) => {
   };
   B.longtasks.length = 0;
   B.ptyBytes = 0;
+  B.ptyFrames = 0;
   const t0 = performance.now();
   const shown = new Promise((res, rej) => {
     const timer = setTimeout(() => rej(new Error("page flood timeout")), 120000);
@@ -343,7 +371,7 @@ FLOOD_JS = """async (command) => {
   await new Promise((r) => setTimeout(r, 500));
   const tasks = B.longtasks.filter((t) => t[0] >= t0 - 1);
   return {
-    parsed: parsed - t0, rendered: rendered - t0, bytes: B.ptyBytes,
+    parsed: parsed - t0, rendered: rendered - t0, bytes: B.ptyBytes, frames: B.ptyFrames,
     tasks: tasks.map((t) => t[1]),
   };
 }"""
@@ -544,6 +572,19 @@ def gzip_js() -> tuple[int, int]:
     return raw, gz
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_cpu(pid: int, run: Any) -> list[Any]:
+    """``run()``'s answer (a list) with the CPU seconds process ``pid`` spent meanwhile."""
+    before = cpu_seconds(pid)
+    answer = list(run())
+    return [*answer, cpu_seconds(pid) - before]
+
+
 def jupyter_terminal(j: JupyterServer) -> str:
     r = checked(httpx.post(f"{j.url}/api/terminals", headers=j.headers, timeout=30))
     return str(r.json()["name"])
@@ -667,7 +708,8 @@ def run(
     rpage.goto(f"{b.served.url}/api/auth/me")
     ws_base = b.served.url.replace("http", "ws", 1)
     rpage.evaluate(
-        PEER_OPEN_JS, ["sandlot", f"{ws_base}/ws/pty?thread={THREAD}&provider=shell&shell=echo-raw"]
+        PEER_OPEN_JS,
+        ["sandlot", f"{ws_base}/ws/pty?thread={THREAD}&provider=shell&shell=echo-raw&binary=1"],
     )
     jname = jupyter_terminal(j)
     jpage.evaluate(
@@ -720,14 +762,26 @@ def run(
     rctx = new_context(browser, b)
     rpage = rctx.new_page()
     rpage.goto(f"{b.served.url}/api/auth/me")
-    out["flood_raw"] = rpage.evaluate(
-        PEER_FLOOD_JS,
-        ["sandlot", f"{ws_base}/ws/pty?thread={THREAD}&provider=shell&shell=flood-raw", command],
+    # Each with the CPU time its server's process spent meanwhile (the shell's own
+    # processes apart), so that the load of the moment does not hide the cost.
+    pty = f"{ws_base}/ws/pty?thread={THREAD}&provider=shell"
+    out["flood_raw"] = server_cpu(
+        b.served.pid,
+        lambda: rpage.evaluate(
+            PEER_FLOOD_JS, ["sandlot", f"{pty}&shell=flood-raw&binary=1", command]
+        ),
+    )
+    out["flood_json"] = server_cpu(
+        b.served.pid,
+        lambda: rpage.evaluate(PEER_FLOOD_JS, ["sandlot-json", f"{pty}&shell=flood-json", command]),
     )
     jname = jupyter_terminal(j)
-    out["flood_jupyter"] = jpage.evaluate(
-        PEER_FLOOD_JS,
-        ["jupyter", f"{j.ws_url}/terminals/websocket/{jname}?token={j.token}", command],
+    out["flood_jupyter"] = server_cpu(
+        j.pid,
+        lambda: jpage.evaluate(
+            PEER_FLOOD_JS,
+            ["jupyter", f"{j.ws_url}/terminals/websocket/{jname}?token={j.token}", command],
+        ),
     )
     rctx.close()
     jctx.close()
@@ -923,8 +977,9 @@ def print_results(r: dict[str, Any], args: argparse.Namespace) -> None:
     f = r["flood"]
     tasks = f["tasks"]
     over = [t for t in tasks if t > 50]
-    raw_took, raw_bytes = r["flood_raw"]
-    j_took, j_bytes = r["flood_jupyter"]
+    raw_took, raw_bytes, raw_frames, raw_cpu = r["flood_raw"]
+    js_took, js_bytes, js_frames, js_cpu = r["flood_json"]
+    j_took, j_bytes, j_frames, j_cpu = r["flood_jupyter"]
     print(
         f"\n### 6. {args.flood / 1e6:.0f} MB (`head -c {args.flood} /dev/urandom | base64`, "
         f"{f['bytes'] / 1e6:.1f} MB of text) printed in a terminal tab\n"
@@ -936,14 +991,23 @@ def print_results(r: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"| page: long tasks (> 50 ms) meanwhile | {len(over)} |")
     print(f"| page: longest task | {max([*tasks, 0]):.0f} ms |")
     print(f"| page: tasks reported (≥ 50 ms, by `longtask`) | {len(tasks)} |")
+    print(f"| page: `/ws/pty` output frames received | {f.get('frames') or 0:,} |")
     print(
-        f"| plain `WebSocket` on `/ws/pty`: all received | {raw_took / 1000:.2f} s "
-        f"({raw_bytes / 1e6:.1f} MB) |"
+        "\nThe same output through a plain `WebSocket` in the same browser, one after the "
+        "other (a new shell each); CPU: the server process's own (user + system) meanwhile, "
+        "the shell's processes apart.\n"
     )
-    print(
-        f"| plain `WebSocket` on jupyter_server's terminal: all received | {j_took / 1000:.2f} s "
-        f"({j_bytes / 1e6:.1f} MB) |"
-    )
+    print("| plain `WebSocket` | all received | MB | frames | server CPU | ÷ jupyter_server |")
+    print("|---|---|---|---|---|---|")
+    for label, took, nbytes, frames, cpu in (
+        ("`/ws/pty?binary=1` (the page's frames)", raw_took, raw_bytes, raw_frames, raw_cpu),
+        ("`/ws/pty` JSON frames (boring-ui's)", js_took, js_bytes, js_frames, js_cpu),
+        ("jupyter_server's terminal", j_took, j_bytes, j_frames, j_cpu),
+    ):
+        print(
+            f"| {label} | {took / 1000:.2f} s | {nbytes / 1e6:.1f} | {frames:,} | {cpu:.2f} s | "
+            f"{ratio(took, j_took)} time, {ratio(cpu, j_cpu)} CPU |"
+        )
     traced = r["flood_trace"]["tasks"]
     long_traced = [t for t in traced if t[0] > 50]
     by_kind: dict[str, list[tuple[float, float, str]]] = {}

@@ -5,11 +5,14 @@ import { h, shortTime } from "./dom";
 import type { WorkspaceEvent } from "./events";
 
 const KEEP = 300;
+/** The longest the log's past waits for the page to be idle, in ms. */
+const BACKLOG_WAIT = 200;
 
 export class Feed {
   readonly el: HTMLElement;
   private readonly list: HTMLElement;
   private readonly execs = new Map<string, HTMLElement>();
+  private waiting: WorkspaceEvent[] | null = null;
 
   constructor(
     private readonly openFile: (path: string) => void,
@@ -19,7 +22,29 @@ export class Feed {
     this.el = h("section", { class: "panel feed-panel", "aria-label": "Activity" }, h("h2", { text: "Activity" }), this.list);
   }
 
+  /** The log's past the page opened on: shown once the page has drawn what it needs
+   * first (at most BACKLOG_WAIT ms later); events that come meanwhile wait behind it. */
+  backlog(events: WorkspaceEvent[]): void {
+    if (this.waiting) {
+      this.waiting.push(...events);
+      return;
+    }
+    this.waiting = [...events];
+    const show = (): void => {
+      const waiting = this.waiting ?? [];
+      this.waiting = null;
+      this.render(waiting);
+    };
+    if (typeof window.requestIdleCallback === "function") window.requestIdleCallback(show, { timeout: BACKLOG_WAIT });
+    else window.setTimeout(show, 50);
+  }
+
   apply(events: WorkspaceEvent[]): void {
+    if (this.waiting) this.waiting.push(...events);
+    else this.render(events);
+  }
+
+  private render(events: WorkspaceEvent[]): void {
     const items: HTMLElement[] = [];
     for (const event of events.slice(-KEEP)) {
       const item = this.item(event);

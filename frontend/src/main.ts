@@ -112,11 +112,18 @@ async function boot(): Promise<void> {
     return;
   }
 
+  // What the page needs to be usable first (the live stream, the tree, the terminal) is
+  // asked for before anything else is built: the server answers while the page builds
+  // itself. The rest (other workspaces, git status) once those are in.
   const connection = new Connection();
   const hub = new EventHub(connection);
+  const tree = new FileTree((path) => void editor.open(path), mine);
+  const terminals = new Terminals();
+  hub.start();
+  const listed = tree.start();
+  void terminals.start();
   const diffView = new DiffView();
   const editor = new Editor(nonce, mine);
-  const tree = new FileTree((path) => void editor.open(path), mine);
   const openAt = (path: string, line: number): void => {
     void editor.open(path).then(() => editor.goto(line));
   };
@@ -132,13 +139,13 @@ async function boot(): Promise<void> {
     void editor.open(path);
   });
   const git = new Git(showDiff);
-  const terminals = new Terminals();
   const chat = new Chat();
 
   hub.on((events, live) => {
     tree.apply(events, live);
     editor.apply(events, live);
-    feed.apply(events);
+    if (live) feed.apply(events);
+    else feed.backlog(events);
     if (live && events.some((e) => e.details.fs)) git.soon();
   });
 
@@ -190,12 +197,6 @@ async function boot(): Promise<void> {
     }
   });
 
-  // What the page needs to be usable first (the live stream, the tree, the terminal), its
-  // requests sent before the terminal is built; the rest (other workspaces, git status)
-  // once the stream is live, so that the first requests do not wait behind them.
-  hub.start();
-  const listed = tree.start();
-  void terminals.start();
   await Promise.all([listed, hub.live(2000)]);
   await Promise.all([spaces.refresh(), git.refresh()]);
   if (chat.resumable) chat.start();

@@ -5,6 +5,9 @@
 // flow control: xterm parses a piece in one go, so pieces bound how long a task runs while
 // a command floods the terminal; what xterm has not parsed yet is bounded, the rest waits
 // here in order (nothing is dropped). A flood goes to xterm four times a second.
+// Output comes in binary frames (/ws/pty?binary=1): the offset of the first byte (8 bytes,
+// big-endian), then the bytes, given to xterm as they are (it decodes UTF-8 itself). A
+// tab's socket opens before xterm.js is built: the shell answers while the page loads it.
 
 import type { Terminal } from "@xterm/xterm";
 import type { FitAddon } from "@xterm/addon-fit";
@@ -59,7 +62,9 @@ function utf8Length(text: string): number {
   }
   return n;
 }
-/** Most characters given to xterm in one write: xterm parses a write in one go. */
+/** Output for xterm: text (history, notes) or the shell's bytes. */
+type Chunk = string | Uint8Array;
+/** Most characters (or bytes) given to xterm in one write: xterm parses a write in one go. */
 const PIECE = 16 * 1024;
 /** Most characters xterm holds unparsed; more output waits in the tab's queue. */
 const AHEAD = 128 * 1024;
@@ -74,8 +79,9 @@ const DARK = { background: "#1b1d23", foreground: "#d7dae0", cursor: "#d7dae0", 
 const LIGHT = { background: "#fbfbfc", foreground: "#1f2328", cursor: "#1f2328", selectionBackground: "#c8d7f0" };
 
 class Tab {
-  readonly term: Terminal;
-  readonly fit: FitAddon;
+  /** xterm.js, once its chunk is in (output waits in the queue until then). */
+  term: Terminal | null = null;
+  fit: FitAddon | null = null;
   readonly pane: HTMLElement;
   readonly button: HTMLButtonElement;
   ws: WebSocket | null = null;
@@ -84,7 +90,7 @@ class Tab {
   ended = false;
   closed = false;
   /** Output not given to xterm yet, in order, and what xterm holds unparsed. */
-  private queue: string[] = [];
+  private queue: Chunk[] = [];
   private ahead = 0;
   /** Characters of output since ``windowStart``; while ``pacing`` (a flood), xterm gets
    * output at ticks only, at most ``released`` characters of it. */
@@ -100,11 +106,19 @@ class Tab {
     public role: Role,
     sessionId: string | null,
     private readonly owner: Terminals,
-    lib: Xterm,
   ) {
     this.sessionId = sessionId;
-    this.fit = new lib.FitAddon();
-    this.term = new lib.Terminal({
+    this.pane = h("div", { class: "terminal-pane", role: "tabpanel", "aria-label": `Shell ${name}` });
+    this.button = h("button", { type: "button", role: "tab", class: "terminal-tab", "data-testid": "terminal-tab" });
+    this.button.addEventListener("click", () => owner.activate(this));
+    this.label();
+  }
+
+  /** Builds the tab's xterm.js in its pane and gives it the output that came meanwhile. */
+  build(lib: Xterm): void {
+    if (this.term || this.closed) return;
+    const fit = new lib.FitAddon();
+    const term = new lib.Terminal({
       fontFamily: "ui-monospace, SFMono-Regular, Menlo, Consolas, monospace",
       fontSize: 13,
       scrollback: 5000,
@@ -112,15 +126,15 @@ class Tab {
       theme: document.documentElement.dataset.theme === "dark" ? DARK : LIGHT,
       screenReaderMode: false,
     });
-    this.term.loadAddon(this.fit);
-    this.pane = h("div", { class: "terminal-pane", role: "tabpanel", "aria-label": `Shell ${name}` });
-    this.button = h("button", { type: "button", role: "tab", class: "terminal-tab", "data-testid": "terminal-tab" });
-    this.button.addEventListener("click", () => owner.activate(this));
-    this.label();
-    this.term.onData((data) => {
+    term.loadAddon(fit);
+    term.onData((data) => {
       if (this.role === "driver") this.send({ type: "input", data });
     });
-    this.term.attachCustomKeyEventHandler((e) => this.keys(e));
+    term.attachCustomKeyEventHandler((e) => this.keys(e));
+    term.open(this.pane);
+    this.term = term;
+    this.fit = fit;
+    this.feed();
   }
 
   label(): void {
@@ -131,30 +145,25 @@ class Tab {
   }
 
   private keys(e: KeyboardEvent): boolean {
-    if (e.type !== "keydown") return true;
+    const term = this.term;
+    if (e.type !== "keydown" || !term) return true;
     const mod = e.ctrlKey || e.metaKey;
     if (mod && e.shiftKey && e.key.toLowerCase() === "c") {
-      void navigator.clipboard?.writeText(this.term.getSelection());
+      void navigator.clipboard?.writeText(term.getSelection());
       return false;
     }
     if (mod && e.shiftKey && e.key.toLowerCase() === "v") {
-      void navigator.clipboard?.readText().then((text) => this.term.paste(text));
+      void navigator.clipboard?.readText().then((text) => term.paste(text));
       return false;
     }
-    if (e.ctrlKey && !e.shiftKey && e.key === "c" && this.term.hasSelection()) {
-      void navigator.clipboard?.writeText(this.term.getSelection());
-      this.term.clearSelection();
+    if (e.ctrlKey && !e.shiftKey && e.key === "c" && term.hasSelection()) {
+      void navigator.clipboard?.writeText(term.getSelection());
+      term.clearSelection();
       return false;
     }
     // The page's own shortcuts pass through.
     if (mod && ["p", "s"].includes(e.key.toLowerCase())) return false;
     return true;
-  }
-
-  open(): void {
-    // The socket first: the shell answers while xterm builds its screen.
-    this.connect();
-    if (!this.term.element) this.term.open(this.pane);
   }
 
   connect(): void {
@@ -170,14 +179,20 @@ class Tab {
       q.force_new = 1;
     }
     if (this.role === "observer") q.role = "observer";
-    q.cols = this.term.cols;
-    q.rows = this.term.rows;
+    // Before xterm is built, its default size: the first resize sets the real one.
+    q.cols = this.term?.cols ?? 80;
+    q.rows = this.term?.rows ?? 24;
+    q.binary = 1;
     const ws = new WebSocket(wsUrl("/ws/pty", q));
+    ws.binaryType = "arraybuffer";
     this.ws = ws;
     ws.onopen = () => {
       this.retry = 500;
     };
-    ws.onmessage = (m: MessageEvent<string>) => this.frame(JSON.parse(m.data) as Frame);
+    ws.onmessage = (m: MessageEvent<string | ArrayBuffer>) => {
+      if (typeof m.data === "string") this.frame(JSON.parse(m.data) as Frame);
+      else this.output(m.data);
+    };
     ws.onclose = (e) => {
       if (this.ws !== ws) return;
       this.ws = null;
@@ -191,6 +206,16 @@ class Tab {
       window.setTimeout(() => this.connect(), this.retry);
       this.retry = Math.min(this.retry * 2, 8000);
     };
+  }
+
+  /** A binary frame of output: its first byte's offset (8 bytes, big-endian), the bytes. */
+  private output(buffer: ArrayBuffer): void {
+    if (buffer.byteLength < 8) return;
+    const view = new DataView(buffer);
+    const offset = view.getUint32(0) * 2 ** 32 + view.getUint32(4);
+    const data = new Uint8Array(buffer, 8);
+    this.write(data);
+    this.offset = offset + data.byteLength;
   }
 
   private frame(f: Frame): void {
@@ -208,7 +233,7 @@ class Tab {
         // The shell's recent output replaces the screen: a full reset (ESC c) parsed in
         // order, after what xterm already holds.
         this.queue = [];
-        this.write(`\x1bc${f.data ?? ""}`);
+        this.write(`\x1bc${f.data ?? ""}`, false);
         this.offset = (f.offset ?? 0) + utf8Length(f.data ?? "");
         break;
       case "output":
@@ -237,9 +262,15 @@ class Tab {
     }
   }
 
-  private write(data: string): void {
-    if (!data) return;
+  /** Output for xterm, in order; ``counted`` output may start a flood (the history a tab
+   * opens with does not: it goes to xterm at once). */
+  private write(data: Chunk, counted = true): void {
+    if (!data.length) return;
     this.queue.push(data);
+    if (!counted) {
+      if (!this.pacing) this.feed();
+      return;
+    }
     const now = performance.now();
     if (now - this.windowStart > PACE) {
       this.windowStart = now;
@@ -276,18 +307,21 @@ class Tab {
    * echo) is parsed at once by xterm, and painted with the next frame. In a flood, what
    * a tick released only. */
   private feed(): void {
+    const term = this.term;
+    if (!term) return; // xterm.js is not built yet: it gets all of it once it is
     while (this.queue.length && this.ahead < AHEAD && (!this.pacing || this.released > 0)) {
-      let piece = this.queue[0] ?? "";
+      let piece: Chunk = this.queue[0] ?? "";
       if (piece.length > PIECE) {
-        this.queue[0] = piece.slice(PIECE);
-        piece = piece.slice(0, PIECE);
+        // Bytes are cut anywhere: xterm decodes UTF-8 across writes.
+        this.queue[0] = typeof piece === "string" ? piece.slice(PIECE) : piece.subarray(PIECE);
+        piece = typeof piece === "string" ? piece.slice(0, PIECE) : piece.subarray(0, PIECE);
       } else {
         this.queue.shift();
       }
       const size = piece.length;
       this.ahead += size;
       if (this.pacing) this.released -= size;
-      this.term.write(piece, () => {
+      term.write(piece, () => {
         this.ahead -= size;
         if (!this.closed) this.feed();
       });
@@ -299,13 +333,14 @@ class Tab {
   }
 
   resize(): void {
-    if (!this.pane.offsetParent) return;
+    const term = this.term;
+    if (!term || !this.fit || !this.pane.offsetParent) return;
     try {
       this.fit.fit();
     } catch {
       return;
     }
-    this.send({ type: "resize", rows: this.term.rows, cols: this.term.cols });
+    this.send({ type: "resize", rows: term.rows, cols: term.cols });
   }
 
   setRole(role: Role): void {
@@ -322,7 +357,7 @@ class Tab {
     this.closed = true;
     window.clearTimeout(this.ticker);
     this.ws?.close();
-    this.term.dispose();
+    this.term?.dispose();
     this.pane.remove();
     this.button.remove();
   }
@@ -337,6 +372,7 @@ export class Terminals {
   private tabs: Tab[] = [];
   private active: Tab | null = null;
   private lib: Xterm | null = null;
+  private started = false;
 
   constructor() {
     this.tabsEl = h("div", { class: "terminal-tabs", role: "tablist", "aria-label": "Shells" });
@@ -360,9 +396,9 @@ export class Terminals {
     new ResizeObserver(() => this.active?.resize()).observe(this.panes);
   }
 
-  /** Opens the saved tabs (or ``main``) once xterm.js's chunk is in. */
+  /** Opens the saved tabs (or ``main``): their sockets at once, their screens once
+   * xterm.js's chunk is in. */
   async start(): Promise<void> {
-    this.lib = await loadXterm();
     let saved: Saved[];
     try {
       saved = JSON.parse(sessionStorage.getItem(STORE) ?? "[]") as Saved[];
@@ -371,18 +407,23 @@ export class Terminals {
     }
     if (!saved.length) saved = [{ name: "main", sessionId: null, role: "driver" }];
     for (const s of saved) this.add(s.name, s.role, s.sessionId);
-    if (this.tabs[0]) this.activate(this.tabs[0]);
+    this.lib = await loadXterm();
+    for (const tab of this.tabs) tab.build(this.lib);
+    if (this.active) this.activate(this.active);
   }
 
   private add(name: string | null, role: Role, sessionId: string | null): void {
-    if (!this.lib) return; // not started yet
-    const tab = new Tab(name ?? "", role, sessionId, this, this.lib);
+    if (!this.started && name === null) return; // not started yet
+    this.started = true;
+    const tab = new Tab(name ?? "", role, sessionId, this);
     this.tabs.push(tab);
     this.tabsEl.append(tab.button);
     this.panes.append(tab.pane);
     tab.pane.hidden = true;
+    // The socket first: the shell answers while xterm.js is loaded and built.
+    tab.connect();
+    if (this.lib) tab.build(this.lib);
     if (!this.active || name === null) this.activate(tab);
-    tab.open();
   }
 
   activate(tab: Tab): void {
@@ -392,7 +433,7 @@ export class Terminals {
       t.button.setAttribute("aria-selected", String(t === tab));
       t.button.tabIndex = t === tab ? 0 : -1;
     }
-    window.sandlotTerminal = tab.term;
+    if (tab.term) window.sandlotTerminal = tab.term;
     window.sandlotTerminalSession = tab.name;
     this.updateRoleButton();
     requestAnimationFrame(() => {
@@ -427,10 +468,10 @@ export class Terminals {
   }
 
   focus(): void {
-    this.active?.term.focus();
+    this.active?.term?.focus();
   }
 
   setTheme(dark: boolean): void {
-    for (const t of this.tabs) t.term.options.theme = dark ? DARK : LIGHT;
+    for (const t of this.tabs) if (t.term) t.term.options.theme = dark ? DARK : LIGHT;
   }
 }

@@ -120,7 +120,8 @@ class Browser:
 
 
 class Socket:
-    """A browser's WebSocket: frames read as JSON, the terminal's output gathered."""
+    """A browser's WebSocket: frames read as JSON (a binary frame of output as an
+    ``output`` frame marked ``binary``), the terminal's output gathered."""
 
     def __init__(self, ws: ClientConnection, received: list[str]) -> None:
         self.ws = ws
@@ -137,9 +138,16 @@ class Socket:
 
     async def frame(self) -> dict[str, Any]:
         raw = await self.ws.recv()
-        text = raw if isinstance(raw, str) else raw.decode()
-        self.received.append(text)
-        frame: dict[str, Any] = json.loads(text)
+        frame: dict[str, Any]
+        if isinstance(raw, bytes):
+            # ``/ws/pty?binary=1``'s output: the offset (8 bytes, big-endian), the bytes.
+            data = raw[8:].decode()
+            self.received.append(data)
+            frame = {"type": "output", "offset": int.from_bytes(raw[:8]), "data": data}
+            frame["binary"] = True
+        else:
+            self.received.append(raw)
+            frame = json.loads(raw)
         self.frames.append(frame)
         if frame.get("type") == "output":
             self.chunks.append((frame["offset"], frame["data"]))
@@ -159,6 +167,28 @@ class Socket:
             while text not in self.output():
                 await self.frame()
         return self.output()
+
+    def same_bytes_as(self, other: Socket) -> int:
+        """Checks that where both sockets received output, they received the same bytes
+        (their frames may be cut differently: output is merged per socket); answers how
+        many bytes both received."""
+        ours, theirs = self._bytes(), other._bytes()
+        start = max(ours[0], theirs[0])
+        end = min(ours[0] + len(ours[1]), theirs[0] + len(theirs[1]))
+        if end <= start:
+            return 0
+        mine = ours[1][start - ours[0] : end - ours[0]]
+        assert mine == theirs[1][start - theirs[0] : end - theirs[0]], (start, end)
+        return end - start
+
+    def _bytes(self) -> tuple[int, bytes]:
+        """The output from the first chunk on, each chunk where the previous ended."""
+        start = self.chunks[0][0] if self.chunks else 0
+        out = b""
+        for offset, data in self.chunks:
+            assert offset == start + len(out), f"chunk at {offset}, expected {start + len(out)}"
+            out += data.encode()
+        return start, out
 
     def output(self) -> str:
         history = "".join(f["data"] for f in self.frames if f.get("type") == "history")

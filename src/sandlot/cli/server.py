@@ -232,6 +232,10 @@ def uvicorn_config(app: Any) -> uvicorn.Config:
         access_log=False,
         ws_ping_interval=20,
         ws_ping_timeout=20,
+        # No permessage-deflate, which browsers offer on every WebSocket: compressing a
+        # terminal's output was half of this process's CPU time for each byte of it
+        # (docs/BENCHMARKS.md, the workspace page). The SDK's sockets never ask for it.
+        ws_per_message_deflate=False,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_SECONDS),
         lifespan="on",
     )

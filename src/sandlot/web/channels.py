@@ -2,7 +2,9 @@
 
 A :class:`BrowserChannel` wraps an accepted Starlette ``WebSocket``. Frames for the
 browser are queued (:class:`~sandlot.web.limits.FrameQueue`, bounded in frames and
-bytes) and sent by :meth:`BrowserChannel.run_sender`, so a browser that stops reading
+bytes) and sent by :meth:`BrowserChannel.run_sender`; a terminal's output waits there as
+chunks, which the sender merges into frames (:mod:`sandlot.web.ptyoutput`). A browser
+that stops reading
 never holds up the dataplane side; if the queue overflows, :meth:`send` raises
 :class:`~sandlot.web.limits.QueueOverflow` and the route ends the socket with
 :meth:`BrowserChannel.abort`: what is queued is dropped (the browser reattaches and the
@@ -37,6 +39,7 @@ from sandlot.web.auth import WebAuth
 from sandlot.web.gateway import Gateway
 from sandlot.web.limits import FrameQueue, SocketGate, SocketLimits
 from sandlot.web.metrics import WebMetrics
+from sandlot.web.ptyoutput import Output, OutputFrames
 from sandlot.web.workspace import Workspace
 
 log = logging.getLogger(__name__)
@@ -89,7 +92,11 @@ class BrowserChannel:
     def __init__(self, ws: WebSocket, limits: SocketLimits) -> None:
         self.ws = ws
         self.limits = limits
-        self.queue = FrameQueue(limits.output_queue_frames, limits.output_queue_bytes)
+        self.queue: FrameQueue[str | Output] = FrameQueue(
+            limits.output_queue_frames, limits.output_queue_bytes
+        )
+        #: How a terminal's output chunks become frames (set by the terminal's route).
+        self.output: OutputFrames | None = None
         self.attached = False
         #: Who ended the socket, once known (the first to).
         self.ended_by: Side | None = None
@@ -109,12 +116,40 @@ class BrowserChannel:
         """Queue a frame already serialised (a line of the agent's stream-JSON)."""
         self.queue.put(text)
 
+    def send_output(self, chunk: Output) -> None:
+        """Queue a chunk of a terminal's output (merged with its neighbours when sent)."""
+        self.queue.put(chunk, kind="output")
+
+    async def _next(self) -> str | bytes:
+        """The next frame to send: a queued one, or the output chunks at the queue's
+        head made into one frame (after :meth:`OutputFrames.delay`)."""
+        item = await self.queue.get()
+        if not isinstance(item, Output):
+            return item
+        frames = self.output
+        assert frames is not None, "output queued on a socket without OutputFrames"
+        wait = frames.delay()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        parts, size = [item], len(item)
+        while size < frames.max_frame and (more := self.queue.take("output")) is not None:
+            assert isinstance(more, Output)
+            parts.append(more)
+            size += len(more)
+        return frames.frame(parts)
+
+    async def _send(self, frame: str | bytes) -> None:
+        if isinstance(frame, bytes):
+            await self.ws.send_bytes(frame)
+        else:
+            await self.ws.send_text(frame)
+
     async def run_sender(self) -> None:
         """Send queued frames until cancelled or the browser goes away (then returns)."""
         while True:
-            text = await self.queue.get()
+            frame = await self._next()
             try:
-                await self.ws.send_text(text)
+                await self._send(frame)
             except Exception:
                 self.ended(Side.BROWSER)
                 return
@@ -139,7 +174,7 @@ class BrowserChannel:
         with contextlib.suppress(TimeoutError, Exception):
             async with asyncio.timeout(self.limits.close_timeout):
                 while len(self.queue):
-                    await self.ws.send_text(await self.queue.get())
+                    await self._send(await self._next())
                 for frame in frames:
                     await self.ws.send_text(json.dumps(frame, ensure_ascii=False))
         await self.close(code)
@@ -255,7 +290,9 @@ class DataplaneChannel:
         self.workspace = workspace
         self._token = token
         self.refresh_seconds = refresh_seconds
-        self.queue = FrameQueue(limits.input_queue_frames, limits.input_queue_bytes)
+        self.queue: FrameQueue[str] = FrameQueue(
+            limits.input_queue_frames, limits.input_queue_bytes
+        )
 
     @classmethod
     async def open(

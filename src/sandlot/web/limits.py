@@ -35,9 +35,10 @@ import asyncio
 import collections
 import enum
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator, Sized
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from sandlot.protocol.errors import RateLimited
 
@@ -252,8 +253,13 @@ class QueueOverflow(Exception):
     """A :class:`FrameQueue` is full even after dropping the resizes it held."""
 
 
-class FrameQueue:
-    """Frames waiting for one side of a socket, bounded in frames and bytes.
+#: What a :class:`FrameQueue` holds: text, bytes, or anything with a size.
+F = TypeVar("F", bound=Sized)
+
+
+class FrameQueue(Generic[F]):
+    """Frames waiting for one side of a socket, bounded in frames and bytes (a frame's
+    ``len``).
 
     When a frame does not fit, the queued ``resize`` frames are dropped first (the
     latest size, the frame being added if it is one, is all a terminal needs); if it
@@ -263,7 +269,7 @@ class FrameQueue:
     def __init__(self, max_frames: int, max_bytes: int) -> None:
         self.max_frames = max_frames
         self.max_bytes = max_bytes
-        self._frames: collections.deque[tuple[str, str]] = collections.deque()
+        self._frames: collections.deque[tuple[str, F]] = collections.deque()
         self._bytes = 0
         self._ready = asyncio.Event()
         #: Resize frames dropped so far.
@@ -272,7 +278,7 @@ class FrameQueue:
     def __len__(self) -> int:
         return len(self._frames)
 
-    def put(self, frame: str, *, kind: str = "") -> None:
+    def put(self, frame: F, *, kind: str = "") -> None:
         size = len(frame)
         if not self._fits(size):
             self._drop_resizes(keep_last=kind != "resize")
@@ -282,10 +288,18 @@ class FrameQueue:
         self._bytes += size
         self._ready.set()
 
-    async def get(self) -> str:
+    async def get(self) -> F:
         while not self._frames:
             self._ready.clear()
             await self._ready.wait()
+        _, frame = self._frames.popleft()
+        self._bytes -= len(frame)
+        return frame
+
+    def take(self, kind: str) -> F | None:
+        """The first frame, without waiting, if there is one and it is of ``kind``."""
+        if not self._frames or self._frames[0][0] != kind:
+            return None
         _, frame = self._frames.popleft()
         self._bytes -= len(frame)
         return frame

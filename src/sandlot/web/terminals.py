@@ -26,6 +26,9 @@ Query parameters (boring-ui's, then sandlot's):
 - ``offset=N``: on a reattach, the byte offset of the output the page already has:
   it gets exactly what follows (replayed by the dataplane), not the whole history.
 - ``cols``, ``rows``: the terminal's size when it opens.
+- ``binary=1``: output comes in binary frames (sandlot's page asks for them): each the
+  offset of its first byte as 8 bytes (unsigned, big-endian), then the output's bytes as
+  the shell wrote them (UTF-8). Every other frame stays JSON text.
 
 Frames: the browser sends ``{"type":"input","data"}``, ``{"type":"resize","rows","cols"}``,
 ``{"type":"ping"}``, or any text that is not a JSON object (raw input). The server sends
@@ -33,9 +36,11 @@ Frames: the browser sends ``{"type":"input","data"}``, ``{"type":"resize","rows"
 attach), then ``{"type":"history","data","offset"}`` when there is history (or, with
 ``offset``, the missing output as ``output`` frames), then ``{"type":"output","data",
 "session_id","offset"}`` (``offset``: where the chunk's first byte lies in the shell's
-output), ``{"type":"gap","from","to","session_id"}`` when bytes were lost to a slow
-reader, ``{"type":"exit","code","session_id"}``, ``{"type":"pong"}``, ``{"type":"error",
-"data","error":{"code","message"}}`` and ``{"type":"session_not_found"}``.
+output; a binary frame instead with ``binary=1``; the chunks the dataplane sends back to
+back are merged into larger frames, see :mod:`sandlot.web.ptyoutput`),
+``{"type":"gap","from","to","session_id"}`` when bytes were lost to a slow reader,
+``{"type":"exit","code","session_id"}``, ``{"type":"pong"}``, ``{"type":"error","data",
+"error":{"code","message"}}`` and ``{"type":"session_not_found"}``.
 
 Close codes: 1000 the shell exited, 1013 the dataplane was lost or a queue overflowed
 (reattach), 4003 unknown provider, 4404 session not found, 4429 too many connections.
@@ -83,6 +88,7 @@ from sandlot.web.channels import (
 from sandlot.web.chat_templates import chat_of
 from sandlot.web.gateway import Gateway
 from sandlot.web.limits import QueueOverflow, SocketGate, SocketLimits
+from sandlot.web.ptyoutput import OutputFrames, ShellOutput
 from sandlot.web.session_tokens import InvalidSessionId, SessionKind, SessionTokens
 from sandlot.web.wiring import Deps, UsesDeps, WorkspaceOf
 from sandlot.web.workspace import Workspace
@@ -128,37 +134,6 @@ class ShellTarget:
     #: The dataplane id it must have (a reattach), or ``None`` (whatever runs under the name).
     shell_id: str | None
     create: bool
-
-
-class ShellOutput:
-    """What the browser has been sent of a shell's output, so that a replay after an
-    ``attach`` never sends a byte twice or out of order."""
-
-    def __init__(self, delivered: int) -> None:
-        self.delivered = delivered
-
-    def chunk(self, data: str, offset: int) -> tuple[str, int] | None:
-        """The part of a ``stdout`` chunk still to send, with its offset, if any."""
-        raw = data.encode("utf-8")
-        if offset + len(raw) <= self.delivered:
-            return None
-        if offset > self.delivered:
-            # Sent before an ``attach`` to an earlier offset took effect: it comes again.
-            return None
-        if offset < self.delivered:
-            raw = raw[self.delivered - offset :]
-            data = raw.decode("utf-8", errors="replace")
-            offset = self.delivered
-        self.delivered = offset + len(raw)
-        return data, offset
-
-    def gap(self, start: int, end: int) -> tuple[int, int] | None:
-        """A ``gap`` to tell the browser of (bytes it will never get), if it is news."""
-        if start <= self.delivered < end:
-            lost = (self.delivered, end)
-            self.delivered = end
-            return lost
-        return None
 
 
 class Terminals(UsesDeps):
@@ -302,6 +277,8 @@ class Terminals(UsesDeps):
         )
         channel.attached = True
         log.info("terminal of %s attached to shell %s (%s) as %s", user, name, shell_id, role)
+        binary = truthy(ws.query_params.get("binary"))
+        channel.output = OutputFrames(binary=binary, session_id=token)
         output = self._greet(channel, upstream, token, name, role, history, ws.query_params)
         await self._relay(channel, upstream, output, token, (workspace.id, shell_id))
 
@@ -364,12 +341,10 @@ class Terminals(UsesDeps):
                     return "lost", upstream.close_code
                 kind = frame.get("type")
                 if kind == "stdout":
-                    part = output.chunk(str(frame.get("data", "")), int(frame.get("offset", 0)))
+                    raw = str(frame.get("data", "")).encode("utf-8")
+                    part = output.chunk(raw, int(frame.get("offset", 0)))
                     if part is not None:
-                        data, offset = part
-                        channel.send(
-                            {"type": "output", "data": data, "session_id": token, "offset": offset}
-                        )
+                        channel.send_output(part)
                 elif kind == "gap":
                     lost = output.gap(int(frame.get("from", 0)), int(frame.get("to", 0)))
                     if lost is not None:
