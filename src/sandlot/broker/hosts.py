@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+from collections.abc import Callable
 from pathlib import Path
 
 HOST_ID_FILE = "host-id"
@@ -27,17 +28,24 @@ CREDENTIAL_FILE = "host-credential"
 
 def host_id(data_dir: Path) -> str:
     """The id of the host whose data directory is ``data_dir`` (made on first use)."""
-    path = data_dir / HOST_ID_FILE
+    return _kept_once(data_dir / HOST_ID_FILE, lambda: f"h_{secrets.token_hex(8)}")
+
+
+def _kept_once(path: Path, make: Callable[[], str], mode: int = 0o644) -> str:
+    """The value kept in ``path``, or one made by ``make`` and kept there (file ``mode``):
+    processes starting at once all answer the first one's, since a link fails if another
+    process linked first."""
     with contextlib.suppress(FileNotFoundError):
-        found = path.read_text().strip()
-        if found:
-            return found
-    data_dir.mkdir(parents=True, exist_ok=True)
-    made = f"h_{secrets.token_hex(8)}"
-    tmp = data_dir / f".{HOST_ID_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-    tmp.write_text(made + "\n")
+        kept = path.read_text().strip()
+        if kept:
+            return kept
+    path.parent.mkdir(parents=True, exist_ok=True)
+    made = make()
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as f:
+        f.write(made + "\n")
     try:
-        # A link fails if another process made the id first: then that one is the id.
         os.link(tmp, path)
     except FileExistsError:
         return path.read_text().strip()
@@ -59,22 +67,4 @@ def host_credential(data_dir: Path, given: Path | None = None) -> str:
         return value
     if os.environ.get("SANDLOT_HOST_CREDENTIAL"):
         return os.environ["SANDLOT_HOST_CREDENTIAL"]
-    path = data_dir / CREDENTIAL_FILE
-    with contextlib.suppress(FileNotFoundError):
-        kept = path.read_text().strip()
-        if kept:
-            return kept
-    data_dir.mkdir(parents=True, exist_ok=True)
-    made = secrets.token_urlsafe(32)
-    tmp = data_dir / f".{CREDENTIAL_FILE}.{os.getpid()}.{secrets.token_hex(4)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(made + "\n")
-    try:
-        # As for the id: the first process to make one wins, the others read it.
-        os.link(tmp, path)
-    except FileExistsError:
-        return path.read_text().strip()
-    finally:
-        tmp.unlink()
-    return made
+    return _kept_once(data_dir / CREDENTIAL_FILE, lambda: secrets.token_urlsafe(32), 0o600)

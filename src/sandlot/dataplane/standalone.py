@@ -382,23 +382,15 @@ async def build_wire_models(served: Callable[[], bool]) -> None:
     model's build is deferred to its first use; the broker's, which this process never
     uses, stay unbuilt). Before serving they would delay readiness by a tenth of the
     start-up."""
-    from pydantic import BaseModel
-
     from sandlot.protocol import common, dataplane, events, frames, tokens
 
     # uvicorn says it serves with a flag, not an event.
     while not served():  # noqa: ASYNC110
         await asyncio.sleep(0.005)
     for module in (common, tokens, dataplane, events, frames):
-        for value in list(vars(module).values()):
-            if (
-                isinstance(value, type)
-                and issubclass(value, BaseModel)
-                and value.__module__ == module.__name__
-                and not value.__pydantic_complete__
-            ):
-                value.model_rebuild()
-                await asyncio.sleep(0)
+        for model in common.unbuilt_models(module):
+            model.model_rebuild()
+            await asyncio.sleep(0)
     frames.build()
 
 

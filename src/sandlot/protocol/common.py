@@ -31,17 +31,23 @@ Slug = Annotated[
 DEFERRED = ConfigDict(defer_build=True)
 
 
+def unbuilt_models(module: ModuleType) -> list[type[BaseModel]]:
+    """The wire models ``module`` defines whose validators are not built yet."""
+    return [
+        value
+        for value in list(vars(module).values())
+        if isinstance(value, type)
+        and issubclass(value, BaseModel)
+        and value.__module__ == module.__name__
+        and not value.__pydantic_complete__
+    ]
+
+
 def build_models(module: ModuleType) -> None:
     """Build now the validators of every wire model ``module`` defines (a server that must
     answer its first request as fast as its next ones)."""
-    for value in list(vars(module).values()):
-        if (
-            isinstance(value, type)
-            and issubclass(value, BaseModel)
-            and value.__module__ == module.__name__
-            and not value.__pydantic_complete__
-        ):
-            value.model_rebuild()
+    for model in unbuilt_models(module):
+        model.model_rebuild()
 
 
 class WireModel(BaseModel):
