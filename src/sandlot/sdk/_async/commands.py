@@ -109,7 +109,14 @@ class AsyncCommand:
             try:
                 await self._open(timeout)
                 return
-            except OSError as exc:  # SocketClosed included
+            except SocketClosed as exc:
+                # A refusal can close the socket before the first frame is sent.
+                if await self._refused(exc.close_code):
+                    continue
+                if not self._budget.fail():
+                    raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
+                await _aio.sleep(self._budget.backoff())
+            except OSError as exc:
                 if not self._budget.fail():
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
                 await _aio.sleep(self._budget.backoff())
@@ -119,21 +126,29 @@ class AsyncCommand:
         code = _aio.ws_close_code(self._ws)
         await _aio.ws_close(self._ws)
         self._ws = None
-        if code == 4401:
-            if self._renew is not None and self._budget.failures == 0 and await self._renew():
-                self._budget.fail()
-                await self._connect()
-                return
-            raise Unauthenticated("exec socket closed: credential refused")
-        if code == 4403:
-            raise Forbidden("exec socket closed: capability denied")
-        if code == 4404:
-            raise ExecNotFound(f"exec {self.exec_id} not found")
+        if await self._refused(code):
+            await self._connect()
+            return
         self.reconnects += 1
         if not self._budget.fail():
             raise SandlotError("exec socket: too many broken connections")
         await _aio.sleep(self._budget.backoff() / 2)
         await self._connect()
+
+    async def _refused(self, code: int | None) -> bool:
+        """Raise the typed error of a close code no reconnection mends; ``True``
+        once a refused credential was renewed (connect again), ``False`` for
+        any other code (a broken connection: reattach within the budget)."""
+        if code == 4401:
+            if self._renew is not None and self._budget.failures == 0 and await self._renew():
+                self._budget.fail()
+                return True
+            raise Unauthenticated("exec socket closed: credential refused")
+        if code == 4403:
+            raise Forbidden("exec socket closed: capability denied")
+        if code == 4404:
+            raise ExecNotFound(f"exec {self.exec_id} not found")
+        return False
 
     def __aiter__(self) -> AsyncCommand:
         return self
