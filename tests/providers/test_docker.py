@@ -21,6 +21,7 @@ from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
+from sandlot.providers.docker import DockerProvider
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import ULIMITS, Engine
 from tests.providers.dockerharness import make_provider, serving
@@ -281,6 +282,29 @@ async def test_a_container_that_dies_fails_its_sandbox_at_once(
                              headers=h.headers("sb_die"))  # fmt: skip
             assert r.status_code == 503 and "exit code 137" in r.text
         await h.provider.delete("sb_die")
+
+
+async def test_a_lost_die_event_costs_a_sweep_not_a_sandbox_left_active(
+    engine: Engine, image: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No engine event reaches the provider (as when Podman's events log is truncated
+    # under a follower): the sweep finds the stopped container all the same.
+    monkeypatch.setattr(DockerProvider, "_watch_engine", lambda self: None)
+    async with serving(engine, image, tmp_path, sweep_seconds=0.2) as h:
+        await h.create("sb_lost")
+        await h.create("sb_paused")
+        await h.provider.suspend("sb_paused")
+        h.changes.clear()
+        h.container("sb_lost").kill()
+        async with asyncio.timeout(20):
+            while not any(s.state is SandboxState.FAILED for _, s in h.changes):
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(0.5)  # more sweeps: the paused sandbox stays suspended
+        assert [(sid, s.state) for sid, s in h.changes] == [("sb_lost", SandboxState.FAILED)]
+        assert "exit code 137" in (h.changes[0][1].reason or "")
+        assert (await h.provider.status("sb_paused")).state is SandboxState.SUSPENDED
+        await h.provider.delete("sb_lost")
+        await h.provider.delete("sb_paused")
 
 
 async def test_activity_counts_running_commands_and_attached_clients(

@@ -27,7 +27,10 @@ workspace volumes and run directories of its instance that no live sandbox owns.
 Suspend pauses the container (the cgroup freezer); resume unpauses it. A container
 that stops on its own (its dataplane killed, out of memory, ``docker stop``) fails its
 sandbox at once: the provider follows the engine's ``die`` events for its instance and
-tells the broker.
+tells the broker. Events can be lost (Podman's ``file`` events log is truncated when
+it reaches its size limit, and a follower may skip what was written meanwhile), so a
+sweep lists the instance's containers every ``sweep_seconds`` as well: a lost event
+costs that delay, never a sandbox left ``active`` over a stopped container.
 
 Config keys (``[provider]`` in the server's configuration; ``data_dir``,
 ``public_url``, ``issuer`` and ``jwks`` are wired in by the server):
@@ -47,6 +50,8 @@ Config keys (``[provider]`` in the server's configuration; ``data_dir``,
 - ``start_timeout_seconds``: how long a dataplane may take to answer (default 60).
 - ``jwks_refresh_seconds``: how often the broker's keys are compared (default 2).
 - ``keep_volumes``: keep workspace volumes when sandboxes are deleted (default false).
+- ``sweep_seconds``: how often the containers of live sandboxes are listed, in case the
+  engine's ``die`` event was lost (default 5).
 - ``ulimits``: the sandbox's resource limits, name → limit (soft = hard) or
   ``[soft, hard]`` (default ``{nofile = 16384, nproc = 32768}``; a table given replaces
   it, and a limit left out is the engine's default). Explicit because the engines'
@@ -158,6 +163,9 @@ class DockerProvider(InboxProvider[_Sandbox]):
         self.start_timeout = float(cfg.get("start_timeout_seconds", 60.0))
         self.jwks_refresh = float(cfg.get("jwks_refresh_seconds", 2.0))
         self.keep_volumes = bool(cfg.get("keep_volumes", False))
+        self.sweep_interval = float(cfg.get("sweep_seconds", 5.0))
+        if not self.sweep_interval > 0:
+            raise InvalidRequest("the docker provider's sweep_seconds is a positive number")
         self.ulimits = _ulimits(cfg.get("ulimits", DEFAULT_ULIMITS))
         data_dir = Path(cfg.get("data_dir", ".sandlot")).absolute()
         self.root = data_dir / "docker"
@@ -171,6 +179,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         self._client: Any = None
         self._events: Any = None
         self._watcher: threading.Thread | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     # --- lifecycle of the provider --------------------------------------------------
 
@@ -190,9 +199,14 @@ class DockerProvider(InboxProvider[_Sandbox]):
             target=self._watch_engine, name="sandlot-docker-events", daemon=True
         )
         self._watcher.start()
+        self._sweeper = self._loop.create_task(self._sweep_loop())
 
     async def close(self) -> None:
         self._closing.set()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._events is not None:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self._events.close)
@@ -256,6 +270,41 @@ class DockerProvider(InboxProvider[_Sandbox]):
                         client.close()
             self._closing.wait(delay)
             delay = min(delay * 2, 10.0)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.sweep_interval)
+            try:
+                await self._sweep()
+            except ProviderUnavailable as exc:
+                log.warning("listing the containers failed: %s", exc)
+            except Exception:
+                log.exception("listing the containers failed")
+
+    async def _sweep(self) -> None:
+        """Each live sandbox whose container is gone or stopped is handled as its
+        ``die`` event would have been (the event may have been lost)."""
+        live = {
+            sid: box
+            for sid, box in self._sandboxes.items()
+            if box.state in (SandboxState.ACTIVE, SandboxState.SUSPENDED)
+        }
+        if not live:
+            return
+        listed = await self._docker(
+            self._client.api.containers,
+            all=True,
+            filters={"label": f"{LABEL_INSTANCE}={self.instance}"},
+        )
+        running: set[tuple[str, str]] = set()
+        for entry in listed:
+            labels = entry.get("Labels") or {}
+            if str(entry.get("State", "")).lower() in ("running", "paused"):
+                running.add((labels.get(LABEL_SANDBOX, ""), labels.get(LABEL_GENERATION, "")))
+        for sid, box in live.items():
+            generation = str(box.spec.generation)
+            if (sid, generation) not in running:
+                await self._died({LABEL_SANDBOX: sid, LABEL_GENERATION: generation})
 
     async def _died(self, attrs: Mapping[str, str]) -> None:
         """A container stopped: its sandbox fails, unless the provider stopped it."""
