@@ -6,10 +6,18 @@ Run: ``.venv/bin/python bench/replicas_bench.py [--n 600] [--seconds 8]``
 Both set-ups run at once on this machine (loopback): PostgreSQL 15 (``tests/pg.py``,
 with ``fsync=on`` and ``synchronous_commit=off``, the durability of SQLite's WAL with
 ``synchronous=NORMAL`` that sandlot uses), three replicas on it, each with its own data
-directory, behind a real HAProxy (``tests/haproxy.py``, round robin request by request),
-and one replica on SQLite. Every ensure carries a fresh ``Idempotency-Key``, as clients
-send; samples are interleaved in blocks with the HTTP floors (``GET /healthz`` direct and
-through the balancer). Then, per ensure, what it costs (the figures SCALE.md's cost
+directory, behind a real HAProxy (``tests/haproxy.py``), and one replica on SQLite. The
+replicas are behind two balancers at once: the set-up docs/SCALE.md recommends (round
+robin by connection: a keep-alive connection's requests stay on its replica,
+``option prefer-last-server``), which the target is read on, and round robin request by
+request, printed beside it (each request of one client on another replica: on one
+machine, three processes taking turns on 2 cores, each finding its caches cold), and
+one replica without a balancer. Every
+ensure carries a fresh ``Idempotency-Key``, as clients send; samples are interleaved in
+blocks with the HTTP floors (``GET /healthz`` direct and through the balancer). The load
+phase (16 clients, each its own connection) goes through the recommended balancer and
+says how its ensures spread over the replicas. Then, per ensure, what it costs (the
+figures SCALE.md's cost
 model is built from): the brokers' CPU, PostgreSQL's CPU and its statements (from
 ``pg_stat_statements``: those sent, each a round trip, and those run inside a function,
 marked ``↳``; the replicas' background work measured over an idle period of the same
@@ -27,6 +35,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +49,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from measure import interleave, pct  # noqa: E402
 from served import CONFIG  # noqa: E402
 from targets import report  # noqa: E402
-from tests.haproxy import haproxy  # noqa: E402
+from tests.haproxy import REPLICA_HEADER, haproxy  # noqa: E402
 from tests.pg import postgres_cluster  # noqa: E402
 from tests.servers import SandlotServer, free_port  # noqa: E402
 
@@ -94,24 +103,28 @@ class Postgres:
                 ).scalar_one()
             )
 
-    def breakdown(self, since: dict[str, float], per: int) -> list[tuple[float, str]]:
-        """Statements run since ``since`` (from :meth:`by_statement`), per ensure."""
+    def breakdown(
+        self, since: dict[str, tuple[float, float]], per: int
+    ) -> list[tuple[float, float, str]]:
+        """Statements run since ``since`` (from :meth:`by_statement`): calls per ensure and
+        the mean time of one, in microseconds."""
         now = self.by_statement()
-        return sorted(
-            ((calls - since.get(q, 0)) / per, q)
-            for q, calls in now.items()
-            if calls > since.get(q, 0)
-        )[::-1]
+        rows = []
+        for q, (calls, total) in now.items():
+            calls0, total0 = since.get(q, (0.0, 0.0))
+            if calls > calls0:
+                rows.append(((calls - calls0) / per, (total - total0) / (calls - calls0) * 1000, q))
+        return sorted(rows)[::-1]
 
-    def by_statement(self) -> dict[str, float]:
-        """Calls by statement; those run inside a function (not a round trip each) are
-        marked ``↳``."""
+    def by_statement(self) -> dict[str, tuple[float, float]]:
+        """Calls and total time (ms) by statement; those run inside a function (not a round
+        trip each) are marked ``↳``."""
         with self.engine.begin() as conn:
             rows = conn.exec_driver_sql(
-                "SELECT query, toplevel, sum(calls) FROM pg_stat_statements "
+                "SELECT query, toplevel, sum(calls), sum(total_exec_time) FROM pg_stat_statements "
                 "GROUP BY query, toplevel"
             ).all()
-        return {("" if top else "↳ ") + str(q): float(c) for q, top, c in rows}
+        return {("" if top else "↳ ") + str(q): (float(c), float(t)) for q, top, c, t in rows}
 
     def cpu(self) -> float:
         return cpu_seconds(postgres_pids(self.postmaster))
@@ -129,23 +142,27 @@ def started(srv: SandlotServer, port: int) -> Iterator[SandlotServer]:
         srv.cleanup()
 
 
-async def load(url: str, key: str, seconds: float, concurrency: int) -> int:
-    """Ensures of the warm thread from ``concurrency`` clients for ``seconds``; how many."""
+async def load(
+    url: str, key: str, seconds: float, concurrency: int, spread: Counter[str] | None = None
+) -> int:
+    """Ensures of the warm thread from ``concurrency`` clients (a connection each) for
+    ``seconds``; how many. ``spread`` counts them by the replica that answered."""
     done = 0
     stop = time.monotonic() + seconds
     headers = {"Authorization": f"Bearer {key}"}
 
-    async def worker(client: httpx.AsyncClient) -> None:
+    async def worker() -> None:
         nonlocal done
-        while time.monotonic() < stop:
-            h = {**headers, "Idempotency-Key": str(uuid.uuid4())}
-            r = await client.post(NEGOTIATE, json=WARM, headers=h)
-            assert r.status_code == 200, r.text
-            done += 1
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            while time.monotonic() < stop:
+                h = {**headers, "Idempotency-Key": str(uuid.uuid4())}
+                r = await client.post(NEGOTIATE, json=WARM, headers=h)
+                assert r.status_code == 200, r.text
+                done += 1
+                if spread is not None:
+                    spread[r.headers.get(REPLICA_HEADER, "?")] += 1
 
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
     return done
 
 
@@ -165,8 +182,8 @@ def main() -> None:
         url = stack.enter_context(postgres_cluster(PG_OPTIONS))
         pg = Postgres(url)
         ports = {name: free_port() for name in ("a", "b", "c")}
-        lb_port = free_port()
-        lb = stack.enter_context(haproxy(lb_port, ports))
+        lb = stack.enter_context(haproxy(free_port(), ports, sticky=True))
+        lb_rr = stack.enter_context(haproxy(free_port(), ports))
         replicas = []
         pg_config = config + f'\n[server]\nstore_url = "{url}"\n'
         for name, port in ports.items():
@@ -178,6 +195,8 @@ def main() -> None:
         )
         lb_key, sqlite_key = replicas[0].key("bench"), single.key("bench")
         lb_client = stack.enter_context(httpx.Client(base_url=lb, timeout=30))
+        rr_client = stack.enter_context(httpx.Client(base_url=lb_rr, timeout=30))
+        one_client = stack.enter_context(httpx.Client(base_url=replicas[0].url, timeout=30))
         sqlite_client = stack.enter_context(httpx.Client(base_url=single.url, timeout=30))
 
         def ensure(client: httpx.Client, key: str) -> Callable[[], None]:
@@ -194,16 +213,23 @@ def main() -> None:
             return lambda: client.get("/healthz").raise_for_status()
 
         lb_ensure, sqlite_ensure = ensure(lb_client, lb_key), ensure(sqlite_client, sqlite_key)
+        rr_ensure, one_ensure = ensure(rr_client, lb_key), ensure(one_client, lb_key)
         # The binding exists (and its sandbox is up) before the first sample.
         for call in (lb_ensure, sqlite_ensure):
             call()
         time.sleep(3)
         for _ in range(30):
             lb_ensure()
+            rr_ensure()
+            one_ensure()
             sqlite_ensure()
-        samples: dict[str, list[float]] = {k: [] for k in ("lb", "sqlite", "lbfloor", "floor")}
+        samples: dict[str, list[float]] = {
+            k: [] for k in ("lb", "rr", "one", "sqlite", "lbfloor", "floor")
+        }
         contenders: list[tuple[list[float], Callable[[], Any], int]] = [
             (samples["lb"], lb_ensure, 1),
+            (samples["rr"], rr_ensure, 1),
+            (samples["one"], one_ensure, 1),
             (samples["sqlite"], sqlite_ensure, 1),
             (samples["lbfloor"], healthz(lb_client), 1),
             (samples["floor"], healthz(sqlite_client), 1),
@@ -223,7 +249,8 @@ def main() -> None:
         )
         before = (cpu_seconds(broker_pids), pg.cpu(), pg.statements())
         by_statement = pg.by_statement()
-        done = asyncio.run(load(lb, lb_key, args.seconds, 16))
+        spread: Counter[str] = Counter()
+        done = asyncio.run(load(lb, lb_key, args.seconds, 16, spread))
         statements = pg.breakdown(by_statement, done)
         busy = (
             cpu_seconds(broker_pids) - before[0],
@@ -235,7 +262,7 @@ def main() -> None:
         single_done = asyncio.run(load(single.url, sqlite_key, args.seconds, 16))
         single_cpu = cpu_seconds([single.proc.pid]) - single_before
     per = [(b - i) / done for b, i in zip(busy, idle, strict=True)]
-    inner = per[2] + sum(calls for calls, q in statements if q.startswith("↳"))
+    inner = per[2] + sum(calls for calls, _, q in statements if q.startswith("↳"))
 
     lb_p50, sqlite_p50 = pct(samples["lb"], 0.5), pct(samples["sqlite"], 0.5)
     ratio = lb_p50 / sqlite_p50
@@ -245,10 +272,15 @@ def main() -> None:
         "| set-up | p50 ms | p95 ms | vs 1 replica on SQLite (p50) |\n|---|---|---|---|\n"
         f"| 1 `sandlot serve`, SQLite | {ms(samples['sqlite'])} | 1.00x |\n"
         f"| HAProxy → 3 replicas, PostgreSQL 15 | {ms(samples['lb'])} | {ratio:.2f}x |\n"
+        f"| the same, balanced request by request | {ms(samples['rr'])} | "
+        f"{pct(samples['rr'], 0.5) / sqlite_p50:.2f}x |\n"
+        f"| one replica directly (no balancer), PostgreSQL 15 | {ms(samples['one'])} | "
+        f"{pct(samples['one'], 0.5) / sqlite_p50:.2f}x |\n"
         f"| floor: `GET /healthz` direct | {ms(samples['floor'])} | |\n"
         f"| floor: `GET /healthz` through HAProxy | {ms(samples['lbfloor'])} | |\n\n"
         f"Under load (16 concurrent clients, {args.seconds:.0f} s each): through HAProxy to 3 "
-        f"replicas {done / args.seconds:.0f} ensures/s; 1 replica on SQLite "
+        f"replicas {done / args.seconds:.0f} ensures/s (by replica: "
+        f"{', '.join(f'{name} {n}' for name, n in sorted(spread.items()))}); 1 replica on SQLite "
         f"{single_done / args.seconds:.0f} ensures/s.\n\n"
         "Per ensure on an existing binding, 3 replicas on PostgreSQL (background work of "
         "an idle period taken off):\n\n"
@@ -263,8 +295,9 @@ def main() -> None:
         f"PostgreSQL's {idle[1] / args.seconds * 100:.1f}%.\n"
     )
     if args.statements:
-        for calls, query in statements[:25]:
-            print(f"    {calls:5.2f}  {' '.join(query.split())[:150]}")
+        print("    calls per ensure, mean µs each (inside the function: nested in its caller's)")
+        for calls, micros, query in statements[:25]:
+            print(f"    {calls:5.2f}  {micros:8.1f}  {' '.join(query.split())[:140]}")
     report(
         "replicas",
         "ensure on an existing binding through the load balancer, 3 replicas on PostgreSQL "

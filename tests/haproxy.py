@@ -11,7 +11,10 @@ One frontend on a loopback port:
 - ``/internal/…`` (a replica's provider API, for the other replicas), directly or under
   ``/replicas/NAME``, is refused;
 - everything else is balanced round robin over the replicas that pass the health check
-  (``GET /readyz``), request by request (keep-alive connections included).
+  (``GET /readyz``), request by request (keep-alive connections included), so that the
+  tests see every request's replica change; with ``sticky``, a client's requests stay
+  on the replica that answered its first while that replica is up (a cookie, the set-up
+  docs/SCALE.md recommends), and new clients are spread round robin.
 
 HTTP mode throughout: WebSocket upgrades become tunnels (``timeout tunnel``), SSE
 responses stream unbuffered. Each response says which replica answered
@@ -40,6 +43,7 @@ def haproxy_config(
     replicas: Mapping[str, int | str],
     bind: str = "127.0.0.1",
     hosts: Mapping[str, str] | None = None,
+    sticky: bool = False,
 ) -> str:
     """The configuration of a balancer on ``bind:port`` over ``replicas`` (name → port on
     loopback, or ``address:port``) and sandbox ``hosts`` (name → ``address:port``)."""
@@ -78,12 +82,16 @@ def haproxy_config(
         "    default_backend replicas",
         "backend replicas",
         "    balance roundrobin",
+        *(["    cookie sandlot_replica insert indirect nocache httponly"] if sticky else []),
         "    option httpchk GET /readyz",
         "    http-check expect status 200",
         "    default-server check inter 300ms fall 2 rise 1",
         f"    http-response set-header {REPLICA_HEADER} %[srv_name]",
     ]
-    lines += [f"    server {name} {a}" for name, a in where.items()]
+    lines += [
+        f"    server {name} {a}" + (f" cookie {name}" if sticky else "")
+        for name, a in where.items()
+    ]
     for name, a in where.items():
         lines += [
             f"backend host_{name}",
@@ -102,14 +110,14 @@ def haproxy_config(
 
 
 @contextlib.contextmanager
-def haproxy(port: int, replicas: Mapping[str, int]) -> Iterator[str]:
+def haproxy(port: int, replicas: Mapping[str, int], sticky: bool = False) -> Iterator[str]:
     """Run HAProxy on ``127.0.0.1:port`` in front of ``replicas``; yield its URL."""
     binary = shutil.which("haproxy") or shutil.which("haproxy", path="/usr/sbin:/sbin")
     if binary is None:
         pytest.fail("HAProxy is not installed (apt-get install haproxy; scripts/test does)")
     base = Path(tempfile.mkdtemp(prefix="sandlot-haproxy-"))
     config = base / "haproxy.cfg"
-    config.write_text(haproxy_config(port, replicas))
+    config.write_text(haproxy_config(port, replicas, sticky=sticky))
     subprocess.run([binary, "-c", "-q", "-f", str(config)], check=True)
     log = (base / "log").open("wb")
     proc = subprocess.Popen([binary, "-db", "-f", str(config)], stdout=log, stderr=log)

@@ -249,6 +249,44 @@ async def test_exec_stream_survives_its_replica_killed(
     )
 
 
+@pytest.mark.timeout(180)
+def test_a_sticky_balancer_keeps_a_client_on_its_replica_until_it_dies(cluster: Cluster) -> None:
+    # The set-up docs/SCALE.md recommends: a cookie keeps a client on the replica that
+    # answered it first; new clients are spread; a dead replica's clients move on.
+    ports = {name: srv.port for name, srv in cluster.replicas.items()}
+    with haproxy(free_port(), ports, sticky=True) as lb:
+        _wait_balanced(lb, set(ports))
+        headers = cluster.headers("sticky")
+        thread = f"thr_sticky_{uuid.uuid4().hex[:6]}"
+        body = {"thread_id": thread, "mode": "ensure"}
+        first_seen: set[str] = set()
+        clients = [httpx.Client(base_url=lb, timeout=30, headers=headers) for _ in range(4)]
+        try:
+            answered_by: list[str] = []
+            for client in clients:
+                rs = [client.post("/v1/sandbox/sessions", json=body) for _ in range(6)]
+                assert {r.status_code for r in rs} == {200}, [r.text for r in rs][:2]
+                served = {r.headers[REPLICA_HEADER] for r in rs}
+                assert len(served) == 1, served  # every request of a client on one replica
+                answered_by.append(served.pop())
+            first_seen.update(answered_by)
+            assert first_seen == set(ports), answered_by  # and the clients spread
+            gone = answered_by[0]
+            srv = cluster.replicas[gone]
+            srv.kill9()
+            try:
+                after = [clients[0].post("/v1/sandbox/sessions", json=body) for _ in range(6)]
+                assert {r.status_code for r in after} == {200}, [r.text for r in after][:2]
+                moved = {r.headers[REPLICA_HEADER] for r in after}
+                assert len(moved) == 1 and gone not in moved, moved
+            finally:
+                _start(srv, srv.port)
+                _wait_balanced(cluster.lb, set(ports))
+        finally:
+            for client in clients:
+                client.close()
+
+
 async def _post_both(
     urls: list[str], headers: dict[str, str], body: dict[str, str]
 ) -> list[httpx.Response]:
