@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,8 +13,9 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from sandlot.broker.events import EventHub, StoreListener, append_event
+from sandlot.broker.pools import PoolService
 from sandlot.broker.store import Store
-from sandlot.broker.store.schema import bindings
+from sandlot.broker.store.schema import bindings, pools, sandboxes
 from tests.broker.test_e2e import FAST_REAPER, _storm, wait_active
 from tests.figures import RecordProperty, report
 from tests.pg import postgres_cluster
@@ -139,3 +141,49 @@ def test_notifications_wake_subscribers_of_another_process(pg_url: str) -> None:
     finally:
         store.dispose()
         other.dispose()
+
+
+@pytest.mark.timeout(60)
+def test_two_reapers_refilling_one_pool_count_one_after_the_other(pg_url: str) -> None:
+    """The pool's gap is counted under the pool's row lock: a second replica's count waits
+    for the first one's insert to commit, and sees it (without the lock both would count
+    the same gap and both fill it)."""
+    store = Store(pg_url)
+    store.migrate()
+    replicas = [PoolService(Store(pg_url), None), PoolService(Store(pg_url), None)]  # type: ignore[arg-type]
+    with store.write() as conn:
+        conn.execute(
+            pools.insert().values(
+                name="refill", template="default", min_ready=2, max_ready=3, source="api"
+            )
+        )
+    locked, counted = threading.Event(), []
+
+    def first() -> None:
+        with replicas[0].store.write() as conn:
+            counted.append(("a", replicas[0].missing_locked(conn, "refill")))
+            locked.set()
+            time.sleep(0.5)  # the other replica's reaper counts meanwhile
+            conn.execute(
+                sandboxes.insert().values(
+                    id="sb_refill_a", template="default", provider="local",
+                    state="provisioning", generation=1, created_at=0.0, updated_at=0.0,
+                    last_active_at=0.0, hard_deadline=0.0, idle_timeout=60, event_seq=0,
+                    pool="refill",
+                )
+            )  # fmt: skip
+            counted.append(("a committed", 0))
+
+    def second() -> None:
+        locked.wait(10)
+        with replicas[1].store.write() as conn:
+            counted.append(("b", replicas[1].missing_locked(conn, "refill")))
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for s in (store, *(r.store for r in replicas)):
+        s.dispose()
+    assert counted == [("a", 2), ("a committed", 0), ("b", 1)], counted

@@ -5,7 +5,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Mapping
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
@@ -95,6 +95,28 @@ class PoolService:
                 )
             ).all()
         return [r.id for r in rows]
+
+    def missing_locked(self, conn: Connection, name: str) -> int:
+        """How many sandboxes pool ``name`` is missing, its row locked until ``conn``'s
+        transaction ends (PostgreSQL; SQLite's write transaction excludes the others):
+        replicas refilling at once count one after the other, each seeing the sandboxes
+        the other inserted."""
+        row = conn.execute(
+            select(pools.c.min_ready, pools.c.max_ready)
+            .where(pools.c.name == name)
+            .with_for_update()
+        ).first()
+        if row is None:
+            return 0
+        have = conn.execute(
+            select(func.count())
+            .select_from(sandboxes)
+            .where(
+                sandboxes.c.pool == name,
+                sandboxes.c.state.in_([SandboxState.ACTIVE.value, SandboxState.PROVISIONING.value]),
+            )
+        ).scalar_one()
+        return max(0, int(min(row.min_ready, row.max_ready)) - int(have))
 
     def deficits(self) -> builtins.list[tuple[Pool, int]]:
         """How many sandboxes each pool is missing to reach ``min_ready``."""

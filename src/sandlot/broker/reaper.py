@@ -314,11 +314,17 @@ class Reaper:
                 except ProviderUnavailable as exc:
                     log.info("pool %s not refilled: %s", pool.name, exc.message)
                     return
+                if row is None:
+                    break  # another replica's reaper refilled it meanwhile
                 report.pool_created.append(row.id)
                 self.sandboxes.spawn(self.sandboxes.provision(row, template))
 
-    def _insert_pooled(self, template: Template, pool: str) -> SandboxRow:
+    def _insert_pooled(self, template: Template, pool: str) -> SandboxRow | None:
+        """One more sandbox for ``pool``, if it still misses one (counted under the pool's
+        lock, so that two replicas' reapers never both fill the same gap)."""
         with self.store.write() as conn:
+            if self.pools.missing_locked(conn, pool) == 0:
+                return None
             return self.sandboxes.insert(conn, template=template, owner_user_id=None, pool=pool)
 
     def _purge(self) -> None:
