@@ -26,6 +26,7 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, text
 
+from sandlot.sdk import Sandlot
 from tests.broker.test_e2e import wait_active
 from tests.pg import postgres_cluster
 from tests.sandbox_hosts import SandlotHost
@@ -343,6 +344,73 @@ def test_a_lost_host_fails_its_sandboxes_once(fleet: Fleet) -> None:
     (row,) = fleet.sql("SELECT state, reason FROM sandboxes WHERE id = :s", s=sandbox_id)
     assert (row.state, row.reason) == ("failed", "host_lost")
     _terminate_all(fleet, [(headers, fresh)])
+
+
+@pytest.mark.timeout(240)
+def test_a_new_sandbox_whose_host_cannot_be_reached_is_placed_on_another(fleet: Fleet) -> None:
+    # The host is gone but its heartbeats are still fresh (the seconds before it is
+    # declared lost): placement still picks it, the creation cannot reach it, and the
+    # sandbox is placed again on the other host instead of failing.
+    a, _b = fleet.brokers
+    gone = min(fleet.hosts, key=lambda h: h.host_id)  # ties in free slots go to it
+    other = next(h for h in fleet.hosts if h is not gone)
+    fleet.execute(
+        "UPDATE hosts SET heartbeat_at = heartbeat_at + 3600 WHERE id = :h", h=gone.host_id
+    )
+    gone.kill9()
+    grants: list[tuple[dict[str, str], dict[str, Any]]] = []
+    try:
+        for n in range(2):
+            headers = a.headers(f"placed{n}")
+            r = _ensure(a.url, headers, f"thr_placed{n}")
+            assert r.status_code == 200, r.text
+            grants.append((headers, r.json()))
+        placed = []
+        for headers, grant in grants:
+            snap = wait_active(a.url, headers, grant, timeout=60)
+            assert snap["dataplane"]["http_base_url"].startswith(other.url + "/"), snap
+            sid = grant["sandbox"]["id"]
+            (row,) = fleet.sql("SELECT host FROM sandboxes WHERE id = :s", s=sid)
+            assert row.host == other.host_id
+            events = [
+                json.loads(e.event) if isinstance(e.event, str) else e.event
+                for e in fleet.sql(
+                    "SELECT event FROM events WHERE stream_id IN (:s, :b) ORDER BY sequence",
+                    s=sid,
+                    b=grant["session_id"],
+                )
+            ]
+            moves = [e for e in events if e["event_type"] in ("sandbox.placed", "binding.placed")]
+            if moves:
+                placed.append(grant)
+                reasons = {e["details"]["phase"]["reason"] for e in moves}
+                assert reasons == {
+                    f"placed on host {other.host_id}: host {gone.host_id} cannot be reached "
+                    "(the sandbox host is unreachable)"
+                }, reasons
+                assert len(moves) == 2  # one on the sandbox's log, one on the binding's
+            # The grant's token works at the dataplane the snapshot names.
+            r = httpx.post(
+                f"{snap['dataplane']['http_base_url']}/exec",
+                json={"command": "echo here"},
+                headers={"Authorization": f"Bearer {grant['token']}"},
+                timeout=30,
+            )
+            assert r.status_code == 200 and r.json()["stdout"] == "here\n", r.text
+        assert placed, "no sandbox was placed on the unreachable host first"
+        # The other host is the fuller now: the next placement picks the unreachable
+        # one, and the SDK's ensure follows the sandbox to where it was placed again.
+        with Sandlot(a.url, a.key("placed_sdk", "agent"), timeout=60) as client:
+            sandbox = client.ensure("thr_placed_sdk")
+            assert sandbox.grant.http_base_url.startswith(other.url + "/")
+            assert sandbox.run("echo sdk").stdout == "sdk\n"
+            session = sandbox.grant.session_id
+            assert session is not None
+            grants.append((a.headers("placed_sdk"), {"session_id": session,
+                           "sandbox": {"id": sandbox.grant.sandbox_id}}))  # fmt: skip
+    finally:
+        gone.start()
+    _terminate_all(fleet, grants)
 
 
 @pytest.mark.timeout(240)

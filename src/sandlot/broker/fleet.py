@@ -189,8 +189,11 @@ class HostRegistry:
             rows = conn.execute(select(hosts).order_by(hosts.c.id)).all()
         return [HostRecord.from_row(r) for r in rows]
 
-    def place(self, conn: Connection, *, provider: str | None = None) -> HostRecord:
-        """The host a new sandbox goes to, by the module's rule (the caller's transaction).
+    def place(
+        self, conn: Connection, *, provider: str | None = None, exclude: Sequence[str] = ()
+    ) -> HostRecord:
+        """The host a new sandbox goes to, by the module's rule (the caller's transaction),
+        never one of ``exclude`` (hosts a creation could not reach).
 
         The lock is held to the end of the caller's transaction, which inserts the
         sandbox row: the next placement counts it.
@@ -205,6 +208,8 @@ class HostRegistry:
         )
         if provider is not None:
             query = query.where(hosts.c.provider == provider)
+        if exclude:
+            query = query.where(hosts.c.id.not_in(list(exclude)))
         candidates = [HostRecord.from_row(r) for r in conn.execute(query).all()]
         if not candidates:
             raise ProviderUnavailable(

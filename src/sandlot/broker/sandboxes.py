@@ -41,7 +41,7 @@ from sandlot.protocol.sessions import DataplaneCoordinates, SandboxSnapshot, Tem
 from sandlot.protocol.states import SandboxState, can_transition
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import Provider, ProviderStatus, SandboxSpec
-from sandlot.providers.remote import dataplane_coordinates
+from sandlot.providers.remote import HOST_UNREACHABLE, dataplane_coordinates
 
 log = logging.getLogger("sandlot.broker.sandboxes")
 
@@ -335,21 +335,105 @@ class SandboxService:
     # --- provider calls ------------------------------------------------------------
 
     async def provision(self, row: SandboxRow, template: Template | None = None) -> None:
-        """Ask the provider to create the sandbox; accepted at once, completes in background."""
-        spec = self.spec_for(row, template)
-        try:
-            status = await self.provider_for(row).create(spec)
-            if status.state is SandboxState.PROVISIONING:
-                failpoints.hit("mid_provision")
-        except SandlotError as exc:
-            await self.apply_state(row.id, SandboxState.FAILED, reason=exc.message)
-            return
-        except Exception as exc:
-            log.exception("provider create failed for %s", row.id)
-            await self.apply_state(row.id, SandboxState.FAILED, reason=type(exc).__name__)
-            return
+        """Ask the provider to create the sandbox; accepted at once, completes in background.
+
+        A registered host that cannot be reached (the request never left: nothing was
+        made there) gets the sandbox placed again on another host, up to
+        :attr:`PLACEMENTS` hosts in all, before it fails.
+        """
+        unreachable: list[str] = []
+        while True:
+            spec = self.spec_for(row, template)
+            try:
+                status = await self.provider_for(row).create(spec)
+                if status.state is SandboxState.PROVISIONING:
+                    failpoints.hit("mid_provision")
+                break
+            except ProviderUnavailable as exc:
+                if (
+                    exc.metadata.get("reason") == HOST_UNREACHABLE
+                    and row.host is not None
+                    and len(unreachable) + 1 < self.PLACEMENTS
+                ):
+                    unreachable.append(row.host)
+                    moved = await anyio.to_thread.run_sync(
+                        self._place_again, row, unreachable, exc.message
+                    )
+                    if moved is not None:
+                        row = moved
+                        continue
+                await self.apply_state(row.id, SandboxState.FAILED, reason=exc.message)
+                return
+            except SandlotError as exc:
+                await self.apply_state(row.id, SandboxState.FAILED, reason=exc.message)
+                return
+            except Exception as exc:
+                log.exception("provider create failed for %s", row.id)
+                await self.apply_state(row.id, SandboxState.FAILED, reason=type(exc).__name__)
+                return
         if status.state is not SandboxState.PROVISIONING:
             await self.apply_state(row.id, status.state, reason=status.reason)
+
+    #: Hosts a new sandbox is tried on, the first placement's included.
+    PLACEMENTS = 3
+
+    def _place_again(self, row: SandboxRow, unreachable: list[str], why: str) -> SandboxRow | None:
+        """Move a sandbox still ``provisioning`` on an unreachable host to another host
+        (its row, its dataplane's coordinates, an event on its and its binding's logs);
+        ``None`` if it changed meanwhile or no other host has room."""
+        assert self.fleet is not None
+        with self.store.write() as conn:
+            current = get_sandbox(conn, row.id)
+            if (
+                current is None
+                or current.state is not SandboxState.PROVISIONING
+                or current.host != row.host
+            ):
+                return None
+            try:
+                placed = self.fleet.place(conn, provider=row.provider, exclude=unreachable)
+            except ProviderUnavailable as exc:
+                log.warning("sandbox %s could not be placed again: %s", row.id, exc.message)
+                return None
+            if placed.id == self.host:
+                coords = self.provider.assign(row.id, row.provider).dataplane(row.id)
+            else:
+                coords = dataplane_coordinates(placed.dataplane_url, row.id)
+            now = self.clock()
+            changed = conn.execute(
+                update(sandboxes)
+                .where(
+                    sandboxes.c.id == row.id,
+                    sandboxes.c.state == SandboxState.PROVISIONING.value,
+                    sandboxes.c.host == row.host,
+                )
+                .values(
+                    host=placed.id,
+                    dataplane_http=coords.http_base_url,
+                    dataplane_ws=coords.ws_base_url,
+                    updated_at=now,
+                )
+            ).rowcount
+            if not changed:
+                return None
+            reason = f"placed on host {placed.id}: host {row.host} cannot be reached ({why})"
+            phase = {"from": "provisioning", "to": "provisioning", "reason": reason}
+            append_event(
+                conn, sandboxes, row.id, "sandbox.placed", {"phase": phase},
+                state="provisioning", now=now,
+            )  # fmt: skip
+            binding_id = self._binding_of(conn, row.id, ended=False)
+            if binding_id is not None:
+                append_event(
+                    conn, bindings, binding_id, "binding.placed", {"phase": phase},
+                    state="provisioning", now=now,
+                )  # fmt: skip
+            moved = get_sandbox(conn, row.id)
+        log.warning("sandbox %s %s", row.id, reason)
+        self.hub.notify(row.id)
+        if binding_id is not None:
+            self.hub.notify(binding_id)
+        return moved
 
     def spawn(self, coro: Any) -> None:
         """Run background provider work, keeping a reference until it finishes."""

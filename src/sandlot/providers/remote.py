@@ -154,6 +154,10 @@ def provider_router(provider: Provider, secret: str) -> APIRouter:
     return router
 
 
+#: ``metadata.reason`` of a call that never reached its host (nothing was done there).
+HOST_UNREACHABLE = "host_unreachable"
+
+
 class RemoteProvider(Provider):
     """A provider reached over HTTP (config: ``url``, ``uds``, ``secret``, ``dataplane_url``).
 
@@ -231,6 +235,11 @@ class RemoteProvider(Provider):
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         try:
             resp = await self._client.request(method, f"/internal/provider{path}", json=body)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            # Never sent: the host did nothing (a creation may be tried elsewhere).
+            raise ProviderUnavailable(
+                "the sandbox host is unreachable", metadata={"reason": HOST_UNREACHABLE}
+            ) from exc
         except httpx.HTTPError as exc:
             raise ProviderUnavailable("the sandbox host is unreachable") from exc
         if resp.status_code >= 400:

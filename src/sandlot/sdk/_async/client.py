@@ -330,6 +330,9 @@ class AsyncSandlot:
         snapshot = await self.session(grant.session_id, timeout=deadline.remaining())
         snapshot = await self._wait_binding(snapshot, _ACTIVE, deadline.remaining())
         grant.state = snapshot.binding.state
+        # A sandbox whose first host could not be reached was placed on another one.
+        grant.http_base_url = snapshot.dataplane.http_base_url
+        grant.ws_base_url = snapshot.dataplane.ws_base_url
         return snapshot
 
     async def _wait_binding(

@@ -331,6 +331,9 @@ class Sandlot:
         snapshot = self.session(grant.session_id, timeout=deadline.remaining())
         snapshot = self._wait_binding(snapshot, _ACTIVE, deadline.remaining())
         grant.state = snapshot.binding.state
+        # A sandbox whose first host could not be reached was placed on another one.
+        grant.http_base_url = snapshot.dataplane.http_base_url
+        grant.ws_base_url = snapshot.dataplane.ws_base_url
         return snapshot
 
     def _wait_binding(
