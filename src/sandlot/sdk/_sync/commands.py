@@ -110,14 +110,10 @@ class Command:
             try:
                 self._open(timeout)
                 return
-            except SocketClosed as exc:
+            except OSError as exc:  # SocketClosed included
                 # A refusal can close the socket before the first frame is sent.
-                if self._refused(exc.close_code):
+                if isinstance(exc, SocketClosed) and self._refused(exc.close_code):
                     continue
-                if not self._budget.fail():
-                    raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
-                _aio.sleep(self._budget.backoff())
-            except OSError as exc:
                 if not self._budget.fail():
                     raise SandlotError(f"exec socket: cannot reconnect ({exc})") from exc
                 _aio.sleep(self._budget.backoff())
