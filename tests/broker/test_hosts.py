@@ -117,6 +117,16 @@ def _ensure(url: str, headers: dict[str, str], thread: str, mode: str = "ensure"
     )
 
 
+def _exec(dataplane: str, token: str, command: str) -> httpx.Response:
+    """``POST /exec`` at a sandbox's dataplane with its grant's token."""
+    return httpx.post(
+        f"{dataplane}/exec",
+        json={"command": command},
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=30,
+    )
+
+
 def _terminate_all(fleet: Fleet, grants: list[tuple[dict[str, str], dict[str, Any]]]) -> None:
     a = fleet.brokers[0]
     for headers, grant in grants:
@@ -262,13 +272,7 @@ def test_a_lost_host_fails_its_sandboxes_once(fleet: Fleet) -> None:
     wait_active(a.url, headers, grant)
     host = fleet.host_of(grant)
     other = next(h for h in fleet.hosts if h is not host)
-    token = {"Authorization": f"Bearer {grant['token']}"}
-    r = httpx.post(
-        f"{grant['dataplane']['http_base_url']}/exec",
-        json={"command": "echo kept > notes.txt"},
-        headers=token,
-        timeout=30,
-    )
+    r = _exec(grant["dataplane"]["http_base_url"], grant["token"], "echo kept > notes.txt")
     assert r.status_code == 200, r.text
 
     after = httpx.get(f"{b.url}/v1/sandbox/sessions/{sid}", headers=headers).json()["binding"][
@@ -390,12 +394,7 @@ def test_a_new_sandbox_whose_host_cannot_be_reached_is_placed_on_another(fleet: 
                 }, reasons
                 assert len(moves) == 2  # one on the sandbox's log, one on the binding's
             # The grant's token works at the dataplane the snapshot names.
-            r = httpx.post(
-                f"{snap['dataplane']['http_base_url']}/exec",
-                json={"command": "echo here"},
-                headers={"Authorization": f"Bearer {grant['token']}"},
-                timeout=30,
-            )
+            r = _exec(snap["dataplane"]["http_base_url"], grant["token"], "echo here")
             assert r.status_code == 200 and r.json()["stdout"] == "here\n", r.text
         assert placed, "no sandbox was placed on the unreachable host first"
         # The other host is the fuller now: the next placement picks the unreachable
@@ -521,12 +520,7 @@ def test_workers_place_on_registered_hosts(tmp_path: Path) -> None:
             grant = answers[0].json()
             assert grant["dataplane"]["http_base_url"].startswith(host.url + "/dp/")
             wait_active(srv.url, headers, grant)
-            r = httpx.post(
-                f"{grant['dataplane']['http_base_url']}/exec",
-                json={"command": "echo placed"},
-                headers={"Authorization": f"Bearer {grant['token']}"},
-                timeout=30,
-            )
+            r = _exec(grant["dataplane"]["http_base_url"], grant["token"], "echo placed")
             assert r.status_code == 200 and r.json()["stdout"] == "placed\n", r.text
         finally:
             srv.stop()

@@ -116,23 +116,19 @@ class PoolService:
                 sandboxes.c.state.in_([SandboxState.ACTIVE.value, SandboxState.PROVISIONING.value]),
             )
         ).scalar_one()
-        return max(0, int(min(row.min_ready, row.max_ready)) - int(have))
+        return _missing(int(row.min_ready), int(row.max_ready), int(have))
 
     def deficits(self) -> builtins.list[tuple[Pool, int]]:
         """How many sandboxes each pool is missing to reach ``min_ready``."""
         out = []
         for snap in self.list():
-            have = snap.ready + snap.provisioning
-            want = min(snap.min_ready, snap.max_ready)
-            if have < want:
-                out.append(
-                    (
-                        Pool(
-                            **snap.model_dump(
-                                include={"name", "template", "min_ready", "max_ready"}
-                            )
-                        ),
-                        want - have,
-                    )
-                )
+            missing = _missing(snap.min_ready, snap.max_ready, snap.ready + snap.provisioning)
+            if missing:
+                fields = {"name", "template", "min_ready", "max_ready"}
+                out.append((Pool(**snap.model_dump(include=fields)), missing))
         return out
+
+
+def _missing(min_ready: int, max_ready: int, have: int) -> int:
+    """Sandboxes a pool lacks, ready and provisioning ones counted as ``have``."""
+    return max(0, min(min_ready, max_ready) - have)

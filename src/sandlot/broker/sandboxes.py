@@ -334,6 +334,9 @@ class SandboxService:
 
     # --- provider calls ------------------------------------------------------------
 
+    #: Hosts a new sandbox is tried on, the first placement's included.
+    PLACEMENTS = 3
+
     async def provision(self, row: SandboxRow, template: Template | None = None) -> None:
         """Ask the provider to create the sandbox; accepted at once, completes in background.
 
@@ -373,9 +376,6 @@ class SandboxService:
                 return
         if status.state is not SandboxState.PROVISIONING:
             await self.apply_state(row.id, status.state, reason=status.reason)
-
-    #: Hosts a new sandbox is tried on, the first placement's included.
-    PLACEMENTS = 3
 
     def _place_again(self, row: SandboxRow, unreachable: list[str], why: str) -> SandboxRow | None:
         """Move a sandbox still ``provisioning`` on an unreachable host to another host
