@@ -33,6 +33,8 @@ from tests.haproxy import REPLICA_HEADER, haproxy
 from tests.pg import postgres_cluster
 from tests.sdk.test_server_crash import PRODUCER, expected_digest
 from tests.servers import SandlotServer, free_port
+from tests.web.browser import Browser
+from tests.web.test_terminals import opened
 
 #: Bytes the streamed command prints.
 TOTAL = 8_000_000
@@ -285,6 +287,74 @@ def test_a_sticky_balancer_keeps_a_client_on_its_replica_until_it_dies(cluster: 
         finally:
             for client in clients:
                 client.close()
+
+
+@dataclass
+class ReplicaBrowser(Browser):
+    """A signed-in browser talking to one replica directly, its page's origin the
+    balancer's (the public URL)."""
+
+    public: str = ""
+
+    @property
+    def origin(self) -> str:
+        return self.public
+
+
+@pytest.mark.timeout(180)
+async def test_a_browser_signs_in_and_works_whichever_replica_answers(cluster: Cluster) -> None:
+    # ``sandlot open``'s request goes through the balancer; the browser's to the other
+    # replica: the link, the session, its CSRF token and its terminals are the store's.
+    key = await asyncio.to_thread(cluster.key, "web-ada")
+    thread = f"thr_web_{uuid.uuid4().hex[:6]}"
+    async with httpx.AsyncClient(timeout=60) as client:
+        made = await client.post(
+            f"{cluster.lb}/api/auth/links",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"next": f"/?thread={thread}"},
+        )
+        assert made.status_code == 201, made.text
+        link = made.json()["url"]
+        assert link.startswith(f"{cluster.lb}/login?token=")
+        maker = made.headers[REPLICA_HEADER]
+        (other,) = set(cluster.replicas) - {maker}
+        urls = {name: srv.url for name, srv in cluster.replicas.items()}
+        signed_in = await client.get(
+            urls[other] + link.removeprefix(cluster.lb), follow_redirects=False
+        )
+        assert signed_in.status_code == 303, signed_in.text
+        assert signed_in.headers["location"] == f"/?thread={thread}"
+        cookie = signed_in.cookies["sandlot_session"]
+        spent = await client.get(urls[maker] + link.removeprefix(cluster.lb))
+        assert spent.status_code == 401  # once, at whichever replica
+        csrf = set()
+        for url in urls.values():
+            me = await client.get(
+                f"{url}/api/auth/me", headers={"Cookie": f"sandlot_session={cookie}"}
+            )
+            assert me.status_code == 200 and me.json()["user"] == "web-ada", me.text
+            csrf.add(me.json()["csrf_token"])
+        assert len(csrf) == 1
+    (token,) = csrf
+    browsers = {
+        name: ReplicaBrowser(url, None, cookie, token, public=cluster.lb)
+        for name, url in urls.items()
+    }
+    # A terminal opened at one replica is attached to at the other (its signed id).
+    created = await browsers[maker].request(
+        "POST", "/api/sessions", params={"thread": thread}, json={"shell": "shared"}
+    )
+    assert created.status_code == 201, created.text
+    session_id = created.json()["session_id"]
+    async with browsers[other].socket(thread=thread, session_id=session_id, resume=1) as sock:
+        assert (await opened(sock))["name"] == "shared"
+        await sock.type("echo across-$((6*7))\r")
+        await sock.until_output("across-42")
+    # Signing out at one replica signs out at every one.
+    out = await browsers[other].request("POST", "/api/auth/logout")
+    assert out.status_code == 200, out.text
+    for browser in browsers.values():
+        assert (await browser.request("GET", "/api/auth/me")).status_code == 401
 
 
 async def _post_both(

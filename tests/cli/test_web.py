@@ -9,6 +9,7 @@ import os
 import re
 import select
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -109,6 +110,41 @@ def test_open_prints_a_link_that_signs_in_once(server: SandlotServer, tmp_path: 
     )
     assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_serve_keeps_browser_sessions_in_its_store_across_a_restart(tmp_path: Path) -> None:
+    srv = SandlotServer(tmp_path / "d").start()
+    try:
+        key = srv.key("ada")
+        made = httpx.post(
+            f"{srv.url}/api/auth/links",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"next": "/?thread=thr_kept"},
+            timeout=60,
+        )
+        assert made.status_code == 201, made.text
+        with contextlib.closing(sign_in_with(made.json()["url"])) as browser:
+            cookie = {"Cookie": f"sandlot_session={browser.cookies['sandlot_session']}"}
+
+        def me() -> httpx.Response:
+            return httpx.get(f"{srv.url}/api/auth/me", headers=cookie, timeout=60)
+
+        before = me()
+        assert before.status_code == 200, before.text
+        # A restart signs nobody out.
+        srv.stop()
+        srv.start()
+        after = me()
+        assert after.status_code == 200, after.text
+        assert after.json() == before.json()
+        # Nothing in the store would sign a browser in: no cookie id, no key in clear.
+        with sqlite3.connect(srv.data_dir / "sandlot.db") as db:
+            rows = db.execute("SELECT * FROM web_sessions").fetchall()
+        assert len(rows) == 1
+        assert key not in str(rows) and browser.cookies["sandlot_session"] not in str(rows)
+    finally:
+        srv.stop()
+        srv.cleanup()
 
 
 def _start_web(

@@ -16,12 +16,14 @@ import pytest
 import websockets
 from websockets.asyncio.client import connect
 
+from sandlot.broker.browsersessions import StoredLinks, StoredSessions
 from sandlot.broker.keys import KeyService
 from sandlot.protocol.common import PrincipalType
 from sandlot.web.auth import (
     CSRF_HEADER,
     SECURE_SESSION_COOKIE,
     SESSION_COOKIE,
+    BrowserSessions,
     WebAuth,
 )
 from sandlot.web.session_tokens import SessionTokens
@@ -92,13 +94,30 @@ def assert_error(r: httpx.Response, status: int, code: str) -> None:
     assert "Traceback" not in r.text
 
 
-@pytest.fixture
+@pytest.fixture(params=["memory", "store"])
 async def web(
-    tmp_path: Path, keys: KeyService, caplog: pytest.LogCaptureFixture
+    request: pytest.FixtureRequest,
+    tmp_path: Path,
+    keys: KeyService,
+    caplog: pytest.LogCaptureFixture,
 ) -> AsyncIterator[Web]:
+    """The app with its sessions and links in its memory (``sandlot web``), or in the
+    broker's store (``sandlot serve``)."""
     caplog.set_level(logging.DEBUG)
     clock = Clock()
-    auth = WebAuth(WebSettings(data_dir=tmp_path / "web"), keys, clock=clock)
+    settings = WebSettings(data_dir=tmp_path / "web")
+    if request.param == "memory":
+        auth = WebAuth(settings, keys, clock=clock)
+    else:
+        sessions = StoredSessions(
+            keys.store,
+            idle_seconds=settings.session_idle_seconds,
+            max_seconds=settings.session_max_seconds,
+            max_sessions=settings.max_sessions,
+            clock=clock,
+        )
+        links = StoredLinks(keys.store, ttl_seconds=settings.login_link_ttl_seconds, clock=clock)
+        auth = WebAuth(settings, keys, clock=clock, sessions=sessions, links=links)
     async with httpx.AsyncClient(
         transport=httpx.ASGITransport(app=make_app(auth)), base_url=OWN
     ) as client:
@@ -139,8 +158,8 @@ async def test_signing_in_with_a_key_sets_a_strict_http_only_cookie(web: Web) ->
         "expires_at": web.clock.now + web.auth.settings.session_max_seconds,
     }
     # The server holds the key to negotiate with; the browser never sees it.
-    (session,) = web.auth.sessions._sessions.values()
-    assert session.credential == key
+    session = web.auth.sessions.get(morsel.value)
+    assert session is not None and session.credential == key
     assert key not in repr(session) and morsel.value not in repr(session)
 
 
@@ -260,8 +279,8 @@ async def test_a_key_holder_asks_for_a_link(web: Web) -> None:
     raw = session_cookie(login)[1].value
     web.session_ids.add(raw)
     # The session negotiates with the key that asked for the link.
-    (session,) = web.auth.sessions._sessions.values()
-    assert session.user_id == "ada" and session.credential == key
+    session = web.auth.sessions.get(raw)
+    assert session is not None and session.user_id == "ada" and session.credential == key
     for bad_next in ("//evil.example/", "https://evil.example/", "/\\evil.example"):
         r = await web.send(
             "POST",
@@ -349,7 +368,7 @@ async def test_logout_ends_the_session(web: Web) -> None:
     name, morsel = session_cookie(r)
     assert name == SESSION_COOKIE and morsel.value == "" and int(morsel["max-age"]) == 0
     assert_error(await web.send("GET", "/api/auth/me", headers=cookie(raw)), 401, "UNAUTHENTICATED")
-    assert len(web.auth.sessions) == 0
+    assert web.auth.sessions.delete(raw) is False  # ended, not only refused
 
 
 async def test_sessions_end_when_idle_at_their_end_or_when_the_key_is_revoked(web: Web) -> None:
@@ -376,7 +395,8 @@ async def test_sessions_end_when_idle_at_their_end_or_when_the_key_is_revoked(we
     assert (await web.send("GET", "/api/auth/me", headers=cookie(raw))).status_code == 200
     web.clock.advance(web.auth.RECHECK_SECONDS / 2)
     assert_error(await web.send("GET", "/api/auth/me", headers=cookie(raw)), 401, "UNAUTHENTICATED")
-    assert [s.user_id for s in web.auth.sessions._sessions.values()] == []
+    web.clock.advance(-web.auth.RECHECK_SECONDS)
+    assert web.auth.sessions.get(raw) is None  # ended, not only refused
 
 
 async def test_websockets_need_an_own_origin_and_a_session(
@@ -435,6 +455,7 @@ async def test_one_user_signing_in_again_and_again_ends_only_their_own_sessions(
 ) -> None:
     auth = WebAuth(WebSettings(data_dir=tmp_path, max_sessions=150), keys)
     sessions = auth.sessions
+    assert isinstance(sessions, BrowserSessions)
     others = [sessions.create(f"user{i}", credential=None)[0] for i in range(20)]
     mallory = [sessions.create("mallory", credential=None)[0] for _ in range(500)]
     assert all(sessions.get(raw) is not None for raw in others)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import secrets
 import signal
 import socket
 import sys
@@ -27,8 +28,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandlot.broker.app import MountDispatch, create_app
 from sandlot.broker.assembly import build_provider
+from sandlot.broker.browsersessions import StoredLinks, StoredSessions
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.hosts import host_credential
+from sandlot.broker.identities import identity
 from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
 from sandlot.dataplane.http.host import DataplaneHost
@@ -97,6 +100,11 @@ def build_app(
     served: ASGIApp = MountDispatch(app, {"/dp": dataplane}) if dataplane else app
     own_dataplane = dataplane_url or settings.dataplane_url or settings.base_url
     web_settings = load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url)
+    if web_settings.session_token_secret is None:
+        # Worker processes and replicas sign terminal session ids with one key: the
+        # store's (a browser's next request may reach another one).
+        secret = identity(broker.store, "web.session_token_secret", secrets.token_urlsafe(32))
+        web_settings = replace(web_settings, session_token_secret=secret)
     web = create_web_app(
         web_settings,
         broker_url=settings.base_url,
@@ -106,6 +114,13 @@ def build_app(
         registry=app.state.metrics.registry,
         own_dataplane=dataplane is not None,
         discover=_host_dataplanes(broker),
+        sessions=StoredSessions(
+            broker.store,
+            idle_seconds=web_settings.session_idle_seconds,
+            max_seconds=web_settings.session_max_seconds,
+            max_sessions=web_settings.max_sessions,
+        ),
+        links=StoredLinks(broker.store, ttl_seconds=web_settings.login_link_ttl_seconds),
     )
     served = WebDispatch(served, web)
     mcp = _mcp_app(served, settings)

@@ -40,6 +40,8 @@ from sandlot.web.allowlist import Upstream
 from sandlot.web.auth import (
     BrowserAuthMiddleware,
     KeyAuthenticator,
+    LinkStore,
+    SessionStore,
     WebAuth,
     sandlot_error_handler,
 )
@@ -106,6 +108,8 @@ def create_web_app(
     workspaces: Workspaces | None = None,
     own_dataplane: bool = True,
     discover: Callable[[], Awaitable[Iterable[Upstream]]] | None = None,
+    sessions: SessionStore | None = None,
+    links: LinkStore | None = None,
 ) -> Starlette:
     """The web app (see the module's docstring).
 
@@ -115,7 +119,9 @@ def create_web_app(
     ``registry`` receives the gateway's metrics and the server's own (the broker's
     registry, when mounted beside it); ``own_dataplane=False``: the broker serves no
     dataplane (registered sandbox hosts); ``discover``: the dataplanes of the sandbox
-    hosts the gateway may reach besides (:class:`~sandlot.web.gateway.Gateway`).
+    hosts the gateway may reach besides (:class:`~sandlot.web.gateway.Gateway`);
+    ``sessions`` and ``links``: where browser sessions and sign-in links are kept (the
+    broker's store, shared by replicas; by default this process's memory).
     """
     if workspaces is None:
         workspaces = build_workspaces(
@@ -124,7 +130,7 @@ def create_web_app(
             dataplane_url=dataplane_url,
             own_dataplane=own_dataplane,
         )
-    auth = WebAuth(settings, authenticator)
+    auth = WebAuth(settings, authenticator, sessions=sessions, links=links)
     gateway = Gateway(
         workspaces.upstreams(), gateway_settings, registry=registry, discover=discover
     )

@@ -8,7 +8,9 @@ prints one): ``sandlot web`` makes the link in process (:meth:`WebAuth.login_url
 gets an opaque random id in an ``HttpOnly``, ``SameSite=Strict`` cookie (``Secure``, and
 named ``__Host-sandlot_session``, over TLS or behind an ``https`` public URL); the
 server keeps the user, the credential it negotiates with on the user's behalf (never
-sent back), the CSRF token and the session's idle and absolute expiry.
+sent back), the CSRF token and the session's idle and absolute expiry: in its memory
+(:class:`BrowserSessions`, :class:`LoginLinks`), or, under ``sandlot serve``, in the
+broker's store, shared by its replicas (:mod:`sandlot.broker.browsersessions`).
 ``GET /api/auth/me`` gives the page its user and CSRF token; ``POST /api/auth/logout``
 ends the session.
 
@@ -46,7 +48,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 from urllib.parse import parse_qs
 
 from starlette.concurrency import run_in_threadpool
@@ -67,6 +69,8 @@ from sandlot.protocol.errors import (
 from sandlot.web.settings import WebSettings, normalize_origin
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SESSION_COOKIE = "sandlot_session"
 #: The cookie's name when it is ``Secure``: browsers then also insist on ``Path=/`` and
@@ -99,7 +103,8 @@ class KeyAuthenticator(Protocol):
     def authenticate(self, raw: str | None, /) -> UserPrincipal: ...
 
 
-def _digest(secret: str) -> str:
+def secret_digest(secret: str) -> str:
+    """The SHA-256 (hex) of a cookie's id or a link's secret: what a store keeps."""
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
@@ -120,13 +125,61 @@ class BrowserSession:
     key: str = field(repr=False)
 
 
+class SessionStore(Protocol):
+    """Where a server keeps its browser sessions, looked up by the SHA-256 of the
+    cookie's id: in its memory (:class:`BrowserSessions`) or in the broker's store,
+    shared by its replicas and worker processes
+    (:class:`sandlot.broker.browsersessions.StoredSessions`)."""
+
+    #: Whether its calls block (a database): they then run in a worker thread.
+    blocking: bool
+
+    def create(self, user_id: str, *, credential: str | None) -> tuple[str, BrowserSession]:
+        """A new session: the id for the cookie (kept nowhere) and the record."""
+        ...
+
+    def get(self, raw: str | None) -> BrowserSession | None:
+        """The live session of a cookie's id (marking it used), or ``None``."""
+        ...
+
+    def delete(self, raw: str | None) -> bool: ...
+
+    def discard(self, session: BrowserSession) -> None: ...
+
+    def checked(self, session: BrowserSession, at: float) -> None:
+        """Its credential was found valid at ``at``."""
+        ...
+
+    def end_user(self, user_id: str) -> int:
+        """End every session of ``user_id``; returns how many."""
+        ...
+
+
+class LinkStore(Protocol):
+    """Where a server keeps its one-time sign-in links (:class:`LoginLinks` in memory, or
+    the broker's store: :class:`sandlot.broker.browsersessions.StoredLinks`)."""
+
+    blocking: bool
+    ttl_seconds: float
+
+    def create(
+        self, user_id: str, *, credential: str | None = None, next_path: str = "/"
+    ) -> str: ...
+
+    def redeem(self, token: str | None) -> LoginLink | None:
+        """The link's grant if ``token`` is valid; it is spent either way."""
+        ...
+
+
 class BrowserSessions:
     """Live browser sessions, in memory, looked up by the SHA-256 of the cookie's id.
 
-    Kept in the process: a restart signs every browser out, and a server running
-    several worker processes must send a browser to the same one (or share sessions
-    in its store, not done yet).
+    Kept in the process: a restart signs every browser out. ``sandlot serve`` keeps its
+    sessions in the broker's store instead, so that its worker processes and replicas
+    share them.
     """
+
+    blocking = False
 
     #: Sessions one user may hold; a new one ends their least recently used.
     MAX_PER_USER = 100
@@ -161,7 +214,7 @@ class BrowserSessions:
             last_seen=now,
             expires_at=now + self.max_seconds,
             checked_at=now,
-            key=_digest(raw),
+            key=secret_digest(raw),
         )
         with self._lock:
             for key in [k for k, s in self._sessions.items() if not self._live(s, now)]:
@@ -180,7 +233,7 @@ class BrowserSessions:
         """The live session of a cookie's id (marking it used), or ``None``."""
         if not raw or len(raw) > 256:
             return None
-        key = _digest(raw)
+        key = secret_digest(raw)
         now = self._clock()
         with self._lock:
             session = self._sessions.get(key)
@@ -197,11 +250,14 @@ class BrowserSessions:
         if not raw:
             return False
         with self._lock:
-            return self._sessions.pop(_digest(raw), None) is not None
+            return self._sessions.pop(secret_digest(raw), None) is not None
 
     def discard(self, session: BrowserSession) -> None:
         with self._lock:
             self._sessions.pop(session.key, None)
+
+    def checked(self, session: BrowserSession, at: float) -> None:
+        session.checked_at = at
 
     def end_user(self, user_id: str) -> int:
         """End every session of ``user_id``; returns how many."""
@@ -232,6 +288,8 @@ class LoginLinks:
     A token is spent by its first use, right or wrong, and dies after ``ttl_seconds``.
     """
 
+    blocking = False
+
     def __init__(
         self,
         *,
@@ -249,13 +307,13 @@ class LoginLinks:
         link_id = secrets.token_hex(8)
         secret = secrets.token_urlsafe(32)
         now = self._clock()
-        link = LoginLink(user_id, credential, _checked_next(next_path), now + self.ttl_seconds)
+        link = LoginLink(user_id, credential, checked_next(next_path), now + self.ttl_seconds)
         with self._lock:
             for key in [k for k, (_, v) in self._links.items() if v.expires_at <= now]:
                 del self._links[key]
             while len(self._links) >= self.max_links:
                 self._links.popitem(last=False)
-            self._links[link_id] = (_digest(secret), link)
+            self._links[link_id] = (secret_digest(secret), link)
         return f"{link_id}.{secret}"
 
     def redeem(self, token: str | None) -> LoginLink | None:
@@ -268,14 +326,14 @@ class LoginLinks:
         if found is None:
             return None
         digest, link = found
-        if not hmac.compare_digest(digest, _digest(secret)):
+        if not hmac.compare_digest(digest, secret_digest(secret)):
             return None
         if link.expires_at <= self._clock():
             return None
         return link
 
 
-def _checked_next(value: object) -> str:
+def checked_next(value: object) -> str:
     """A path on this server (never another host: ``//evil`` and ``/\\evil`` are refused)."""
     if (
         not isinstance(value, str)
@@ -355,17 +413,28 @@ class WebAuth:
         authenticator: KeyAuthenticator | None = None,
         *,
         clock: Callable[[], float] = time.time,
+        sessions: SessionStore | None = None,
+        links: LinkStore | None = None,
     ) -> None:
         self.settings = settings
         self.authenticator = authenticator
         self._clock = clock
-        self.sessions = BrowserSessions(
-            idle_seconds=settings.session_idle_seconds,
-            max_seconds=settings.session_max_seconds,
-            max_sessions=settings.max_sessions,
-            clock=clock,
+        # ``is None``: an empty store is falsy (it has a length).
+        self.sessions: SessionStore = (
+            sessions
+            if sessions is not None
+            else BrowserSessions(
+                idle_seconds=settings.session_idle_seconds,
+                max_seconds=settings.session_max_seconds,
+                max_sessions=settings.max_sessions,
+                clock=clock,
+            )
         )
-        self.links = LoginLinks(ttl_seconds=settings.login_link_ttl_seconds, clock=clock)
+        self.links: LinkStore = (
+            links
+            if links is not None
+            else LoginLinks(ttl_seconds=settings.login_link_ttl_seconds, clock=clock)
+        )
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -381,7 +450,16 @@ class WebAuth:
     ) -> str:
         """A one-time sign-in link for ``user_id`` (what ``sandlot web`` prints)."""
         token = self.links.create(user_id, credential=credential, next_path=next_path)
-        return f"{base_url.rstrip('/')}/login?token={token}"
+        return _link_url(base_url, token)
+
+    async def _store(
+        self, store: SessionStore | LinkStore, fn: Callable[..., T], *args: Any, **kwargs: Any
+    ) -> T:
+        """``fn(*args, **kwargs)``, a method of ``store``: in a worker thread if the store
+        blocks."""
+        if store.blocking:
+            return await run_in_threadpool(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
 
     # -- what every request goes through -------------------------------------------
 
@@ -419,7 +497,10 @@ class WebAuth:
 
     async def session_of(self, conn: HTTPConnection) -> BrowserSession | None:
         """The live session named by the connection's cookie, its credential still valid."""
-        session = self.sessions.get(conn.cookies.get(self.cookie_name(conn)))
+        cookie = conn.cookies.get(self.cookie_name(conn))
+        if not cookie:
+            return None
+        session = await self._store(self.sessions, self.sessions.get, cookie)
         if session is None:
             return None
         now = self._clock()
@@ -436,9 +517,9 @@ class WebAuth:
                 principal = None
             if principal is None or principal.user_id != session.user_id:
                 log.info("browser session of %s ended: its key is no longer valid", session.user_id)
-                self.sessions.discard(session)
+                await self._store(self.sessions, self.sessions.discard, session)
                 return None
-            session.checked_at = now
+            await self._store(self.sessions, self.sessions.checked, session, now)
         return session
 
     async def guard(self, request: Request) -> BrowserSession | None:
@@ -499,8 +580,7 @@ class WebAuth:
         except Unauthenticated:
             log.info("browser sign-in refused: invalid API key")
             raise Unauthenticated("invalid API key") from None
-        self.sessions.delete(request.cookies.get(self.cookie_name(request)))
-        raw, session = self.sessions.create(principal.user_id, credential=key)
+        raw, session = await self._start_session(request, principal.user_id, key)
         log.info("browser signed in as %s with an API key", session.user_id)
         response: Response
         if is_form:
@@ -515,12 +595,11 @@ class WebAuth:
         if request.method == "HEAD":
             # Link checkers and previews probe with HEAD: that must not spend the link.
             return Response(status_code=204, headers=_NO_STORE)
-        link = self.links.redeem(request.query_params.get("token"))
+        link = await self._store(self.links, self.links.redeem, request.query_params.get("token"))
         if link is None:
             log.info("browser sign-in refused: unknown, used or expired link")
             raise Unauthenticated("this sign-in link is invalid, used or expired")
-        self.sessions.delete(request.cookies.get(self.cookie_name(request)))
-        raw, session = self.sessions.create(link.user_id, credential=link.credential)
+        raw, session = await self._start_session(request, link.user_id, link.credential)
         log.info("browser signed in as %s with a one-time link", session.user_id)
         response = RedirectResponse(
             _root(request) + link.next_path,
@@ -549,9 +628,14 @@ class WebAuth:
         except Unauthenticated:
             raise Unauthenticated("invalid API key") from None
         base = self.settings.public_url or str(request.base_url)
-        url = self.login_url(
-            base, principal.user_id, credential=key, next_path=_checked_next(next_path)
+        token = await self._store(
+            self.links,
+            self.links.create,
+            principal.user_id,
+            credential=key,
+            next_path=checked_next(next_path),
         )
+        url = _link_url(base, token)
         log.info("one-time sign-in link made for %s", principal.user_id)
         expires_at = self._clock() + self.links.ttl_seconds
         return JSONResponse(
@@ -561,7 +645,7 @@ class WebAuth:
     async def logout(self, request: Request) -> Response:
         """``POST /api/auth/logout``: end this browser's session."""
         session = current_user(request)
-        self.sessions.discard(session)
+        await self._store(self.sessions, self.sessions.discard, session)
         log.info("browser of %s signed out", session.user_id)
         response = JSONResponse({"signed_out": True}, headers=_NO_STORE)
         response.delete_cookie(
@@ -576,6 +660,16 @@ class WebAuth:
     async def me(self, request: Request) -> Response:
         """``GET /api/auth/me``: the user, and the CSRF token the page sends back."""
         return JSONResponse(_me(current_user(request)), headers=_NO_STORE)
+
+    async def _start_session(
+        self, request: Request, user_id: str, credential: str | None
+    ) -> tuple[str, BrowserSession]:
+        """A new session for ``user_id``, ending the one the browser had."""
+        if old := request.cookies.get(self.cookie_name(request)):
+            await self._store(self.sessions, self.sessions.delete, old)
+        return await self._store(
+            self.sessions, self.sessions.create, user_id, credential=credential
+        )
 
     def _set_cookie(
         self, response: Response, conn: HTTPConnection, raw: str, session: BrowserSession
@@ -597,6 +691,10 @@ def _me(session: BrowserSession) -> dict[str, Any]:
         "csrf_token": session.csrf_token,
         "expires_at": session.expires_at,
     }
+
+
+def _link_url(base_url: str, token: str) -> str:
+    return f"{base_url.rstrip('/')}/login?token={token}"
 
 
 def _root(request: Request) -> str:

@@ -12,8 +12,9 @@ provider, malformed) raises the one :class:`InvalidSessionId`, whose message nev
 says why: a route answers ``session_not_found`` whatever went wrong, and the reason
 goes to the debug log, without the id.
 
-The signing key is ``SESSION_TOKEN_SECRET`` when set, else a random key created once
-in the data directory (:func:`load_or_create_secret`).
+The signing key is ``SESSION_TOKEN_SECRET`` when set; ``sandlot serve`` otherwise sets
+it to a random key made once per broker store (shared by its replicas); else it is a
+random key created once in the data directory (:func:`load_or_create_secret`).
 """
 
 from __future__ import annotations

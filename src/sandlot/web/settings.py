@@ -20,8 +20,9 @@ Environment variables:
   they connect to (behind a TLS proxy); its origin is then the only own origin, and
   an ``https`` URL makes the session cookie ``Secure``.
 - ``SESSION_TOKEN_SECRET``: the key signing terminal session ids (at least 32 bytes).
-  Set it to share session ids between several server processes; unset, a random key
-  is created once in the data directory (``web-session.key``, mode 0600).
+  Unset, ``sandlot serve`` uses a random key made once per broker store (shared by its
+  replicas), and ``sandlot web`` one created once in the data directory
+  (``web-session.key``, mode 0600).
 - ``SANDLOT_WEB_SESSION_TOKEN_TTL``: lifetime of a terminal session id in seconds,
   900-3600 (default 1800).
 - ``SANDLOT_WEB_COOKIE_SECURE``: ``auto`` (default: ``Secure`` when the request came

@@ -267,6 +267,33 @@ identities = Table(
     Column("created_at", Float, nullable=False),
 )
 
+#: Browser sessions of the web workspace (:mod:`sandlot.broker.browsersessions`), shared by
+#: replicas: looked up by the SHA-256 of the cookie's id; the user's API key is sealed
+#: under a key derived from that id, so the store alone cannot read it.
+web_sessions = Table(
+    "web_sessions",
+    metadata,
+    Column("key", String(64), primary_key=True),
+    Column("user_id", String(200), nullable=False, index=True),
+    Column("credential", Text),
+    Column("created_at", Float, nullable=False),
+    Column("last_seen", Float, nullable=False),
+    Column("expires_at", Float, nullable=False),
+    Column("checked_at", Float, nullable=False),
+)
+
+#: One-time sign-in links: the secret kept as its SHA-256, the credential sealed under it.
+web_links = Table(
+    "web_links",
+    metadata,
+    Column("id", String(32), primary_key=True),
+    Column("secret_hash", String(64), nullable=False),
+    Column("user_id", String(200), nullable=False),
+    Column("credential", Text),
+    Column("next_path", Text, nullable=False),
+    Column("expires_at", Float, nullable=False),
+)
+
 __all__ = [
     "api_keys",
     "audit",
@@ -286,4 +313,6 @@ __all__ = [
     "templates",
     "tokens",
     "volumes",
+    "web_links",
+    "web_sessions",
 ]
