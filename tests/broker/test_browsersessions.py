@@ -173,6 +173,25 @@ def test_one_user_signing_in_again_and_again_ends_their_own_oldest_sessions(
     assert b.get(other) is not None
 
 
+def test_beyond_the_servers_cap_the_least_recently_used_sessions_end(
+    stores: tuple[Store, Store],
+) -> None:
+    clock = Clock()
+    a, b = sessions(stores[0], clock, max_sessions=10), sessions(stores[1], clock, max_sessions=10)
+    with stores[0].write() as conn:  # the other tests' sessions (on PostgreSQL)
+        conn.execute(web_sessions.delete())
+    made = []
+    for _ in range(10):
+        clock.now += 1
+        made.append(a.create(user(), credential=None)[0])
+    clock.now += 61
+    assert all(b.get(raw) is not None for raw in made[5:])  # used again (written)
+    clock.now += 1
+    newcomers = [b.create(user(), credential=None)[0] for _ in range(3)]
+    assert [a.get(raw) is not None for raw in made] == [False] * 3 + [True] * 7
+    assert all(a.get(raw) is not None for raw in newcomers)
+
+
 def test_a_link_made_at_one_replica_signs_in_once_at_the_other(
     stores: tuple[Store, Store],
 ) -> None:

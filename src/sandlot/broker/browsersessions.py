@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from sqlalchemy import ColumnElement, delete, or_, select, update
+from sqlalchemy import ColumnElement, delete, func, or_, select, update
 from sqlalchemy.engine import Connection, Row
 
 from sandlot.broker.store import Store
@@ -202,13 +202,17 @@ class StoredSessions:
 
     def _trim(self, conn: Connection, where: ColumnElement[bool] | None, most: int) -> None:
         """Delete the least recently used sessions (of ``where``) so one more fits."""
-        query = select(web_sessions.c.key).order_by(web_sessions.c.last_seen)
+        counted = select(func.count()).select_from(web_sessions)
         if where is not None:
-            query = query.where(where)
-        keys = list(conn.execute(query).scalars())
-        extra = len(keys) - most + 1
-        if extra > 0:
-            conn.execute(delete(web_sessions).where(web_sessions.c.key.in_(keys[:extra])))
+            counted = counted.where(where)
+        extra = int(conn.execute(counted).scalar_one()) - most + 1
+        if extra <= 0:
+            return
+        oldest = select(web_sessions.c.key).order_by(web_sessions.c.last_seen).limit(extra)
+        if where is not None:
+            oldest = oldest.where(where)
+        keys = list(conn.execute(oldest).scalars())
+        conn.execute(delete(web_sessions).where(web_sessions.c.key.in_(keys)))
 
 
 class StoredLinks:
