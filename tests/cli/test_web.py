@@ -4,6 +4,7 @@ the dataplane, on one port), ``sandlot web`` (alone, a local folder) and ``sandl
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -21,7 +22,9 @@ import pytest
 
 from sandlot.cli.server import WebDispatch
 from tests.servers import SandlotServer, running
+from tests.web.browser import Browser
 from tests.web.leaks import leak_scan, scanned  # noqa: F401  (the web suite's leak scan)
+from tests.web.test_terminals import opened
 
 SANDLOT = [sys.executable, "-m", "sandlot.cli.main"]
 LINK = re.compile(r"(http://\S+/login\?token=\S+)")
@@ -145,6 +148,63 @@ def test_serve_keeps_browser_sessions_in_its_store_across_a_restart(tmp_path: Pa
     finally:
         srv.stop()
         srv.cleanup()
+
+
+@pytest.mark.timeout(180)
+async def test_serve_with_workers_serves_the_workspace_on_its_port_from_every_worker(
+    tmp_path: Path,
+) -> None:
+    srv = SandlotServer(tmp_path / "d", workers=3)
+    await asyncio.to_thread(srv.start)
+    try:
+        key = await asyncio.to_thread(srv.key, "ada")
+        env = {
+            **os.environ,
+            "SANDLOT_URL": srv.url,
+            "SANDLOT_API_KEY": key,
+            "HOME": str(tmp_path),
+            "XDG_CONFIG_HOME": str(tmp_path / ".config"),
+        }
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [*SANDLOT, "open", "thr_workers", "--print"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        link = done.stdout.strip()
+        assert link.startswith(f"{srv.url}/login?token="), link
+        with contextlib.closing(sign_in_with(link)) as signed_in:
+            cookie = signed_in.cookies["sandlot_session"]
+        headers = {"Cookie": f"sandlot_session={cookie}"}
+        # A connection of its own each time: any of the workers may answer, and each
+        # knows the session.
+        for _ in range(30):
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+                me = await client.get("/api/auth/me", headers=headers)
+                assert me.status_code == 200, me.text
+                tree = await client.get(
+                    "/api/tree", params={"path": ".", "thread": "thr_workers"}, headers=headers
+                )
+                assert tree.status_code == 200, tree.text
+        browser = Browser(srv.url, None, cookie, me.json()["csrf_token"])
+        created = await browser.request(
+            "POST", "/api/sessions", params={"thread": "thr_workers"}, json={"shell": "w"}
+        )
+        assert created.status_code == 201, created.text
+        session_id = created.json()["session_id"]
+        for _ in range(3):  # attached again, through whichever worker
+            async with browser.socket(
+                thread="thr_workers", session_id=session_id, resume=1
+            ) as sock:
+                assert (await opened(sock))["name"] == "w"
+                await sock.type("echo from-$((6*7))\r")
+                await sock.until_output("from-42")
+    finally:
+        await asyncio.to_thread(srv.stop)
+        await asyncio.to_thread(srv.cleanup)
 
 
 def _start_web(

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -99,28 +100,12 @@ def build_app(
     dataplane = getattr(provider, "app", None)
     served: ASGIApp = MountDispatch(app, {"/dp": dataplane}) if dataplane else app
     own_dataplane = dataplane_url or settings.dataplane_url or settings.base_url
-    web_settings = load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url)
-    if web_settings.session_token_secret is None:
-        # Worker processes and replicas sign terminal session ids with one key: the
-        # store's (a browser's next request may reach another one).
-        secret = identity(broker.store, "web.session_token_secret", secrets.token_urlsafe(32))
-        web_settings = replace(web_settings, session_token_secret=secret)
-    web = create_web_app(
-        web_settings,
-        broker_url=settings.base_url,
-        extra_routes=live_routes(web_settings),
-        authenticator=broker.keys,
+    web = web_app(
+        broker,
+        settings,
         dataplane_url=f"{own_dataplane.rstrip('/')}/dp",
-        registry=app.state.metrics.registry,
         own_dataplane=dataplane is not None,
-        discover=_host_dataplanes(broker),
-        sessions=StoredSessions(
-            broker.store,
-            idle_seconds=web_settings.session_idle_seconds,
-            max_seconds=web_settings.session_max_seconds,
-            max_sessions=web_settings.max_sessions,
-        ),
-        links=StoredLinks(broker.store, ttl_seconds=web_settings.login_link_ttl_seconds),
+        registry=app.state.metrics.registry,
     )
     served = WebDispatch(served, web)
     mcp = _mcp_app(served, settings)
@@ -139,6 +124,44 @@ def build_app(
 
     app.router.lifespan_context = lifespan
     return (mcp or served), broker
+
+
+def web_app(
+    broker: Broker,
+    settings: BrokerSettings,
+    *,
+    dataplane_url: str,
+    own_dataplane: bool,
+    registry: CollectorRegistry,
+) -> Starlette:
+    """The browser workspace served beside ``broker`` (``sandbox`` mode): API keys checked
+    by its key service, sessions and sign-in links in its store, terminal ids signed with
+    the store's key, so that every process serving it on the store (``--workers``,
+    replicas) knows them. ``dataplane_url``: the dataplane the gateway reaches
+    (``own_dataplane=False``: none, registered hosts' only)."""
+    web_settings = load_web_settings(data_dir=settings.data_dir, public_url=settings.public_url)
+    if web_settings.session_token_secret is None:
+        # Worker processes and replicas sign terminal session ids with one key: the
+        # store's (a browser's next request may reach another one).
+        secret = identity(broker.store, "web.session_token_secret", secrets.token_urlsafe(32))
+        web_settings = replace(web_settings, session_token_secret=secret)
+    return create_web_app(
+        web_settings,
+        broker_url=settings.base_url,
+        extra_routes=live_routes(web_settings),
+        authenticator=broker.keys,
+        dataplane_url=dataplane_url,
+        registry=registry,
+        own_dataplane=own_dataplane,
+        discover=_host_dataplanes(broker),
+        sessions=StoredSessions(
+            broker.store,
+            idle_seconds=web_settings.session_idle_seconds,
+            max_seconds=web_settings.session_max_seconds,
+            max_sessions=web_settings.max_sessions,
+        ),
+        links=StoredLinks(broker.store, ttl_seconds=web_settings.login_link_ttl_seconds),
+    )
 
 
 def _host_dataplanes(broker: Broker) -> Callable[[], Awaitable[list[Upstream]]] | None:

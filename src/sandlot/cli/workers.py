@@ -4,7 +4,8 @@ Layout (all forked from this supervisor, which only watches them):
 
 - N broker workers share the main listening socket (the kernel spreads
   connections among them). They use the store for everything and reach the
-  sandboxes through :class:`sandlot.providers.remote.RemoteProvider`.
+  sandboxes through :class:`sandlot.providers.remote.RemoteProvider`. Each serves
+  the browser workspace too (its sessions are the store's).
 - One sandbox host runs the configured providers (all of them, when there are
   several ``[providers.NAME]``: a hosted provider's relay, its commands and
   streams live in this one process too), their dataplanes and the reaper. It
@@ -34,11 +35,13 @@ from sandlot.broker.app import create_app
 from sandlot.broker.core import Broker, prepare_store
 from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.server import (
+    WebDispatch,
     banner,
     bind_socket,
     build_app,
     make_server,
     run_until_signalled,
+    web_app,
 )
 from sandlot.protocol.errors import ResourceNotFound
 from sandlot.providers.remote import RemoteProvider
@@ -82,6 +85,15 @@ def _run_worker(
     )
     broker = Broker(settings, provider, run_reaper=False)
     app = create_app(broker)
+    # The browser workspace on the main port too: its sessions, links and terminal ids
+    # are the store's, so any worker serves any browser.
+    web = web_app(
+        broker,
+        settings,
+        dataplane_url=f"{dp_url.rstrip('/')}/dp",
+        own_dataplane=True,
+        registry=app.state.metrics.registry,
+    )
     mcp_url = f"{dp_url.rstrip('/')}/mcp"
 
     @app.api_route("/mcp", methods=["GET", "POST", "DELETE"], include_in_schema=False)
@@ -95,12 +107,13 @@ def _run_worker(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         await broker.start(migrate=False, recover=False)
         try:
-            yield
+            async with web.router.lifespan_context(web):
+                yield
         finally:
             await broker.stop()
 
     app.router.lifespan_context = lifespan
-    run_until_signalled(make_server(app), [sock])
+    run_until_signalled(make_server(WebDispatch(app, web)), [sock])
 
 
 def _fork(target: Any, *args: Any) -> int:
