@@ -13,8 +13,10 @@ its own pods, reaches its dataplane on the pod's address, and deletes the ``Sand
 (the cluster's garbage collector then deletes the pod it owns).
 
 The controller is what makes the pods: a cluster with the CRDs but without the
-controller would leave every sandbox ``provisioning`` until its start timeout. Suspend is
-not offered in this mode (the controller's ``replicas: 0`` would do it; it is not wired).
+controller would leave every sandbox ``provisioning`` until its start timeout. Suspend
+(``pvc`` workspaces) scales the ``Sandbox`` to ``replicas: 0`` and deletes its pod, keeping
+the claim; resume sets ``replicas: 1`` with the pod template of the new start, and the
+controller makes the pod again on the same claim.
 """
 
 from __future__ import annotations
@@ -98,6 +100,18 @@ class SandboxResources:
     def create(self, body: Mapping[str, Any]) -> Any:
         return self.api.create_namespaced_custom_object(
             GROUP, self.version, self.namespace, PLURAL, dict(body)
+        )
+
+    def read(self, name: str) -> dict[str, Any]:
+        found: dict[str, Any] = self.api.get_namespaced_custom_object(
+            GROUP, self.version, self.namespace, PLURAL, name
+        )
+        return found
+
+    def patch_spec(self, name: str, spec: Mapping[str, Any]) -> Any:
+        """Merge ``spec`` into the resource's (``replicas``, ``podTemplate``)."""
+        return self.api.patch_namespaced_custom_object(
+            GROUP, self.version, self.namespace, PLURAL, name, {"spec": dict(spec)}
         )
 
     def delete(self, name: str) -> Any:

@@ -252,7 +252,6 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 self.sandbox_resources = agentsandbox.SandboxResources(
                     self._api_client, self.namespace, version
                 )
-                self.supports_suspend = False
         await self._refresh_keys()
         self._loop = asyncio.get_running_loop()
         self._refresher = self._loop.create_task(self._refresh_loop())
@@ -524,12 +523,18 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 await self._api(resources.create, body)
                 return
             except ApiException as exc:
-                # One of an earlier attempt: it goes first (its pod with it).
                 if exc.status != 409 or time.monotonic() > deadline:
                     raise
-                with contextlib.suppress(ApiException):
-                    await self._api(resources.delete, body["metadata"]["name"])
-                await asyncio.sleep(0.2)
+            name = body["metadata"]["name"]
+            with contextlib.suppress(ApiException):  # 404: gone meanwhile (created next)
+                found = await self._api(resources.read, name)
+                if found.get("spec", {}).get("replicas") == 0:
+                    # Its own, suspended: resumed with the pod it is to make now.
+                    await self._api(resources.patch_spec, name, body["spec"])
+                    return
+                # One of an earlier attempt: it goes first (its pod with it).
+                await self._api(resources.delete, name)
+            await asyncio.sleep(0.2)
 
     async def _wait_gone(self, pod_name: str, timeout: float = 60.0) -> bool:
         """Whether the pod is gone within ``timeout``."""
@@ -614,7 +619,18 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 )
 
     async def suspend(self, sandbox_id: str) -> ProviderStatus:
-        """Delete the pod, keep the workspace claim (:mod:`sandlot.providers.podlife`)."""
+        """Delete the pod, keep the workspace claim (:mod:`sandlot.providers.podlife`).
+        A ``Sandbox`` resource is scaled to ``replicas: 0`` first, so that its controller
+        does not make the pod again (resume sets it back to 1)."""
+        if self.sandbox_resources is not None and self.can_suspend(sandbox_id):
+            box = self._known(sandbox_id)
+            if box is not None and box.state is SandboxState.ACTIVE:
+                with contextlib.suppress(ApiException):  # 404: gone, the pod goes too
+                    await self._api(
+                        self.sandbox_resources.patch_spec,
+                        object_name(self.instance, sandbox_id),
+                        {"replicas": 0},
+                    )
         return await podlife.suspend(self, sandbox_id)
 
     async def resume(self, sandbox_id: str) -> ProviderStatus:
