@@ -625,12 +625,19 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         if self.sandbox_resources is not None and self.can_suspend(sandbox_id):
             box = self._known(sandbox_id)
             if box is not None and box.state is SandboxState.ACTIVE:
-                with contextlib.suppress(ApiException):  # 404: gone, the pod goes too
+                try:
                     await self._api(
                         self.sandbox_resources.patch_spec,
                         object_name(self.instance, sandbox_id),
                         {"replicas": 0},
                     )
+                except ApiException as exc:
+                    # Gone (its pod goes too) is fine; otherwise the controller would make
+                    # the pod again: the suspend fails, the sandbox untouched.
+                    if exc.status != 404:
+                        raise ProviderUnavailable(
+                            f"scaling the Sandbox to zero failed: {exc.status} {exc.reason}"
+                        ) from exc
         return await podlife.suspend(self, sandbox_id)
 
     async def resume(self, sandbox_id: str) -> ProviderStatus:
