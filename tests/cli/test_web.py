@@ -77,14 +77,19 @@ def test_serve_serves_the_web_app_beside_the_broker_and_the_dataplane(
         assert "sandlot_gateway_breaker_state" in c.get("/metrics").text
 
 
-def test_open_prints_a_link_that_signs_in_once(server: SandlotServer, tmp_path: Path) -> None:
-    env = {
+def cli_env(url: str, key: str, home: Path) -> dict[str, str]:
+    """The environment of a CLI command run against ``url`` with ``key``."""
+    return {
         **os.environ,
-        "SANDLOT_URL": server.url,
-        "SANDLOT_API_KEY": server.key("ada"),
-        "HOME": str(tmp_path),
-        "XDG_CONFIG_HOME": str(tmp_path / ".config"),
+        "SANDLOT_URL": url,
+        "SANDLOT_API_KEY": key,
+        "HOME": str(home),
+        "XDG_CONFIG_HOME": str(home / ".config"),
     }
+
+
+def test_open_prints_a_link_that_signs_in_once(server: SandlotServer, tmp_path: Path) -> None:
+    env = cli_env(server.url, server.key("ada"), tmp_path)
     done = subprocess.run(
         [*SANDLOT, "open", "thr_open", "--print"],
         env=env,
@@ -158,13 +163,7 @@ async def test_serve_with_workers_serves_the_workspace_on_its_port_from_every_wo
     await asyncio.to_thread(srv.start)
     try:
         key = await asyncio.to_thread(srv.key, "ada")
-        env = {
-            **os.environ,
-            "SANDLOT_URL": srv.url,
-            "SANDLOT_API_KEY": key,
-            "HOME": str(tmp_path),
-            "XDG_CONFIG_HOME": str(tmp_path / ".config"),
-        }
+        env = cli_env(srv.url, key, tmp_path)
         done = await asyncio.to_thread(
             subprocess.run,
             [*SANDLOT, "open", "thr_workers", "--print"],

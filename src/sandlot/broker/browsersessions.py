@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from sandlot.broker.store.schema import web_links, web_sessions
 from sandlot.web.auth import BrowserSession, LoginLink, checked_next, secret_digest
 
 _SEAL_LABEL = b"sandlot.web.seal\0"
+#: A link's id, as :meth:`StoredLinks.create` makes it (``secrets.token_hex(8)``).
+_LINK_ID = re.compile(r"[0-9a-f]{16}")
 _CSRF_LABEL = b"sandlot.web.csrf"
 
 
@@ -249,7 +252,9 @@ class StoredLinks:
         if not token or len(token) > 256:
             return None
         link_id, _, secret = token.partition(".")
-        if not link_id or len(link_id) > 32:
+        # What ``create`` makes, nothing else reaches the database (PostgreSQL refuses a
+        # NUL in text: a ``%00`` in the link would have been a 500).
+        if not _LINK_ID.fullmatch(link_id):
             return None
         with self.store.write() as conn:
             row = conn.execute(select(web_links).where(web_links.c.id == link_id)).first()
