@@ -10,11 +10,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import create_engine, text
 
+from sandlot.broker.audit import AuditLog
 from sandlot.broker.events import EventHub, StoreListener, append_event
 from sandlot.broker.pools import PoolService
 from sandlot.broker.store import Store
+from sandlot.broker.store.database import MIGRATIONS
 from sandlot.broker.store.schema import bindings, pools, sandboxes
 from tests.broker.test_e2e import FAST_REAPER, _storm, wait_active
 from tests.figures import RecordProperty, report
@@ -187,3 +191,35 @@ def test_two_reapers_refilling_one_pool_count_one_after_the_other(pg_url: str) -
     for s in (store, *(r.store for r in replicas)):
         s.dispose()
     assert counted == [("a", 2), ("a committed", 0), ("b", 1)], counted
+
+
+@pytest.mark.timeout(120)
+def test_audit_ids_go_past_32_bits_once_the_store_is_upgraded(pg_url: str) -> None:
+    """A store made before migration 0010, its audit ids a 32-bit serial about to run out,
+    upgraded in place: the next rows get ids past 2**31, and reading after such an id
+    works (before, the row after 2**31 - 1 could not be written, and every request that
+    audits answered 500)."""
+    admin = create_engine(pg_url.replace("postgresql://", "postgresql+psycopg://"))
+    with admin.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("CREATE DATABASE audit_upgrade"))
+    admin.dispose()
+    store = Store(pg_url.rsplit("/", 1)[0] + "/audit_upgrade")
+    cfg = Config()
+    cfg.set_main_option("script_location", MIGRATIONS)
+    with store.engine.connect() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0009")
+        conn.execute(text("SELECT setval('audit_id_seq', 2147483645)"))
+        conn.commit()
+    log = AuditLog(store)
+    log.write(None, "before.upgrade")
+    store.migrate()
+    for n in range(3):
+        log.write(None, f"after.upgrade.{n}")
+    rows = log.query(after=2147483646)
+    store.dispose()
+    assert [(r["id"], r["action"]) for r in rows] == [
+        (2147483647, "after.upgrade.0"),
+        (2147483648, "after.upgrade.1"),
+        (2147483649, "after.upgrade.2"),
+    ]

@@ -145,7 +145,11 @@ events = Table(
 audit = Table(
     "audit",
     metadata,
-    Column("id", Integer, primary_key=True, autoincrement=True),
+    # 64 bits on PostgreSQL (a 32-bit serial ends after 2**31 rows); on SQLite an INTEGER
+    # PRIMARY KEY is 64 bits already, and only that spelling makes it the row id.
+    Column(
+        "id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True
+    ),
     Column("ts", Float, nullable=False, index=True),
     Column("request_id", String(80)),
     Column("action", String(40), nullable=False),
