@@ -465,6 +465,8 @@ def test_hosts_settings_are_checked(tmp_path: Path) -> None:
         load_settings(environ={"SANDLOT_SANDBOX_HOSTS": "elsewhere"}, data_dir=tmp_path)
     with pytest.raises(ConfigError, match="capacity"):
         load_settings(environ={"SANDLOT_HOST_CAPACITY": "0"}, data_dir=tmp_path)
+    with pytest.raises(ConfigError, match="capacity must be from 1 to 1000000"):
+        load_settings(environ={"SANDLOT_HOST_CAPACITY": str(2**31)}, data_dir=tmp_path)
     config = tmp_path / "c.toml"
     config.write_text("[hosts]\nheartbeat_seconds = 30\nlost_after_seconds = 20\n")
     with pytest.raises(ConfigError, match="heartbeat_seconds"):

@@ -37,10 +37,61 @@ from pydantic import ValidationError
 
 from sandlot.protocol.common import ActorType, Capability
 from sandlot.protocol.sessions import Pool, Template
+from sandlot.protocol.templates import MAX_SECONDS
 
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message says which key and why."""
+
+
+#: The most sandboxes a sandbox host may say it runs (``[hosts] capacity``, ``--capacity``).
+MAX_HOST_CAPACITY = 1_000_000
+
+#: ``[policy]`` and ``[quotas]`` keys: whole numbers or not, and their range. A delay
+#: is at most :data:`MAX_SECONDS` (the store keeps some in 32-bit columns).
+NUMBERS: dict[str, tuple[str, bool, float, float]] = {
+    "token_ttl_seconds": ("policy", True, 1, MAX_SECONDS),
+    "lease_ttl_seconds": ("policy", True, 1, MAX_SECONDS),
+    "idle_timeout_seconds": ("policy", True, 1, MAX_SECONDS),
+    "hard_ttl_seconds": ("policy", True, 1, MAX_SECONDS),
+    "provision_timeout_seconds": ("policy", True, 1, MAX_SECONDS),
+    "reaper_interval_seconds": ("policy", False, 0.01, 3600),
+    "max_live_sandboxes_per_user": ("quotas", True, 1, 10**9),
+    "negotiation_rate_per_second": ("quotas", False, 1e-6, 1e9),
+    "negotiation_burst": ("quotas", True, 1, 10**9),
+}
+
+
+def _entries(raw: Mapping[str, Any], table: str, model: type[Template] | type[Pool]) -> Any:
+    """``[table.NAME]`` entries as models; a wrong one is said as ``table.NAME.key: why``."""
+    entries = raw.get(table, {})
+    if not isinstance(entries, dict):
+        raise ConfigError(f"{table} must be a table of tables")
+    out = {}
+    for name, spec in entries.items():
+        if not isinstance(spec, dict):
+            raise ConfigError(f"{table}.{name} must be a table")
+        try:
+            out[name] = model.model_validate({**spec, "name": name})
+        except ValidationError as exc:
+            parts = []
+            for err in exc.errors()[:5]:
+                where = "".join(f".{p}" for p in err["loc"])
+                parts.append(f"{table}.{name}{where}: {err['msg']}")
+            raise ConfigError("; ".join(parts)) from exc
+    return out
+
+
+def _checked_number(key: str, value: Any) -> int | float:
+    table, integer, low, high = NUMBERS[key]
+    kind = "a whole number" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{table}.{key} must be {kind}, not {value!r}")
+    if integer and not isinstance(value, int):
+        raise ConfigError(f"{table}.{key} must be {kind}, not {value!r}")
+    if not low <= value <= high:
+        raise ConfigError(f"{table}.{key} must be from {low!r} to {high!r}, not {value!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -207,7 +258,7 @@ def load_settings(
         "reaper_interval_seconds",
     ):
         if key in policy:
-            values[key] = policy[key]
+            values[key] = _checked_number(key, policy[key])
     caps: dict[ActorType, CapabilityPolicy] = {}
     for actor in ActorType:
         entry = policy.get("capabilities", {}).get(actor.value, {})
@@ -220,7 +271,7 @@ def load_settings(
     quotas = raw.get("quotas", {})
     for key in ("max_live_sandboxes_per_user", "negotiation_rate_per_second", "negotiation_burst"):
         if key in quotas:
-            values[key] = quotas[key]
+            values[key] = _checked_number(key, quotas[key])
     values["promote_thread_to_assistant"] = bool(
         raw.get("promotion", {}).get("thread_to_assistant", False)
     )
@@ -241,17 +292,8 @@ def load_settings(
     values["providers"], values["default_provider"] = _providers(raw, values)
     values["admins"] = frozenset(raw.get("admins", []))
     values["default_template"] = raw.get("default_template", "default")
-    try:
-        values["templates"] = {
-            name: Template.model_validate({**spec, "name": name})
-            for name, spec in raw.get("templates", {}).items()
-        }
-        values["pools"] = {
-            name: Pool.model_validate({**spec, "name": name})
-            for name, spec in raw.get("pools", {}).items()
-        }
-    except ValidationError as exc:
-        raise ConfigError(f"invalid template or pool in the configuration: {exc}") from exc
+    values["templates"] = _entries(raw, "templates", Template)
+    values["pools"] = _entries(raw, "pools", Pool)
     for key in (
         "host",
         "port",
@@ -304,8 +346,8 @@ def load_settings(
         raise ConfigError(f"hosts.capacity and the hosts' delays must be numbers: {exc}") from exc
     if values.get("sandbox_hosts", "embedded") not in SANDBOX_HOST_MODES:
         raise ConfigError("hosts.mode must be 'embedded', 'registered' or 'mixed'")
-    if values["host_capacity"] < 1:
-        raise ConfigError("hosts.capacity must be at least 1")
+    if not 1 <= values["host_capacity"] <= MAX_HOST_CAPACITY:
+        raise ConfigError(f"hosts.capacity must be from 1 to {MAX_HOST_CAPACITY}")
     if not 0 < values["host_heartbeat_seconds"] < values["host_lost_after_seconds"]:
         raise ConfigError("hosts.heartbeat_seconds must be positive and under lost_after_seconds")
     values["data_dir"] = Path(values.get("data_dir", ".sandlot")).expanduser()

@@ -12,6 +12,7 @@ host's filesystem unless a template asks for that much room.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -26,6 +27,8 @@ from sandlot.broker.store.schema import templates, volumes
 from sandlot.protocol.common import rfc3339
 from sandlot.protocol.errors import InvalidRequest, ResourceConflict, ResourceNotFound
 from sandlot.protocol.sessions import Template, Volume
+
+log = logging.getLogger("sandlot.broker.templates")
 
 #: ``resources.disk_mb`` of a template that names none (the shipped ``default`` has the same).
 DEFAULT_DISK_MB = 1024
@@ -45,6 +48,8 @@ class TemplateService:
     def __init__(self, store: Store) -> None:
         self.store = store
         self._cache: dict[str, Template] = {}
+        #: Stored templates this version refuses, and why (said when one is asked for).
+        self._invalid: dict[str, str] = {}
         self._cached_at = 0.0
         self._lock = threading.Lock()
 
@@ -77,15 +82,35 @@ class TemplateService:
             return self._cache
         with self.store.read() as conn:
             rows = conn.execute(select(templates)).all()
-        loaded = {r.name: with_disk_limit(Template.model_validate(r.spec)) for r in rows}
+        loaded: dict[str, Template] = {}
+        invalid: dict[str, str] = {}
+        for r in rows:
+            try:
+                loaded[r.name] = with_disk_limit(Template.model_validate(r.spec))
+            except ValidationError as exc:
+                # Stored by a version that allowed it: the others stay usable.
+                invalid[r.name] = "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3]
+                )
+        if invalid.keys() != self._invalid.keys():
+            for name, why in invalid.items():
+                log.warning("stored template %r is no longer valid (%s)", name, why)
         with self._lock:
             self._cache = loaded
+            self._invalid = invalid
             self._cached_at = time.monotonic()
         return loaded
 
     def get(self, name: str) -> Template:
         tpl = self._load().get(name)
         if tpl is None:
+            why = self._invalid.get(name)
+            if why is not None:
+                raise ResourceConflict(
+                    f"template {name!r} as stored is no longer valid ({why}): an admin "
+                    "replaces it (delete, then create)",
+                    metadata={"template": name},
+                )
             raise ResourceNotFound(f"no template {name!r}", metadata={"template": name})
         return tpl
 

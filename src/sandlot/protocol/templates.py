@@ -30,6 +30,11 @@ class NetworkMode(StrEnum):
     HOST = "host"
 
 
+#: The longest delay a template or the broker's policy may name: ten years. (The store
+#: keeps some delays in 32-bit columns; a longer one would be refused there.)
+MAX_SECONDS = 10 * 365 * 86400
+
+
 class Template(WireModel):
     name: Slug
     image: str = Field(min_length=1, max_length=4096, description="'host' or a rootfs path")
@@ -40,8 +45,8 @@ class Template(WireModel):
     shells: dict[str, list[str]] = Field(
         default_factory=lambda: {"default": ["/bin/bash", "-l"]},
     )
-    idle_timeout_seconds: int | None = Field(default=None, ge=1)
-    hard_ttl_seconds: int | None = Field(default=None, ge=1)
+    idle_timeout_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS)
+    hard_ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS)
     #: Pins its sandboxes to this configured provider (wins over ``provider_preference``).
     provider: Slug | None = None
 

@@ -26,6 +26,7 @@ from sandlot.broker.routes.deps import (
     read_body,
     require_admin,
 )
+from sandlot.broker.settings import MAX_HOST_CAPACITY
 from sandlot.protocol.errors import SandboxNotFound
 from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import ProviderStatus
@@ -42,11 +43,11 @@ class RegisterBody(_Body):
     provider_url: str = Field(min_length=8, max_length=400, pattern=r"^https?://")
     provider_secret: str = Field(min_length=16, max_length=200)
     dataplane_url: str = Field(min_length=8, max_length=400, pattern=r"^https?://")
-    capacity: int = Field(ge=1, le=1_000_000)
+    capacity: int = Field(ge=1, le=MAX_HOST_CAPACITY)
 
 
 class HeartbeatBody(_Body):
-    capacity: int | None = Field(default=None, ge=1, le=1_000_000)
+    capacity: int | None = Field(default=None, ge=1, le=MAX_HOST_CAPACITY)
 
 
 class RecoverBody(_Body):
