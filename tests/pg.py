@@ -76,3 +76,14 @@ def postgres_cluster(options: str = "") -> Iterator[str]:
             _as_postgres([pg_ctl, "-D", data, "-m", "immediate", "stop"]), capture_output=True
         )
         shutil.rmtree(base, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def on_store(config: str, store: str) -> Iterator[str]:
+    """A server's ``config`` for ``store``: as is (SQLite in its data directory), or
+    pointed at a fresh PostgreSQL (``postgresql``), for tests run on both."""
+    if store == "sqlite":
+        yield config
+        return
+    with postgres_cluster() as url:
+        yield config + f'\n[server]\nstore_url = "{url}"\n'

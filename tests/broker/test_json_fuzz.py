@@ -28,6 +28,7 @@ from tests.broker.fakes import FakeProvider
 from tests.figures import RecordProperty, report
 from tests.fuzzing import unexpected_logs
 from tests.jsonbodies import HUGE, REFUSED_DEPTH, deep_bodies, malformed_bodies
+from tests.pg import on_store
 from tests.servers import running
 
 BODY_METHODS = {"POST", "PUT", "PATCH", "DELETE"}
@@ -90,12 +91,13 @@ def fill(path: str, ids: dict[str, str], method: str) -> str:
 
 @pytest.mark.reliability
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 def test_hostile_json_on_every_broker_route(
-    tmp_path: Path, record_property: RecordProperty
+    tmp_path: Path, record_property: RecordProperty, store: str
 ) -> None:
     routes = broker_routes(tmp_path)
     with_body = set()
-    with running(tmp_path / "data", config=CONFIG) as srv:
+    with on_store(CONFIG, store) as config, running(tmp_path / "data", config=config) as srv:
         headers = srv.headers("root")
         doc = httpx.get(f"{srv.url}/openapi.json").json()
         for path, item in doc["paths"].items():
@@ -162,7 +164,7 @@ def test_hostile_json_on_every_broker_route(
     server_errors = sum(n for status, n in statuses.items() if status >= 500)
     report(
         record_property,
-        f"broker JSON fuzz: {sent} requests ({len(deep)} nested and {len(malformed)} huge or "
+        f"broker JSON fuzz on {store}: {sent} requests ({len(deep)} nested and {len(malformed)} huge or "
         f"malformed bodies) on {len(routes)} routes, {len(with_body)} reading JSON: "
         f"{server_errors} server errors; statuses {dict(sorted(statuses.items()))}",
     )

@@ -10,10 +10,8 @@ away from the others.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +19,7 @@ import pytest
 
 from tests.figures import FULL, RecordProperty, report
 from tests.fuzzing import Fuzzer, unexpected_logs
-from tests.pg import postgres_cluster
+from tests.pg import on_store
 from tests.servers import running
 
 #: Cases per operation: with generated path parameters, and with those of existing objects.
@@ -80,24 +78,13 @@ def known_parameters(path: str, objects: dict[str, dict[str, str]]) -> dict[str,
     return None
 
 
-@contextlib.contextmanager
-def store_config(store: str) -> Iterator[str]:
-    """The fuzzed server's configuration, on SQLite or on a fresh PostgreSQL: what one
-    accepts the other may refuse (PostgreSQL's text holds no NUL, for one)."""
-    if store == "sqlite":
-        yield CONFIG
-        return
-    with postgres_cluster() as url:
-        yield CONFIG + f'\n[server]\nstore_url = "{url}"\n'
-
-
 @pytest.mark.reliability
 @pytest.mark.timeout(1800 if FULL else 300)
 @pytest.mark.parametrize("store", ["sqlite", "postgresql"])
 def test_broker_openapi_document(
     tmp_path: Path, record_property: RecordProperty, store: str
 ) -> None:
-    with store_config(store) as config, running(tmp_path / "data", config=config) as server:
+    with on_store(CONFIG, store) as config, running(tmp_path / "data", config=config) as server:
         user = {"Authorization": f"Bearer {server.key('fuzz')}"}
         admin = {"Authorization": f"Bearer {server.key('root')}"}
         fuzzer = Fuzzer.load(f"{server.url}/openapi.json", server.url, user)
@@ -133,7 +120,7 @@ def test_hostile_parameters_are_a_client_error_on_either_store(tmp_path: Path, s
     """Every operation of the document, as an admin, with each hostile value in every
     path and query parameter: never a server error, and the same answer on both stores
     for a NUL (400 INVALID_REQUEST: it is in no id or name)."""
-    with store_config(store) as config, running(tmp_path / "data", config=config) as server:
+    with on_store(CONFIG, store) as config, running(tmp_path / "data", config=config) as server:
         admin = {"Authorization": f"Bearer {server.key('root')}"}
         document = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
         answers: dict[str, int] = {}
