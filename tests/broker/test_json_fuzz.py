@@ -164,8 +164,9 @@ def test_hostile_json_on_every_broker_route(
     server_errors = sum(n for status, n in statuses.items() if status >= 500)
     report(
         record_property,
-        f"broker JSON fuzz on {store}: {sent} requests ({len(deep)} nested and {len(malformed)} huge or "
-        f"malformed bodies) on {len(routes)} routes, {len(with_body)} reading JSON: "
+        f"broker JSON fuzz on {store}: {sent} requests ({len(deep)} nested and "
+        f"{len(malformed)} huge or malformed bodies) on {len(routes)} routes, "
+        f"{len(with_body)} reading JSON: "
         f"{server_errors} server errors; statuses {dict(sorted(statuses.items()))}",
     )
     assert not errors, "\n".join(errors[:30])

@@ -275,3 +275,73 @@ def test_the_negotiation_rate_holds_across_replicas(tmp_path: Path) -> None:
     assert len(refused) == 10, codes
     assert {r.json()["error"]["code"] for r in refused} == {"RATE_LIMITED"}
     assert all(float(r.headers["Retry-After"]) > 0 for r in refused)
+
+
+@pytest.mark.timeout(240)
+def test_the_same_object_made_at_once_at_both_replicas_is_made_once(tmp_path: Path) -> None:
+    """Twenty of each request, split between the replicas and sent at once: a template, a
+    volume, a pool (one per template, under two names), a member added to a shared
+    scope, a host key for one host id, then the template deleted. One of each is made
+    (or deleted), the others are told it exists (or is gone): never a server error (a
+    volume and a member made twice at once were 500s on PostgreSQL)."""
+    settings = 'admins = ["root"]\n' + FAST_REAPER
+    with running_replicas(tmp_path, settings) as replicas:
+        headers = replicas[0].headers("root")
+        grant = httpx.post(
+            f"{replicas[0].url}/v1/sandbox/sessions",
+            json={"thread_id": "thr_shared", "mode": "ensure"},
+            headers=headers,
+            timeout=30,
+        )
+        assert grant.status_code == 200, grant.text
+
+        async def at_once(
+            method: str, path: str, bodies: list[dict[str, object] | None]
+        ) -> list[int]:
+            async with contextlib.AsyncExitStack() as stack:
+                clients = [
+                    await stack.enter_async_context(
+                        httpx.AsyncClient(base_url=r.url, headers=headers, timeout=60)
+                    )
+                    for r in replicas
+                ]
+                answers = await asyncio.gather(
+                    *(
+                        clients[i % 2].request(method, path, json=body)
+                        for i, body in enumerate(bodies)
+                    )
+                )
+            return sorted(r.status_code for r in answers)
+
+        def run(method: str, path: str, body: dict[str, object] | None, n: int = 20) -> list[int]:
+            return asyncio.run(at_once(method, path, [body] * n))
+
+        assert (
+            run("POST", "/v1/templates", {"name": "raced", "image": "host"}) == [201] + [409] * 19
+        )
+        assert run("POST", "/v1/volumes", {"name": "raced"}) == [201] + [409] * 19
+        pools = [
+            {"name": f"raced-{i % 2}", "template": "raced", "min_ready": 0, "max_ready": 1}
+            for i in range(20)
+        ]
+        assert sorted(asyncio.run(at_once("POST", "/v1/pools", pools)))[:2] == [201, 400]
+        listed = httpx.get(f"{replicas[1].url}/v1/pools", headers=headers, timeout=30).json()
+        assert [p["name"] for p in listed["items"] if p["template"] == "raced"] in (
+            ["raced-0"],
+            ["raced-1"],
+        ), listed
+        members = run("POST", "/v1/sandbox/scopes/thread/thr_shared/members", {"user_id": "bob"})
+        assert members == [200] * 20
+        shared = httpx.get(
+            f"{replicas[1].url}/v1/sandbox/scopes/thread/thr_shared/members",
+            headers=headers,
+            timeout=30,
+        ).json()
+        assert shared["members"].count("bob") == 1, shared
+        host = {"name": "raced", "host_id": "h_00000000000000ab"}
+        assert run("POST", "/v1/hosts/keys", host) == [201] + [409] * 19
+        for pool in ("raced-0", "raced-1"):
+            httpx.delete(f"{replicas[0].url}/v1/pools/{pool}", headers=headers, timeout=30)
+        assert run("DELETE", "/v1/templates/raced", None) == [204] + [404] * 19
+        for replica in replicas:
+            assert not [line for line in replica.output if "Traceback" in line]

@@ -77,6 +77,7 @@ class HostKeyService:
         secret = secrets.token_urlsafe(32)
         values = {"secret_hash": _hash(secret), "name": name, "created_at": time.time()}
         with self.store.write() as conn:
+            self.store.serialize(conn, f"host-key:{hexid}")
             found = conn.execute(
                 select(host_keys.c.revoked_at).where(host_keys.c.id == f"h_{hexid}")
             ).first()

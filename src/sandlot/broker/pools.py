@@ -72,6 +72,8 @@ class PoolService:
     def create(self, pool: Pool) -> PoolSnapshot:
         self.templates.get(pool.template)
         with self.store.write() as conn:
+            # Its name and its template's: each has at most one pool, whichever replica asks.
+            self.store.serialize(conn, "sandlot:pools")
             if conn.execute(select(pools.c.name).where(pools.c.name == pool.name)).first():
                 raise ResourceConflict(f"pool {pool.name!r} already exists")
             same_template = conn.execute(

@@ -63,6 +63,8 @@ class MemberService:
         key = scope.key()
         with self.store.write() as conn:
             _check_owner(conn, principal, key, "only the scope's owner may share it")
+            # Sharing twice at once is sharing once (its row's key would refuse the second).
+            self.store.serialize(conn, f"members:{key}")
             exists = conn.execute(
                 select(scope_members).where(
                     scope_members.c.scope_key == key, scope_members.c.user_id == user_id

@@ -124,6 +124,7 @@ class TemplateService:
     def create(self, tpl: Template) -> Template:
         tpl = with_disk_limit(tpl)
         with self.store.write() as conn:
+            self.store.serialize(conn, f"template:{tpl.name}")
             exists = conn.execute(
                 select(templates.c.name).where(templates.c.name == tpl.name)
             ).first()
@@ -157,7 +158,9 @@ class TemplateService:
                 raise ResourceNotFound(f"no template {name!r}")
             if row.source == "config":
                 raise ResourceConflict(f"template {name!r} comes from the configuration")
-            conn.execute(delete(templates).where(templates.c.name == name))
+            # Of concurrent deletes, one deletes it; the others find it gone.
+            if conn.execute(delete(templates).where(templates.c.name == name)).rowcount == 0:
+                raise ResourceNotFound(f"no template {name!r}")
         self._invalidate()
 
 
@@ -168,6 +171,7 @@ class VolumeService:
     def create(self, name: str, owner_user_id: str) -> Volume:
         now = time.time()
         with self.store.write() as conn:
+            self.store.serialize(conn, f"volume:{name}")
             if conn.execute(select(volumes.c.name).where(volumes.c.name == name)).first():
                 raise ResourceConflict(f"volume {name!r} already exists")
             conn.execute(
