@@ -142,6 +142,20 @@ def test_hostile_parameters_are_a_client_error_on_either_store(tmp_path: Path, s
                         if "%00" in value:
                             assert r.status_code == 400, (method, url, r.text)
                             assert r.json()["error"]["code"] == "INVALID_REQUEST", r.text
+            # A NUL in a body's string is refused alike; the text "\\u0000" is text.
+            for metadata, status in (
+                ({"a": "b\x00"}, 400),
+                ({"a\x00": "b"}, 400),
+                ({"a": "\\u0000"}, 200),
+            ):
+                r = client.post(
+                    "/v1/sandbox/sessions",
+                    json={"thread_id": "thr_nul", "mode": "ensure", "metadata": metadata},
+                )
+                assert r.status_code == status, (metadata, r.text)
+            r = client.post("/v1/hosts/keys", json={"name": "h\x00"})
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["message"] == "a string in the body holds a NUL byte"
             # Past 32 bits is a cursor like any other; past 63 it is refused.
             assert client.get("/v1/audit", params={"after": 2**31}).json()["items"] == []
             assert client.get("/v1/audit", params={"after": 2**63}).status_code == 400

@@ -112,13 +112,31 @@ def _deeper_than(value: Any, limit: int) -> bool:
     return False
 
 
+def _holds_nul(value: Any) -> bool:
+    """Whether a key or a string anywhere in ``value`` holds a NUL (iterative)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if "\x00" in item:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
 def parse_json(body: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
     """The one way a request body becomes data: a JSON object, bounded in size and depth.
 
     The parser (pydantic-core's, in Rust) never recurses in Python, refuses invalid
     UTF-8, lone surrogates, ``NaN`` and ``Infinity``, and stops at its own nesting
     limit (200) before :data:`MAX_JSON_DEPTH` is checked on what it returns. A key
-    given twice counts once, with its last value (as in the dataplane).
+    given twice counts once, with its last value (as in the dataplane). No string the
+    broker takes holds a NUL (PostgreSQL's text cannot hold one): a body with one is
+    refused (looked for only in a body that spells ``\\u0000``).
     """
     if not body.strip():
         if empty_ok:
@@ -130,6 +148,8 @@ def parse_json(body: bytes, *, empty_ok: bool = False) -> dict[str, Any]:
         raise InvalidRequest(f"body is not valid JSON: {exc}"[:300]) from exc
     if not isinstance(data, dict):
         raise InvalidRequest("body must be a JSON object")
+    if b"\\u0000" in body and _holds_nul(data):
+        raise InvalidRequest("a string in the body holds a NUL byte")
     if _deeper_than(data, MAX_JSON_DEPTH):
         raise InvalidRequest(
             f"body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",

@@ -28,6 +28,7 @@ from sandlot.broker.routes.deps import (
 )
 from sandlot.broker.settings import MAX_HOST_CAPACITY
 from sandlot.protocol.errors import SandboxNotFound
+from sandlot.protocol.events import MAX_SEQUENCE
 from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import ProviderStatus
 
@@ -56,7 +57,7 @@ class RecoverBody(_Body):
 
 class StatusBody(_Body):
     state: SandboxState
-    last_event_sequence: int = 0
+    last_event_sequence: int = Field(default=0, ge=0, le=MAX_SEQUENCE)
     reason: str | None = Field(default=None, max_length=2000)
 
 
