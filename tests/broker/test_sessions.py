@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
+import httpx
 import jwt
 import pytest
+import sqlalchemy
 
+from sandlot.broker.events import append_event, bindings
 from tests.broker.conftest import Clock, Harness, MakeHarness
 from tests.broker.fakes import DownProvider, FakeProvider
 from tests.figures import RecordProperty, report
@@ -412,3 +416,78 @@ async def test_event_cursors_out_of_range_are_client_errors(make_harness: MakeHa
             assert_error(r, 400, "INVALID_REQUEST")
     r = await h.client.get(f"/v1/audit?after={1 << 64}", headers=h.key("root"))
     assert_error(r, 400, "INVALID_REQUEST")
+
+
+async def _follow(base: str, headers: dict[str, str], session_id: str, seen: list[str]) -> None:
+    """Follow a session's events over a real socket, noting each event's type."""
+    url = f"{base}/v1/sandbox/sessions/{session_id}/events?after=0"
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream("GET", url, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("event: "):
+                seen.append(line[len("event: ") :])
+
+
+async def test_an_event_no_one_notified_reaches_its_subscribers(harness: Harness) -> None:
+    """An event appended to the store without a notification (as another worker
+    process's, on SQLite) reaches the subscribers of its stream through the process's
+    reconciling read."""
+    alice = harness.key("alice")
+    g = (await ensure(harness, alice)).json()
+    base = await harness.serve()
+    seen: list[str] = []
+    follower = asyncio.create_task(_follow(base, alice, g["session_id"], seen))
+    try:
+        while not seen:
+            await asyncio.sleep(0.02)
+
+        def append() -> None:
+            with harness.broker.store.write() as conn:
+                append_event(conn, bindings, g["session_id"], "test.silent", {}, state="active")
+
+        await asyncio.to_thread(append)
+        async with asyncio.timeout(10):
+            while "test.silent" not in seen:
+                await asyncio.sleep(0.02)
+    finally:
+        follower.cancel()
+
+
+async def test_idle_event_streams_cost_one_read_per_interval(harness: Harness) -> None:
+    """Thirty subscribers of a quiet session cost the store one read per reconciling
+    interval between them, not two per subscriber every half second (200 idle streams
+    used to keep the server's cores busy, every other request waiting for them)."""
+    alice = harness.key("alice")
+    g = (await ensure(harness, alice)).json()
+    base = await harness.serve()
+    engine = harness.broker.store.engine
+    statements: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    async def idle_window() -> int:
+        statements.clear()
+        await asyncio.sleep(2.0)
+        return len(statements)
+
+    sqlalchemy.event.listen(engine, "before_cursor_execute", count)
+    try:
+        alone = await idle_window()
+        seen: list[list[str]] = [[] for _ in range(30)]
+        followers = [asyncio.create_task(_follow(base, alice, g["session_id"], s)) for s in seen]
+        try:
+            while not all(seen):
+                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.6)  # the first reconciling read's wake, re-read
+            followed = await idle_window()
+        finally:
+            for task in followers:
+                task.cancel()
+    finally:
+        sqlalchemy.event.remove(engine, "before_cursor_execute", count)
+    # 4 reconciling reads in 2 s (and what else the process does alone).
+    assert followed - alone <= 8, (alone, followed)

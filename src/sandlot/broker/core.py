@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from sandlot.broker import failpoints
 from sandlot.broker.audit import AuditLog
-from sandlot.broker.events import EventHub, StoreListener
+from sandlot.broker.events import EventHub, EventReconciler, StoreListener
 from sandlot.broker.fleet import FleetProvider, HostHeartbeat, HostRegistry, Registration
 from sandlot.broker.hostapi import HostApi
 from sandlot.broker.hosts import host_id
@@ -176,6 +176,8 @@ class Broker:
         self.listener = (
             StoreListener(self.store.url, self.hub) if self.store.dialect == "postgresql" else None
         )
+        #: The reconciling read of this process's event subscribers.
+        self.reconciler = EventReconciler(self.store, self.hub)
         self.run_reaper = run_reaper
         self.started = False
         failpoints.arm(settings.failpoints)
@@ -185,6 +187,7 @@ class Broker:
         self.hub.bind_loop(asyncio.get_running_loop())
         if self.listener is not None:
             self.listener.start()
+        self.reconciler.start()
         if migrate:
             await asyncio.to_thread(self._prepare)
         else:
@@ -213,6 +216,7 @@ class Broker:
         self.keyring.ensure_key()
 
     async def stop(self) -> None:
+        await self.reconciler.stop()
         if self.listener is not None:
             await asyncio.to_thread(self.listener.stop)
         if self.heartbeat is not None:

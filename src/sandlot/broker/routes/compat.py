@@ -162,7 +162,7 @@ async def _wait_ready(broker: Broker, sandbox_id: str, timeout: float) -> Sandbo
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise ProviderUnavailable(f"box {sandbox_id} was not ready within {timeout:g} s")
-        await broker.hub.wait(sandbox_id, min(remaining, broker.hub.POLL_SECONDS), seen)
+        await broker.hub.wait(sandbox_id, remaining, seen)
 
 
 @router.post(

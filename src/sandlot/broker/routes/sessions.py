@@ -245,8 +245,9 @@ def sse_response(
                 if finished and not items:
                     return
                 if not items:
-                    # Other worker processes do not notify this one: re-read now and then.
-                    await hub.wait(stream_id, hub.POLL_SECONDS, seen)
+                    # Woken by this process's events, other processes' notifications
+                    # and the process's reconciling read (events.EventReconciler).
+                    await hub.wait(stream_id, KEEPALIVE_SECONDS, seen)
                     if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
                         yield b": keep-alive\n\n"
                         last_sent = time.monotonic()
