@@ -11,6 +11,7 @@ from sandlot.broker.store import Store
 from sandlot.broker.store.schema import templates
 from sandlot.broker.templates import TemplateService
 from sandlot.protocol.errors import ResourceConflict, ResourceNotFound
+from sandlot.protocol.sessions import Template
 
 
 def test_a_stored_template_no_longer_valid_fails_alone(tmp_path: Path) -> None:
@@ -38,4 +39,19 @@ def test_a_stored_template_no_longer_valid_fails_alone(tmp_path: Path) -> None:
     service.delete("forever")
     with pytest.raises(ResourceNotFound):
         service.get("forever")
+    store.dispose()
+
+
+def test_a_template_made_through_another_replica_is_found_at_once(tmp_path: Path) -> None:
+    """Two services on one store, as two replicas: one has just read the templates
+    (kept a moment), the other creates one; the first finds it on the next request
+    (a pool or an ensure naming it through the balancer was 404 for up to 2 s)."""
+    store = Store(f"sqlite:///{tmp_path / 'sandlot.db'}")
+    store.migrate()
+    here, there = TemplateService(store), TemplateService(store)
+    assert here.list() == []
+    there.create(Template(name="fresh", image="host"))
+    assert here.get("fresh").name == "fresh"
+    with pytest.raises(ResourceNotFound):
+        here.get("never-made")
     store.dispose()

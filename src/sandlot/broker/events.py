@@ -22,8 +22,10 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar
 
+import anyio
 from sqlalchemy import Connection, Table, bindparam, delete, select, text, update
 from sqlalchemy.engine import make_url
 
@@ -80,6 +82,8 @@ def _append_pg(table: str) -> Any:
 _APPEND_PG = {t: _append_pg(t) for t in _STREAM_KEYS}
 
 log = logging.getLogger("sandlot.broker.events")
+
+T = TypeVar("T")
 
 
 def append_event(
@@ -178,6 +182,8 @@ class EventHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Where each followed stream stood at the last reconciling read (sequence, state).
         self._heads: dict[str, tuple[int, str]] = {}
+        #: Reads under way, by what they read (:meth:`shared`).
+        self._reads: dict[Hashable, asyncio.Future[Any]] = {}
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -230,6 +236,25 @@ class EventHub:
     def forget(self, stream_id: str) -> None:
         if stream_id not in self._waiters:
             self._versions.pop(stream_id, None)
+
+    async def shared(self, key: Hashable, read: Callable[[], T]) -> T:
+        """``read()`` in a worker thread, shared by every caller that asks with the same
+        ``key`` while it runs: the subscribers of a stream that one event wakes make one
+        read of it, however many they are. One caller cancelled cancels no other's."""
+        task = self._reads.get(key)
+        if task is None:
+            task = asyncio.ensure_future(anyio.to_thread.run_sync(read))
+            self._reads[key] = task
+
+            def done(t: asyncio.Future[Any]) -> None:
+                if self._reads.get(key) is t:
+                    del self._reads[key]
+                if not t.cancelled():
+                    t.exception()  # retrieved: each caller gets it from its await
+
+            task.add_done_callback(done)
+        result: T = await asyncio.shield(task)
+        return result
 
     def followed(self) -> list[str]:
         """The streams somebody in this process is waiting on."""

@@ -104,6 +104,10 @@ class TemplateService:
     def get(self, name: str) -> Template:
         tpl = self._load().get(name)
         if tpl is None:
+            # Made since (perhaps through another replica): a miss reads the store again.
+            self._invalidate()
+            tpl = self._load().get(name)
+        if tpl is None:
             why = self._invalid.get(name)
             if why is not None:
                 raise ResourceConflict(

@@ -298,4 +298,5 @@ async def sandbox_events(
         hub=broker.hub,
         stream_id=sandbox_id,
         ended=lambda: broker.sandboxes.get(sandbox_id).state.settled,
+        share="sandbox",
     )

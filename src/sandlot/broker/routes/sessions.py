@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from functools import partial
 from typing import Annotated, Any
 
 import anyio
@@ -219,8 +220,14 @@ def sse_response(
     hub: EventHub,
     stream_id: str,
     ended: Callable[[], bool],
+    share: Hashable,
 ) -> EventStream:
-    """An SSE stream: events after ``cursor``, then live, keep-alive every 15 s."""
+    """An SSE stream: events after ``cursor``, then live, keep-alive every 15 s.
+
+    Streams with the same ``share`` read the same (the same principal's, for a session's
+    events, whose reads check its access; anyone's for a sandbox's): their concurrent
+    reads at one cursor are one read (:meth:`EventHub.shared`).
+    """
 
     async def stream() -> AsyncIterator[bytes]:
         nonlocal cursor
@@ -229,10 +236,10 @@ def sse_response(
         try:
             while True:
                 seen = hub.version(stream_id)
-                items = await anyio.to_thread.run_sync(fetch, cursor)
+                items = await hub.shared((share, stream_id, cursor), partial(fetch, cursor))
                 finished = False
                 if not items:
-                    finished = await anyio.to_thread.run_sync(ended)
+                    finished = await hub.shared((share, stream_id, "ended"), ended)
                     if finished:
                         # The last events may have been committed (with the final state)
                         # between the read above and this one: send them before ending.
@@ -283,6 +290,7 @@ async def session_events(
         hub=broker.hub,
         stream_id=session_id,
         ended=ended,
+        share=principal,
     )
 
 
