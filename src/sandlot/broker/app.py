@@ -69,7 +69,8 @@ class RefuseNul:
     No id, name or value the broker takes holds one, and PostgreSQL's text cannot (it
     refuses the statement), so without this a NUL in, say, a session id would be a
     server error on PostgreSQL and a plain 404 on SQLite. Bodies are checked where they
-    are parsed (``routes.deps.parse_json``). Inside :class:`RequestIdMiddleware`, so the refusal carries a request id."""
+    are parsed (``routes.deps.parse_json``). Inside :class:`RequestIdMiddleware`, so the
+    refusal carries a request id."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
