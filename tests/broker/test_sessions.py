@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
@@ -431,18 +432,46 @@ async def _follow(base: str, headers: dict[str, str], session_id: str, seen: lis
                 seen.append(line[len("event: ") :])
 
 
+@contextlib.asynccontextmanager
+async def _followers(h: Harness, headers: dict[str, str], session_id: str, n: int) -> Any:
+    """``n`` streams of a session's events, each past its backlog: their events seen."""
+    base = await h.serve()
+    seen: list[list[str]] = [[] for _ in range(n)]
+    tasks = [asyncio.create_task(_follow(base, headers, session_id, s)) for s in seen]
+    try:
+        while not all(seen):
+            await asyncio.sleep(0.02)
+        yield seen
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@contextlib.contextmanager
+def _statements(h: Harness, containing: str = "") -> Any:
+    """The SQL statements the broker sends while inside (those containing ``containing``)."""
+    sent: list[str] = []
+
+    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if containing in statement:
+            sent.append(statement)
+
+    engine = h.broker.store.engine
+    sqlalchemy.event.listen(engine, "before_cursor_execute", count)
+    try:
+        yield sent
+    finally:
+        sqlalchemy.event.remove(engine, "before_cursor_execute", count)
+
+
 async def test_an_event_no_one_notified_reaches_its_subscribers(harness: Harness) -> None:
     """An event appended to the store without a notification (as another worker
     process's, on SQLite) reaches the subscribers of its stream through the process's
     reconciling read."""
     alice = harness.key("alice")
     g = (await ensure(harness, alice)).json()
-    base = await harness.serve()
-    seen: list[str] = []
-    follower = asyncio.create_task(_follow(base, alice, g["session_id"], seen))
-    try:
-        while not seen:
-            await asyncio.sleep(0.02)
+    async with _followers(harness, alice, g["session_id"], 1) as (seen,):
 
         def append() -> None:
             with harness.broker.store.write() as conn:
@@ -452,8 +481,6 @@ async def test_an_event_no_one_notified_reaches_its_subscribers(harness: Harness
         async with asyncio.timeout(10):
             while "test.silent" not in seen:
                 await asyncio.sleep(0.02)
-    finally:
-        follower.cancel()
 
 
 async def test_idle_event_streams_cost_one_read_per_interval(harness: Harness) -> None:
@@ -462,33 +489,16 @@ async def test_idle_event_streams_cost_one_read_per_interval(harness: Harness) -
     used to keep the server's cores busy, every other request waiting for them)."""
     alice = harness.key("alice")
     g = (await ensure(harness, alice)).json()
-    base = await harness.serve()
-    engine = harness.broker.store.engine
-    statements: list[str] = []
-
-    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        statements.append(statement)
 
     async def idle_window() -> int:
-        statements.clear()
-        await asyncio.sleep(2.0)
-        return len(statements)
+        with _statements(harness) as sent:
+            await asyncio.sleep(2.0)
+        return len(sent)
 
-    sqlalchemy.event.listen(engine, "before_cursor_execute", count)
-    try:
-        alone = await idle_window()
-        seen: list[list[str]] = [[] for _ in range(30)]
-        followers = [asyncio.create_task(_follow(base, alice, g["session_id"], s)) for s in seen]
-        try:
-            while not all(seen):
-                await asyncio.sleep(0.02)
-            await asyncio.sleep(0.6)  # the first reconciling read's wake, re-read
-            followed = await idle_window()
-        finally:
-            for task in followers:
-                task.cancel()
-    finally:
-        sqlalchemy.event.remove(engine, "before_cursor_execute", count)
+    alone = await idle_window()
+    async with _followers(harness, alice, g["session_id"], 30):
+        await asyncio.sleep(0.6)  # the first reconciling read's wake, re-read
+        followed = await idle_window()
     # 4 reconciling reads in 2 s (and what else the process does alone).
     assert followed - alone <= 8, (alone, followed)
 
@@ -500,22 +510,9 @@ async def test_subscribers_woken_by_one_event_read_it_once(harness: Harness) -> 
     waited about 370 ms)."""
     alice = harness.key("alice")
     g = (await ensure(harness, alice)).json()
-    base = await harness.serve()
-    engine = harness.broker.store.engine
-    reads: list[str] = []
-
-    def count(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
-        if "FROM events" in statement:
-            reads.append(statement)
-
-    seen: list[list[str]] = [[] for _ in range(30)]
-    followers = [asyncio.create_task(_follow(base, alice, g["session_id"], s)) for s in seen]
-    try:
-        while not all(seen):
-            await asyncio.sleep(0.02)
+    async with _followers(harness, alice, g["session_id"], 30) as seen:
         await asyncio.sleep(1.2)  # the first reconciling read's wake, and its re-read
-        sqlalchemy.event.listen(engine, "before_cursor_execute", count)
-        try:
+        with _statements(harness, "FROM events") as reads:
             for n in range(5):
 
                 def append(n: int = n) -> None:
@@ -529,11 +526,6 @@ async def test_subscribers_woken_by_one_event_read_it_once(harness: Harness) -> 
                 async with asyncio.timeout(10):
                     while not all(f"test.{n}" in s for s in seen):
                         await asyncio.sleep(0.01)
-        finally:
-            sqlalchemy.event.remove(engine, "before_cursor_execute", count)
-    finally:
-        for task in followers:
-            task.cancel()
     # One read per event, and at most one more each for the reconciling read's wake
     # (a read is two statements: the oldest retained sequence, then the events).
     assert len(reads) <= 2 * 10, len(reads)

@@ -285,23 +285,19 @@ class EventHub:
 def stream_heads(conn: Connection, stream_ids: list[str]) -> dict[str, tuple[int, str]]:
     """Each stream's newest sequence and the state it is in: a sandbox's own (their ids
     start ``sb_``), a binding's its sandbox's. A few hundred ids per query."""
+    of_sandboxes = select(sandboxes.c.id, sandboxes.c.event_seq, sandboxes.c.state)
+    of_bindings = select(bindings.c.id, bindings.c.event_seq, sandboxes.c.state).select_from(
+        bindings.outerjoin(sandboxes, sandboxes.c.id == bindings.c.sandbox_id)
+    )
     heads: dict[str, tuple[int, str]] = {}
-    ids = [s for s in stream_ids if s.startswith("sb_")]
-    for start in range(0, len(ids), 500):
-        rows = conn.execute(
-            select(sandboxes.c.id, sandboxes.c.event_seq, sandboxes.c.state).where(
-                sandboxes.c.id.in_(ids[start : start + 500])
-            )
-        )
-        heads.update({r.id: (int(r.event_seq), str(r.state)) for r in rows})
-    ids = [s for s in stream_ids if not s.startswith("sb_")]
-    for start in range(0, len(ids), 500):
-        rows = conn.execute(
-            select(bindings.c.id, bindings.c.event_seq, sandboxes.c.state)
-            .select_from(bindings.outerjoin(sandboxes, sandboxes.c.id == bindings.c.sandbox_id))
-            .where(bindings.c.id.in_(ids[start : start + 500]))
-        )
-        heads.update({r.id: (int(r.event_seq), str(r.state)) for r in rows})
+    for query, key, sandbox in (
+        (of_sandboxes, sandboxes.c.id, True),
+        (of_bindings, bindings.c.id, False),
+    ):
+        ids = [s for s in stream_ids if s.startswith("sb_") == sandbox]
+        for start in range(0, len(ids), 500):
+            rows = conn.execute(query.where(key.in_(ids[start : start + 500])))
+            heads.update({r.id: (int(r.event_seq), str(r.state)) for r in rows})
     return heads
 
 

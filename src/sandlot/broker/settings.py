@@ -85,9 +85,7 @@ def _entries(raw: Mapping[str, Any], table: str, model: type[Template] | type[Po
 def _checked_number(key: str, value: Any) -> int | float:
     table, integer, low, high = NUMBERS[key]
     kind = "a whole number" if integer else "a number"
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{table}.{key} must be {kind}, not {value!r}")
-    if integer and not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
         raise ConfigError(f"{table}.{key} must be {kind}, not {value!r}")
     if not low <= value <= high:
         raise ConfigError(f"{table}.{key} must be from {low!r} to {high!r}, not {value!r}")

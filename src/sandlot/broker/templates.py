@@ -103,7 +103,7 @@ class TemplateService:
 
     def get(self, name: str) -> Template:
         tpl = self._load().get(name)
-        if tpl is None:
+        if tpl is None and name not in self._invalid:
             # Made since (perhaps through another replica): a miss reads the store again.
             self._invalidate()
             tpl = self._load().get(name)
