@@ -28,6 +28,16 @@ tokens at once; ``X-Sandlot-Control`` must carry ``control.key``, else 403). Non
 anything secret, revocations only ever add to the set, and the provider's relay forwards
 none of them.
 
+Started as its container's first process (PID 1, no init before it), the dataplane is
+the one process of the sandbox its commands cannot stop, though they run as its user:
+``kill -1`` passes over an init, the kernel never delivers it a ``SIGKILL`` or
+``SIGSTOP`` sent from inside its PID namespace, and it handles every other signal that
+would end a process by doing nothing (:class:`ContainerInit`). An agent's ``pkill
+python3`` or ``kill -9 -1`` ends the sandbox's commands, not the sandbox. It collects the
+processes its commands leave behind, which become its children as they would an init's
+(:func:`~sandlot.runtime.direct.reap_orphans`, every second). Only the engine stops it,
+with ``SIGKILL``.
+
 A command the OOM killer ends (the container's memory limit) is reported ``oom_killed``:
 the container's memory cgroup counts the kills (``memory.events`` or, on cgroup v1,
 ``memory.oom_control``). With ``--state-dir`` (a directory that outlives the container:
@@ -46,6 +56,8 @@ import hmac
 import importlib.util
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,7 +71,7 @@ from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import ProviderUnavailable
 from sandlot.protocol.templates import Template
 from sandlot.protocol.tokens import RevokedToken
-from sandlot.runtime.direct import DirectRuntime
+from sandlot.runtime.direct import DirectRuntime, reap_orphans
 
 if TYPE_CHECKING:
     from uvicorn.config import Config
@@ -201,6 +213,8 @@ class StandaloneDataplane:
         self.host = self.inner.host
         #: Work that waits until the dataplane serves (started with the app, see :func:`main`).
         self.after_start: Callable[[], Coroutine[Any, Any, None]] | None = None
+        #: Set when the dataplane is its container's init, started with the app.
+        self.init: ContainerInit | None = None
         self._after: asyncio.Task[None] | None = None
 
     def reload(self) -> None:
@@ -235,6 +249,8 @@ class StandaloneDataplane:
                     await self.verifier.load_keys()
                 except ProviderUnavailable:
                     log.warning("the broker's keys are unavailable yet; read on first use")
+                if self.init is not None:
+                    self.init.start()
                 if self.after_start is not None:
                     self._after = asyncio.get_running_loop().create_task(self.after_start())
             return message
@@ -411,6 +427,53 @@ def websocket_protocol() -> Callable[..., Any]:
     return protocol
 
 
+class ContainerInit:
+    """What the dataplane does as its container's init (PID 1): it heeds no signal a
+    command may send to end a process, and collects orphans every :attr:`SWEEP_SECONDS`
+    (the event loop keeps ``SIGCHLD`` to itself)."""
+
+    SWEEP_SECONDS = 1.0
+    #: Each is handled, by doing nothing. Left to their default action, the kernel drops
+    #: them for an init only when its main thread does not block them: a process blocks
+    #: every signal for a moment as it forks or starts a thread, and one that lands then
+    #: ends it. Handlers, unlike ignored signals, are not inherited by the commands.
+    #: (``SIGKILL`` and ``SIGSTOP`` from inside never reach an init; a fault's signal is
+    #: left as it is.)
+    UNHEEDED = (
+        signal.SIGHUP,
+        signal.SIGINT,
+        signal.SIGQUIT,
+        signal.SIGTERM,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+        signal.SIGALRM,
+        signal.SIGVTALRM,
+        signal.SIGPROF,
+        signal.SIGIO,
+        signal.SIGPWR,
+        signal.SIGXCPU,
+        *range(signal.SIGRTMIN, signal.SIGRTMAX + 1),
+    )
+
+    def start(self) -> None:
+        """At start-up, before any command can run (uvicorn's SIGINT and SIGTERM handlers,
+        Python's SIGINT handler, would stop the dataplane at a command's word)."""
+        for signo in self.UNHEEDED:
+            signal.signal(signo, self._unheeded)
+        self._sweep(asyncio.get_running_loop())
+
+    @staticmethod
+    def _unheeded(signo: int, frame: object) -> None:
+        return None
+
+    def _sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            reap_orphans()
+        except OSError:
+            log.exception("collecting the sandbox's orphans failed")
+        loop.call_later(self.SWEEP_SECONDS, self._sweep, loop)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     options = parse_args(argv)
@@ -432,6 +495,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     config.load()
     server = server_class(config)
+    if os.getpid() == 1:
+        app.init = ContainerInit()
     app.after_start = lambda: build_wire_models(lambda: server.started)
     # The start-up's objects live as long as the process: out of the collector's way
     # (``__main__`` turned it off while the modules were imported).

@@ -450,8 +450,12 @@ class DockerProvider(InboxProvider[_Sandbox]):
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
             "mounts": mounts,
-            # A tiny init reaps the orphans of the sandbox's commands.
-            "init": True,
+            # No init before the dataplane: as PID 1 it is the one process of the sandbox
+            # its commands cannot signal, and it collects their orphans itself
+            # (sandlot.dataplane.standalone). It handles no signal: the engine stops it
+            # with SIGKILL at once (SIGTERM would wait out the stop timeout).
+            "init": False,
+            "stop_signal": "SIGKILL",
             "detach": True,
         }
 

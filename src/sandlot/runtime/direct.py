@@ -18,6 +18,7 @@ import signal
 import struct
 import subprocess
 import termios
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,59 @@ def exit_status_from_returncode(returncode: int) -> ExitStatus:
             name = f"SIG{signo}"
         return ExitStatus(exit_code=128 + signo, signal=name)
     return ExitStatus(exit_code=returncode)
+
+
+#: The children this process started (a :class:`DirectProcess` collects its own exit),
+#: and a lock held from a fork until its pid is in the set: :func:`reap_orphans` never
+#: takes an exit that is another's to read.
+_started: set[int] = set()
+_spawning = threading.Lock()
+
+
+def _popen(argv: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+    with _spawning:
+        popen = subprocess.Popen(argv, **kwargs)
+        _started.add(popen.pid)
+    return popen
+
+
+def reap_orphans() -> int:
+    """Collect the children of this process that exited and that it did not start itself.
+
+    When it is its container's init (PID 1), the processes the sandbox's commands leave
+    behind become its children, and each that exits stays a zombie, holding one of the
+    container's pids, until collected. A child it started is left to whoever waits for it:
+    one of :func:`spawn_direct`, or a helper in its own session (a glob worker). Returns
+    how many were collected."""
+    me, session = os.getpid(), os.getsid(0)
+    reaped = 0
+    with _spawning:
+        for pid in _children(me):
+            if pid in _started:
+                continue
+            try:
+                with open(f"/proc/{pid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            # After the command's name: state, ppid, process group, session.
+            state, ppid, _, sid = stat[stat.rindex(b")") + 2 :].split()[:4]
+            if state != b"Z" or int(ppid) != me or int(sid) == session:
+                continue
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    reaped += 1
+    return reaped
+
+
+def _children(me: int) -> list[int]:
+    """The children of this process's main thread (orphans are given to it), or every
+    process where the kernel does not list them."""
+    try:
+        with open(f"/proc/{me}/task/{me}/children", "rb") as f:
+            return [int(pid) for pid in f.read().split()]
+    except OSError:
+        return [int(e.name) for e in os.scandir("/proc") if e.name.isdigit()]
 
 
 def set_winsize(fd: int, cols: int, rows: int) -> None:
@@ -80,6 +134,7 @@ class DirectProcess(SandboxProcess):
         rc = self._popen.poll()
         if rc is None:
             return
+        _started.discard(self.pid)
         loop = asyncio.get_running_loop()
         loop.remove_reader(self._pidfd)
         os.close(self._pidfd)
@@ -120,7 +175,7 @@ async def spawn_direct(
         set_winsize(master, *spec.pty)
         env.setdefault("TERM", "xterm-256color")
         try:
-            popen = subprocess.Popen(
+            popen = _popen(
                 spec.argv,
                 stdin=slave,
                 stdout=slave,
@@ -150,7 +205,7 @@ def _spawn_pipes(
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        proc = subprocess.Popen(
+        proc = _popen(
             argv,
             stdin=in_r,
             stdout=out_w,

@@ -192,15 +192,23 @@ class GlobPool:
 
     def _acquire(self, deadline: float) -> _Worker:
         with self._cond:
-            while not self._idle and self._count >= self.max_workers:
+            while True:
+                if self._closed:
+                    raise Busy("the server is stopping")
+                while self._idle:
+                    worker = self._idle.pop()
+                    if worker.proc.poll() is None:
+                        return worker
+                    # It ended while idle: a command of the sandbox killed it (a helper of
+                    # a container's dataplane runs as the sandbox user), or the OOM killer.
+                    worker.sock.close()
+                    self._count -= 1
+                if self._count < self.max_workers:
+                    break
                 left = deadline - time.monotonic()
-                if self._closed or left <= 0:
+                if left <= 0:
                     raise Busy("every glob helper is busy")
                 self._cond.wait(left)
-            if self._closed:
-                raise Busy("the server is stopping")
-            if self._idle:
-                return self._idle.pop()
             self._count += 1
         try:
             return _Worker()
