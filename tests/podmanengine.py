@@ -1,9 +1,8 @@
 """A private Podman for the tests: its Docker-compatible socket, as the docker provider
 reaches it.
 
-- :func:`ensure_podman` installs Debian's ``podman`` (Podman 4.3), ``runc`` and
-  ``catatonit`` (the init behind ``--init``) when missing, as
-  :func:`tests.dockerengine.ensure_engine` installs ``docker.io``.
+- :func:`ensure_podman` installs Debian's ``podman`` (Podman 4.3) and ``runc`` when
+  missing, as :func:`tests.dockerengine.ensure_engine` installs ``docker.io``.
 - :class:`PodmanEngine` starts ``podman system service`` on a socket of its own, with
   its own storage root, run root, temporary directory, network configuration directory
   and configuration files (``CONTAINERS_CONF``, ``CONTAINERS_STORAGE_CONF``), so the
@@ -39,7 +38,7 @@ from typing import Any
 
 
 def ensure_podman() -> None:
-    """``podman``, ``runc`` and ``catatonit`` are installed (with apt when missing and root).
+    """``podman`` and ``runc`` are installed (with apt when missing and root).
 
     ``runc`` named, so it is the one that satisfies Podman's ``crun | runc`` (``crun``
     fails here); without recommends (buildah, fuse-overlayfs, slirp4netns and more),
@@ -47,7 +46,7 @@ def ensure_podman() -> None:
     """
     missing = [
         pkg
-        for pkg, path in (("podman", "podman"), ("runc", "runc"), ("catatonit", "catatonit"))
+        for pkg, path in (("podman", "podman"), ("runc", "runc"))
         if shutil.which(path) is None and not Path(f"/usr/sbin/{path}").exists()
     ]
     if not missing:

@@ -25,6 +25,7 @@ from sandlot.providers.docker import DockerProvider
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import ULIMITS, Engine
 from tests.providers.dockerharness import make_provider, serving
+from tests.providers.outlive import no_command_stops_the_dataplane, orphans_are_collected
 
 # The first test of a session builds the image (and, once per machine, its base).
 FORK_UNTIL_REFUSED = """python3 -c '
@@ -112,53 +113,20 @@ async def test_memory_and_pids_limits_are_enforced(
             assert (await sb.run("echo alive")).stdout == "alive\n"
 
 
-# Each subshell ends at once, leaving its `sleep` to the container's init; a zombie
-# until the init collects it.
-ORPHANS = "for i in $(seq {n}); do (sleep 0.2 &); done"
-# Zombies outside the dataplane's own session (its helpers' are its to collect).
-ZOMBIES = "awk '$3 == \"Z\" && $6 != 1' /proc/[0-9]*/stat | wc -l"
-
-
 async def test_no_command_can_stop_the_dataplane_and_orphans_are_collected(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:
     async with serving(engine, image, tmp_path) as h:
         await h.create("sb_init", pids=64)
+
+        async def state() -> SandboxState:
+            return (await h.provider.status("sb_init")).state
+
         async with h.sandbox("sb_init") as sb:
-            await sb.write("/workspace/kept.txt", "kept\n")
-            shell = await sb.stream("sleep 60")
-            # Signals that end a process, while the dataplane forks and starts threads
-            # (it blocks every signal for a moment then).
-            names = "INT TERM HUP QUIT USR1 USR2 ALRM PROF 9 STOP"
-            storm = f"for i in $(seq 30); do for s in {names}; do kill -$s 1; done; done"
-            await asyncio.gather(sb.run(storm), *(sb.run("true") for _ in range(20)))
-            for kill in ("kill -INT 1", "kill -TERM 1", "kill -9 1", "kill -9 -1"):
-                await sb.run(f"{kill}; sleep 0.3", check=False)
-                assert (await h.provider.status("sb_init")).state is SandboxState.ACTIVE, kill
-                assert (await sb.run("cat /workspace/kept.txt")).stdout == "kept\n", kill
-            # `kill -9 -1` ended every other process of the sandbox.
-            assert (await shell.wait()).exit_code == 137
+            await no_command_stops_the_dataplane(sb, state)
             assert h.container("sb_init").status == "running"
-
-            # Three times the container's pids in orphans, 40 at a time: none stays a
-            # zombie holding a pid, and commands run beside them keep their exit codes.
-            async def orphans() -> None:
-                for _ in range(5):
-                    await sb.run(ORPHANS.format(n=40))
-                    await asyncio.sleep(0.3)
-
-            async def exits() -> list[int]:
-                return [(await sb.run(f"exit {i}", check=False)).exit_code for i in range(40)]
-
-            _, codes = await asyncio.gather(orphans(), exits())
-            assert codes == list(range(40))
-            # Collected every second.
-            async with asyncio.timeout(10):
-                while (await sb.run(ZOMBIES)).stdout.strip() != "0":
-                    await asyncio.sleep(0.2)
-            assert (await sb.run("echo alive")).stdout == "alive\n"
-            # Its helpers, ended by `kill -9 -1` too, are started again.
-            assert [f.path for f in await sb.glob("*.txt")] == ["/workspace/kept.txt"]
+            # Three times the container's pids in orphans.
+            await orphans_are_collected(sb, batches=5)
 
 
 async def test_tokens_are_verified_inside_the_sandbox(

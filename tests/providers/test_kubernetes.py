@@ -22,19 +22,30 @@ from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
-from sandlot.providers.podspec import LABEL_INSTANCE, LABEL_SANDBOX, object_name
+from sandlot.providers.podspec import CONTAINER, LABEL_INSTANCE, LABEL_SANDBOX, object_name
 from tests.dataplane.conftest import Keys
 from tests.k8scluster import Cluster
 from tests.providers.k8sharness import NAMESPACE, Harness, core_api, serving
+from tests.providers.outlive import no_command_stops_the_dataplane, orphans_are_collected
 
 # The first test of a run brings the cluster up (and builds it, once per machine).
 pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(3000)]
 
+
 # (The pattern does not match this command's own command line.)
-KILL_DATAPLANE = (
-    "for p in /proc/[0-9]*; do "
-    "grep -q 'sandlot[.]dataplane' $p/cmdline 2>/dev/null && kill -9 ${p#/proc/}; done; sleep 5"
-)
+def kill_dataplane(cluster: Cluster, sandbox_id: str) -> None:
+    """SIGKILL the sandbox's dataplane through its node's engine (no command can)."""
+    engine = cluster.docker()
+    try:
+        label = f"io.kubernetes.container.name={CONTAINER}"
+        (found,) = [
+            c
+            for c in engine.containers.list(filters={"label": label})
+            if sandbox_id in c.attrs["Args"]
+        ]
+        found.kill()
+    finally:
+        engine.close()
 
 
 async def failed(h: Harness, sandbox_id: str, timeout: float = 120) -> str:
@@ -153,14 +164,21 @@ async def test_memory_limit_is_enforced_and_out_of_memory_is_reported_as_oom(
         await h.provider.delete("sb_lim")
 
 
-async def test_a_killed_dataplane_fails_the_sandbox(
+async def test_no_command_stops_the_dataplane_but_its_death_fails_the_sandbox(
     k8s_cluster: Cluster, k8s_image: str, tmp_path: Path
 ) -> None:
     async with serving(k8s_cluster, k8s_image, tmp_path) as h:
         await h.create("sb_kill")
+
+        async def state() -> SandboxState:
+            return (await h.provider.status("sb_kill")).state
+
         async with h.sandbox("sb_kill") as sb:
-            h.changes.clear()
-            await sb.stream(KILL_DATAPLANE)
+            await no_command_stops_the_dataplane(sb, state)
+            await orphans_are_collected(sb, batches=2)
+        # Killed from outside the sandbox (its node's engine).
+        h.changes.clear()
+        kill_dataplane(k8s_cluster, "sb_kill")
         reason = await failed(h, "sb_kill")
         assert reason.startswith("EXITED: ") and "exit code 137" in reason, reason
         async with httpx.AsyncClient(timeout=10) as c:

@@ -2,9 +2,10 @@
 
 Kubernetes cannot freeze a pod, so a suspended sandbox is one whose pod is gone while its
 workspace claim and its trust ConfigMap stay: **suspend** reads the dataplane's last event
-sequence, deletes the pod (its processes end, as on a machine's shutdown; the kubelet
-stops it within its grace period) and waits until it is gone, so nothing writes to the
-claim any more (a pod still there after a minute is deleted at once, without grace).
+sequence, deletes the pod (its processes end, as on a machine's power-off: the dataplane
+heeds no SIGTERM, so the kubelet kills it once the grace period is over) and waits until
+it is gone, so nothing writes to the claim any more (a pod still there after a minute is
+deleted at once, without grace).
 **resume** makes the pod again on the same claim, with the revocations
 the sandbox had (the ConfigMap written again with them and a new control key), and
 returns once its dataplane answers (``active``) or the pod failed (``failed``): the files
@@ -70,8 +71,11 @@ class PodProvider(Protocol):
 
 BoxT = TypeVar("BoxT", bound=PodBox)
 
-#: Seconds the kubelet gives a suspended pod's processes after SIGTERM.
-SUSPEND_GRACE_SECONDS = 2
+#: Seconds the kubelet waits after its SIGTERM before it kills a suspended pod's
+#: processes: the least it takes (the dataplane heeds no SIGTERM, nothing is lost by a
+#: kill: its event log is written as events happen), more than nought, which would remove
+#: the pod from the API before the kubelet stopped it.
+SUSPEND_GRACE_SECONDS = 1
 #: How long suspend waits for the kubelet to stop the pod before deleting it at once.
 SUSPEND_WAIT_SECONDS = 60.0
 

@@ -207,8 +207,9 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        # The pause process is PID 1 and reaps the orphans of the sandbox's commands.
-        "shareProcessNamespace": True,
+        # The dataplane is its container's PID 1, the one process of the sandbox its
+        # commands cannot stop, and collects their orphans (sandlot.dataplane.standalone).
+        # It heeds no SIGTERM: the kubelet stops it with SIGKILL once the grace is over.
         "terminationGracePeriodSeconds": 5,
         "hostname": "sandbox",
         "securityContext": {
