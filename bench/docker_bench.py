@@ -9,7 +9,7 @@ Figures, each side by side with the engine's own operation in the same run:
   answers, against ``docker run`` of the same image (create and start a container whose
   process is ``true``, until it exited: a process that ran), and against the same
   ``docker run`` with the sandbox container's own settings (limits, user, mounts,
-  read-only root, init): the engine's part alone;
+  read-only root): the engine's part alone;
 - ensure of a new thread served from a warm pool (``bench/pooled.py``): ``sandlot serve``
   with the provider and a pool of ready containers, the SDK's ``ensure`` until the
   binding is active, and until its first ``exec true`` answered — what a user waits for
@@ -98,7 +98,7 @@ def docker_run(engine: Engine, image: str) -> float:
 
 def docker_run_as_sandbox(engine: Engine, h: Harness) -> float:
     """``docker run`` of ``true`` with everything a sandbox's container has (its limits,
-    user, mounts, read-only root, ``/tmp``, init, no network): what the engine's part of
+    user, mounts, read-only root, ``/tmp``, no network): what the engine's part of
     create → ready costs, for comparison with the bare ``docker run``."""
     spec = SandboxSpec("sb_asrun", 1, Template(name="t", image="host"))
     h.provider._prepare_dirs(spec.sandbox_id)
@@ -263,7 +263,7 @@ async def table(
     s50 = statistics.median(as_sandbox)
     print(
         f"| … against `docker run … true` with the sandbox's own container settings (limits, "
-        f"user, mounts, read-only root, init; median of {len(as_sandbox)}) | {ms(c50 * 1000)} | "
+        f"user, mounts, read-only root; median of {len(as_sandbox)}) | {ms(c50 * 1000)} | "
         f"{ms(s50 * 1000)} | {ratio(c50, s50)} |"
     )
     q50 = statistics.median(pooled.ensure)
