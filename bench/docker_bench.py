@@ -40,9 +40,10 @@ from pooled import Pooled, pool_config, pooled_ensures
 from targets import report
 from tests.dockerengine import Engine, build_image
 from tests.providers.dockerharness import Harness, serving
-from tests.providers.test_docker_serve import containers, docker_config
+from tests.providers.test_docker_serve import docker_config, remove_sandboxes
 from tests.servers import SandlotServer
 
+from sandlot.broker.templates import with_disk_limit
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.providers.base import SandboxSpec
@@ -70,7 +71,9 @@ async def create_ready(h: Harness, n: int) -> tuple[float, float, float | None]:
     sid = f"sb_bench{n}"
     sandbox = h.sandbox(sid)
     t0 = time.perf_counter()
-    await h.provider.create(SandboxSpec(sid, 1, Template(name="t", image="host")))
+    # With the workspace disk a template gets through the broker (its default size).
+    template = with_disk_limit(Template(name="t", image="host"))
+    await h.provider.create(SandboxSpec(sid, 1, template))
     # Status read every 5 ms, as the harness's listener only records changes.
     while (await h.provider.status(sid)).state is not SandboxState.ACTIVE:  # noqa: ASYNC110
         await asyncio.sleep(0.005)
@@ -180,8 +183,7 @@ async def served_from_pool(
         return await pooled_ensures(server.url, key, args.pooled, "warm", args.pool)
     finally:
         server.stop()
-        for c in containers(engine, data_dir):
-            c.remove(force=True, v=True)
+        remove_sandboxes(engine, data_dir)
 
 
 async def table(

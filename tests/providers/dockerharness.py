@@ -45,7 +45,8 @@ class Harness:
         return AsyncSandbox(grant, timeout=30)
 
     async def create(self, sandbox_id: str, generation: int = 1, **template: Any) -> None:
-        resources = {k: template.pop(k) for k in ("cpu", "memory_mb", "pids") if k in template}
+        keys = ("cpu", "memory_mb", "pids", "disk_mb")
+        resources = {k: template.pop(k) for k in keys if k in template}
         fields = {"name": "t", "image": "host", "resources": resources, **template}
         spec = SandboxSpec(sandbox_id, generation, Template(**fields))
         await self.provider.create(spec)

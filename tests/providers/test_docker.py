@@ -22,6 +22,7 @@ from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from sandlot.providers.docker import DockerProvider
+from sandlot.runtime.disk import loops_backed_by
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import ULIMITS, Engine
 from tests.providers.dockerharness import make_provider, serving
@@ -127,6 +128,44 @@ async def test_no_command_can_stop_the_dataplane_and_orphans_are_collected(
             assert h.container("sb_init").status == "running"
             # Three times the container's pids in orphans.
             await orphans_are_collected(sb, batches=5)
+
+
+async def test_a_workspace_holds_what_its_template_says_and_no_more(
+    engine: Engine, image: str, tmp_path: Path
+) -> None:
+    async with serving(engine, image, tmp_path) as h:
+        assert h.provider.disks.available
+        await h.create("sb_disk", disk_mb=16)
+        disk = h.provider.disks.image("sb_disk")
+        assert loops_backed_by(disk)
+        async with h.sandbox("sb_disk") as sb:
+            full = await sb.run(
+                "dd if=/dev/zero of=/workspace/big bs=1M count=40 2>&1; "
+                "df -m /workspace | tail -1; ls -A /workspace",
+                check=False,
+            )
+            assert "No space left on device" in full.stdout
+            total, used = (int(n) for n in full.stdout.splitlines()[-2].split()[1:3])
+            assert 12 <= total <= 16 and used >= total - 1
+            assert full.stdout.splitlines()[-1] == "big"  # the workspace, nothing else
+            # Freed, the room is there again; the sandbox user owns the workspace.
+            await sb.run("rm /workspace/big && echo kept > /workspace/notes.txt")
+            assert (await sb.run("stat -c %u:%g /workspace")).stdout == "1000:1000\n"
+        # Nothing of it written on the host's filesystem but in its image.
+        assert disk.stat().st_blocks * 512 < 20 << 20
+        await h.provider.suspend("sb_disk")
+        await h.provider.resume("sb_disk")
+        async with h.sandbox("sb_disk") as sb:
+            assert (await sb.run("cat /workspace/notes.txt")).stdout == "kept\n"
+        await h.provider.delete("sb_disk")
+        assert not disk.exists() and not loops_backed_by(disk)
+        assert not engine.client.volumes.list(filters={"label": "sandlot.sandbox=sb_disk"})
+
+        # A disk left by a crash before its container existed goes with the leftovers.
+        await asyncio.to_thread(h.provider.disks.attach, "sb_gone", 8)
+        assert "sb_gone" in await h.provider.cleanup_leftovers(keep=set())
+        gone = h.provider.disks.image("sb_gone")
+        assert not gone.exists() and not loops_backed_by(gone)
 
 
 async def test_tokens_are_verified_inside_the_sandbox(

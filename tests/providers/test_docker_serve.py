@@ -17,6 +17,7 @@ import httpx
 import pexpect
 import pytest
 
+from sandlot.runtime.disk import detach_loop, loops_backed_by
 from sandlot.sdk import AsyncSandlot
 from tests.dockerengine import Engine
 from tests.servers import SandlotServer
@@ -47,6 +48,19 @@ def containers(engine: Engine, data_dir: Path) -> list[Any]:
     return found
 
 
+def remove_sandboxes(engine: Engine, data_dir: Path) -> None:
+    """What a stopped server leaves for the next one to re-adopt, removed: its containers,
+    their workspace volumes, and their disks' loop devices."""
+    for c in containers(engine, data_dir):
+        c.remove(force=True, v=True)
+    instance = hashlib.sha256(str(data_dir.absolute()).encode()).hexdigest()[:16]
+    for volume in engine.client.volumes.list():
+        if volume.name.startswith(f"sandlot-{instance[:8]}-"):
+            volume.remove(force=True)
+    for device in loops_backed_by(data_dir / "docker-disks"):
+        detach_loop(device)
+
+
 @pytest.fixture
 def server(docker_engine: Engine, docker_image: str, tmp_path: Path) -> Iterator[SandlotServer]:
     data_dir = tmp_path / "d"
@@ -55,8 +69,7 @@ def server(docker_engine: Engine, docker_image: str, tmp_path: Path) -> Iterator
         yield srv
     finally:
         srv.stop()
-        for c in containers(docker_engine, data_dir):
-            c.remove(force=True, v=True)
+        remove_sandboxes(docker_engine, data_dir)
 
 
 def cli_env(server: SandlotServer, tmp_path: Path) -> dict[str, str]:
@@ -189,5 +202,4 @@ async def test_a_warm_pool_serves_new_threads_with_ready_containers(
     finally:
         await client.aclose()
         server.stop()
-        for c in containers(docker_engine, data_dir):
-            c.remove(force=True, v=True)
+        remove_sandboxes(docker_engine, data_dir)

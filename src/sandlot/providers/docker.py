@@ -5,8 +5,11 @@ Each sandbox is one container of its template's image, with the template's memor
 pids and cpu limits, no network (``network_mode=none``) unless the template asks for
 it, an unprivileged user, every capability dropped, ``no-new-privileges``, a
 read-only root filesystem with a private ``/tmp``, and a named volume at
-``/workspace``. Its main process is the dataplane in its standalone mode
-(``python -m sandlot.dataplane``, :mod:`sandlot.dataplane.standalone`), which runs the
+``/workspace``: a disk of the template's ``disk_mb`` where the provider can attach one
+(:mod:`sandlot.providers.dockerdisk`: root on the engine's host), else the engine's
+plain volume, with no limit (the provider warns when it starts). Its main process is
+the dataplane in its standalone mode (``python -m sandlot.dataplane``,
+:mod:`sandlot.dataplane.standalone`), which runs the
 sandbox's commands and shells as its own children and verifies the broker's tokens
 itself.
 
@@ -49,7 +52,8 @@ Config keys (``[provider]`` in the server's configuration; ``data_dir``,
 - ``read_only_root``: the image's filesystem read-only (default true).
 - ``start_timeout_seconds``: how long a dataplane may take to answer (default 60).
 - ``jwks_refresh_seconds``: how often the broker's keys are compared (default 2).
-- ``keep_volumes``: keep workspace volumes when sandboxes are deleted (default false).
+- ``keep_volumes``: keep workspace volumes (or disk images) when sandboxes are deleted
+  (default false).
 - ``sweep_seconds``: how often the containers of live sandboxes are listed, in case the
   engine's ``die`` event was lost (default 5).
 - ``ulimits``: the sandbox's resource limits, name → limit (soft = hard) or
@@ -96,6 +100,7 @@ from sandlot.providers.base import (
     SandboxSpec,
     StatusListener,
 )
+from sandlot.providers.dockerdisk import WorkspaceDisks
 from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
 from sandlot.providers.socketrelay import Upstream, open_socket
 
@@ -169,6 +174,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         self.ulimits = _ulimits(cfg.get("ulimits", DEFAULT_ULIMITS))
         data_dir = Path(cfg.get("data_dir", ".sandlot")).absolute()
         self.root = data_dir / "docker"
+        self.disks = WorkspaceDisks(data_dir / "docker-disks", self.uid, self.gid)
         self.instance = hashlib.sha256(str(data_dir).encode()).hexdigest()[:16]
         self.public_url = str(cfg.get("public_url", "http://127.0.0.1:8765")).rstrip("/")
         self.issuer = str(cfg.get("issuer", ""))
@@ -192,6 +198,17 @@ class DockerProvider(InboxProvider[_Sandbox]):
             raise ProviderUnavailable(f"the container engine at {self.url} is unreachable") from exc
         self.root.mkdir(parents=True, exist_ok=True)
         os.chmod(self.root, 0o700)
+        problem = (
+            await asyncio.to_thread(self.disks.check)
+            if self.url.startswith("unix://")
+            else f"the engine at {self.url} is not on this host"
+        )
+        if problem is not None:
+            log.warning(
+                "SANDBOX DISK LIMITS ARE NOT ENFORCED: %s. Templates' disk_mb is ignored and "
+                "a sandbox can fill the engine host's filesystem.",
+                problem,
+            )
         await self._refresh_keys()
         self._loop = asyncio.get_running_loop()
         self._refresher = self._loop.create_task(self._refresh_loop())
@@ -478,6 +495,9 @@ class DockerProvider(InboxProvider[_Sandbox]):
         engine's own)."""
         sid = spec.sandbox_id
         await asyncio.to_thread(self._prepare_dirs, sid)
+        size = spec.template.resources.disk_mb
+        if size and self.disks.available:
+            await self._docker(self._disk_volume, sid, size)
         config = self._container_config(spec)
         del config["detach"]
         try:
@@ -488,6 +508,32 @@ class DockerProvider(InboxProvider[_Sandbox]):
             if "rlimit" in str(exc):  # above the engine's hard limit (Podman's default is)
                 raise ProviderUnavailable(f"{exc} (lower the provider's ulimits)") from exc
             raise
+
+    def _disk_volume(self, sandbox_id: str, size_mb: int) -> None:
+        """(In a thread.) The sandbox's workspace disk attached, and its workspace volume
+        the engine's mount of that device, made again each time (the device may differ:
+        the options of a volume never change). A plain volume a sandbox already has (from
+        before disk limits) is kept, with its files and no limit."""
+        name = self._volume_name(sandbox_id)
+        try:
+            existing = self._client.volumes.get(name)
+        except docker.errors.NotFound:
+            existing = None
+        if existing is not None and not _on_device(existing):
+            log.warning("sandbox %s keeps its workspace volume of before disk limits", sandbox_id)
+            return
+        device = self.disks.attach(sandbox_id, size_mb)
+        if existing is not None:
+            # A container left by a crash mid-create holds it.
+            with contextlib.suppress(docker.errors.NotFound):
+                self._client.api.remove_container(self._container_name(sandbox_id), force=True)
+            existing.remove(force=True)
+        self._client.volumes.create(
+            name=name,
+            driver="local",
+            driver_opts={"type": "ext4", "device": device, "o": "nosuid,nodev"},
+            labels={LABEL_INSTANCE: self.instance, LABEL_SANDBOX: sandbox_id},
+        )
 
     def _create_and_start(self, config: dict[str, Any]) -> Any:
         """(In a thread.) The container made from ``config`` and started (one left under
@@ -595,10 +641,12 @@ class DockerProvider(InboxProvider[_Sandbox]):
                 self._client.containers.get, self._container_name(sandbox_id)
             )
             await self._docker(container.remove, force=True)
-        if not self.keep_volumes:
-            with contextlib.suppress(docker.errors.NotFound):
-                volume = await self._docker(self._client.volumes.get, self._volume_name(sandbox_id))
+        with contextlib.suppress(docker.errors.NotFound):
+            volume = await self._docker(self._client.volumes.get, self._volume_name(sandbox_id))
+            # A disk's volume only names its device, detached next: never left behind.
+            if not self.keep_volumes or _on_device(volume):
                 await self._docker(volume.remove, force=True)
+        await asyncio.to_thread(self.disks.release, sandbox_id, keep_image=self.keep_volumes)
         await asyncio.to_thread(shutil.rmtree, self._dir(sandbox_id), True)
 
     async def revoke(self, sandbox_id: str, tokens: Sequence[RevokedToken]) -> None:
@@ -659,6 +707,8 @@ class DockerProvider(InboxProvider[_Sandbox]):
         leftover = {c.labels.get(LABEL_SANDBOX) for c in containers} - keep - {None}
         if self.root.is_dir():
             leftover |= {p.name for p in self.root.iterdir() if p.is_dir()} - keep
+        if not self.keep_volumes:
+            leftover |= await asyncio.to_thread(self.disks.sandboxes) - keep
         prefix = f"sandlot-{self.instance[:8]}-"
         volumes = [] if self.keep_volumes else await self._docker(self._client.volumes.list)
         for volume in volumes:
@@ -679,6 +729,11 @@ class DockerProvider(InboxProvider[_Sandbox]):
         containers = await self._docker(self._client.containers.list, all=True, filters=label)
         running = {c.labels.get(LABEL_SANDBOX) for c in containers} - {None}
         return set(self._sandboxes) | {str(s) for s in running}
+
+
+def _on_device(volume: Any) -> bool:
+    """Whether a volume is a workspace disk's (the engine mounts a device for it)."""
+    return bool((volume.attrs.get("Options") or {}).get("device"))
 
 
 def _ulimits(table: Any) -> list[tuple[str, tuple[int, int]]]:

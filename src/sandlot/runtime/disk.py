@@ -88,6 +88,7 @@ HOST_RESERVE_BYTES = 1 << 30
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 _LOOP_CTL_GET_FREE = 0x4C82
 _LOOP_CONFIGURE = 0x4C0A
+_LOOP_CLR_FD = 0x4C01
 _LO_FLAGS_AUTOCLEAR = 4
 _LO_FLAGS_DIRECT_IO = 16
 _MS_NOSUID, _MS_NODEV, _MS_NOATIME = 2, 4, 1024
@@ -96,7 +97,7 @@ _EXT4_IOC_SHUTDOWN = 0x8004587D
 _EXT4_GOING_FLAGS_NOLOGFLUSH = 2
 #: Inode tables were never written (the image reads back zeros): no background zeroing.
 _MOUNT_DATA = "noinit_itable"
-_MKFS = (
+MKFS_OPTIONS = (
     "-q",
     "-F",
     "-b",
@@ -161,11 +162,12 @@ def _shutdown(mountpoint: Path) -> None:
             os.close(fd)
 
 
-def _attach(image: Path) -> tuple[str, int]:
+def attach_loop(image: Path, *, autoclear: bool = True) -> tuple[str, int]:
     """Attach ``image`` to a free loop device: ``(device path, open fd)``.
 
-    The fd must stay open until the device is mounted (AUTOCLEAR detaches it at
-    its last close).
+    With ``autoclear``, the fd must stay open until the device is mounted (AUTOCLEAR
+    detaches it at its last close); without, it stays attached until
+    :func:`detach_loop`.
     """
     ctl = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     try:
@@ -175,7 +177,7 @@ def _attach(image: Path) -> tuple[str, int]:
             info = struct.pack(
                 "=QQQQQIIII64s64s32s16s",
                 *(0,) * 8,
-                _LO_FLAGS_AUTOCLEAR | _LO_FLAGS_DIRECT_IO,
+                (_LO_FLAGS_AUTOCLEAR if autoclear else 0) | _LO_FLAGS_DIRECT_IO,
                 name,
                 b"",
                 b"",
@@ -198,6 +200,18 @@ def _attach(image: Path) -> tuple[str, int]:
             os.close(backing)
     finally:
         os.close(ctl)
+
+
+def detach_loop(device: str) -> None:
+    """Detach a loop device (once unmounted everywhere, if a mount still holds it)."""
+    fd = os.open(device, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, _LOOP_CLR_FD)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # not attached (any more)
+            raise
+    finally:
+        os.close(fd)
 
 
 def _loops() -> dict[str, str]:
@@ -260,7 +274,7 @@ def mounts_of(devices: set[str]) -> list[Path]:
     return [where for dev, where in _mount_table() if dev in numbers]
 
 
-def _sparse_copy(src: Path, dst: Path) -> None:
+def sparse_copy(src: Path, dst: Path) -> None:
     """Copy ``src`` to ``dst`` keeping its holes (an image is mostly holes)."""
     size = src.stat().st_size
     fin = os.open(src, os.O_RDONLY | os.O_CLOEXEC)
@@ -379,9 +393,9 @@ class DiskManager:
             self.images.mkdir(mode=0o700, parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(prefix=".trial-", dir=self.images) as trial:
                 disk = SandboxDisk(Path(trial) / "disk.img", Path(trial) / "mnt")
-                _sparse_copy(self._template(1), disk.image)
+                sparse_copy(self._template(1), disk.image)
                 disk.mountpoint.mkdir()
-                device, fd = _attach(disk.image)
+                device, fd = attach_loop(disk.image)
                 try:
                     _mount(device, disk.mountpoint)
                 finally:
@@ -422,7 +436,7 @@ class DiskManager:
                 template = self._template(size_mb)
                 staging = disk.image.with_name(f".{sandbox_id}.{os.getpid()}.tmp")
                 staging.unlink(missing_ok=True)
-                _sparse_copy(template, staging)
+                sparse_copy(template, staging)
                 staging.rename(disk.image)
         try:
             disk.mountpoint.mkdir(mode=0o755, exist_ok=True)
@@ -539,7 +553,7 @@ class DiskManager:
         if attached:
             _mount(attached[0], disk.mountpoint)
             return
-        device, fd = _attach(disk.image)
+        device, fd = attach_loop(disk.image)
         try:
             _mount(device, disk.mountpoint)
         finally:
@@ -560,7 +574,7 @@ class DiskManager:
                 f.truncate(size_mb << 20)
             try:
                 subprocess.run(
-                    [self._mkfs or "mkfs.ext4", *_MKFS, "-d", root, str(staging)],
+                    [self._mkfs or "mkfs.ext4", *MKFS_OPTIONS, "-d", root, str(staging)],
                     capture_output=True,
                     check=True,
                     env={},
