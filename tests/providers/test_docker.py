@@ -16,7 +16,7 @@ import httpx
 import jwt
 import pytest
 
-from sandlot.protocol.errors import InvalidRequest, SandboxNotFound
+from sandlot.protocol.errors import InvalidRequest, QuotaExceeded, SandboxNotFound
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
@@ -148,6 +148,15 @@ async def test_a_workspace_holds_what_its_template_says_and_no_more(
             total, used = (int(n) for n in full.stdout.splitlines()[-2].split()[1:3])
             assert 12 <= total <= 16 and used >= total - 1
             assert full.stdout.splitlines()[-1] == "big"  # the workspace, nothing else
+            # Watched as a local sandbox's disk is: the event log says it filled, and a
+            # write through the API is the typed error.
+            with pytest.raises(QuotaExceeded):
+                await sb.write("/workspace/more.txt", "x" * (4 << 20))
+            async with sb.events(after=0, timeout=20) as events:
+                async for event in events:
+                    if event.event_type == "service.disk_full":
+                        assert event.details["service"]["name"] == "disk"
+                        break
             # Freed, the room is there again; the sandbox user owns the workspace.
             await sb.run("rm /workspace/big && echo kept > /workspace/notes.txt")
             assert (await sb.run("stat -c %u:%g /workspace")).stdout == "1000:1000\n"

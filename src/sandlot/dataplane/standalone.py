@@ -109,6 +109,8 @@ class StandaloneOptions:
     port: int = 8080
     shells: Mapping[str, list[str]] | None = None
     state_dir: Path | None = None
+    #: The workspace is a size-limited disk: its filling is reported (``service.disk_full``).
+    workspace_disk: bool = False
 
 
 def read_oom_kills(path: Path) -> int | None:
@@ -205,6 +207,7 @@ class StandaloneDataplane:
             oom_score_adj=COMMAND_OOM_SCORE_ADJ,
             oom_kills=oom_counter(),
             spool=options.state_dir,
+            disk=options.workspace_disk,
         )
         # Clients that met 423 while the container started wait on the log for this.
         self.inner = create_standalone_app(
@@ -340,6 +343,11 @@ def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:
     parser.add_argument(
         "--state-dir", type=Path, help="keeps the event log (a volume that outlives the process)"
     )
+    parser.add_argument(
+        "--workspace-disk",
+        action="store_true",
+        help="the workspace is a size-limited disk: report when it fills",
+    )
     args = parser.parse_args(argv)
     return StandaloneOptions(
         sandbox_id=args.sandbox_id,
@@ -353,6 +361,7 @@ def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:
         port=args.port,
         shells=json.loads(args.shells) if args.shells else None,
         state_dir=args.state_dir,
+        workspace_disk=args.workspace_disk,
     )
 
 

@@ -410,7 +410,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         box.settled.set()
         await self._notify(sid)
 
-    def _container_config(self, spec: SandboxSpec) -> dict[str, Any]:
+    def _container_config(self, spec: SandboxSpec, *, disk: bool = False) -> dict[str, Any]:
         sid, template = spec.sandbox_id, spec.template
         res = template.resources
         mounts = [
@@ -440,6 +440,8 @@ class DockerProvider(InboxProvider[_Sandbox]):
             "--shells",
             json.dumps(template.shells),
         ]
+        if disk:
+            command.append("--workspace-disk")
         network = "none" if template.network is NetworkMode.NONE else self.network
         memory = f"{res.memory_mb}m"
         return {
@@ -496,9 +498,10 @@ class DockerProvider(InboxProvider[_Sandbox]):
         sid = spec.sandbox_id
         await asyncio.to_thread(self._prepare_dirs, sid)
         size = spec.template.resources.disk_mb
-        if size and self.disks.available:
-            await self._docker(self._disk_volume, sid, size)
-        config = self._container_config(spec)
+        disk = bool(size and self.disks.available) and await self._docker(
+            self._disk_volume, sid, size
+        )
+        config = self._container_config(spec, disk=disk)
         del config["detach"]
         try:
             return await self._docker(self._create_and_start, config)
@@ -509,11 +512,12 @@ class DockerProvider(InboxProvider[_Sandbox]):
                 raise ProviderUnavailable(f"{exc} (lower the provider's ulimits)") from exc
             raise
 
-    def _disk_volume(self, sandbox_id: str, size_mb: int) -> None:
+    def _disk_volume(self, sandbox_id: str, size_mb: int) -> bool:
         """(In a thread.) The sandbox's workspace disk attached, and its workspace volume
         the engine's mount of that device, made again each time (the device may differ:
         the options of a volume never change). A plain volume a sandbox already has (from
-        before disk limits) is kept, with its files and no limit."""
+        before disk limits) is kept, with its files and no limit. Whether the workspace is
+        a disk."""
         name = self._volume_name(sandbox_id)
         try:
             existing = self._client.volumes.get(name)
@@ -521,7 +525,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
             existing = None
         if existing is not None and not _on_device(existing):
             log.warning("sandbox %s keeps its workspace volume of before disk limits", sandbox_id)
-            return
+            return False
         device = self.disks.attach(sandbox_id, size_mb)
         if existing is not None:
             # A container left by a crash mid-create holds it.
@@ -534,6 +538,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
             driver_opts={"type": "ext4", "device": device, "o": "nosuid,nodev"},
             labels={LABEL_INSTANCE: self.instance, LABEL_SANDBOX: sandbox_id},
         )
+        return True
 
     def _create_and_start(self, config: dict[str, Any]) -> Any:
         """(In a thread.) The container made from ``config`` and started (one left under

@@ -292,16 +292,19 @@ class DirectRuntime(SandboxRuntime):
         oom_score_adj: int | None = None,
         oom_kills: Callable[[], int] | None = None,
         spool: Path | None = None,
+        disk: bool = False,
     ) -> None:
         """``oom_score_adj``: raise the commands' (and tools') score, so that when the
         sandbox runs out of memory the kernel kills them rather than the dataplane that
         shares their cgroup (a container's). ``oom_kills``: how many processes the OOM
         killer ended in that cgroup so far; a command killed by SIGKILL while it rose is
         reported ``oom_killed``. ``spool``: a directory that outlives the process (the
-        event log is kept there)."""
+        event log is kept there). ``disk``: the workspace is a size-limited filesystem of
+        its own (a container's workspace disk), watched as a local sandbox's disk is."""
         self.oom_score_adj = oom_score_adj
         self._oom_kills = oom_kills
         self._spool = spool
+        self._disk = disk
         self.sandbox_id = sandbox_id
         self.generation = generation
         self.template = template
@@ -335,6 +338,12 @@ class DirectRuntime(SandboxRuntime):
             "LANG": "C.UTF-8",
             **self.template.env,
         }
+
+    def disk_usage(self) -> tuple[int, int] | None:
+        if not self._disk:
+            return None
+        st = os.statvfs(self._workspace)
+        return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 
     @property
     def spool_dir(self) -> Path | None:
