@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,7 +23,7 @@ from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
 from sandlot.providers.docker import DockerProvider
-from sandlot.runtime.disk import loops_backed_by
+from sandlot.runtime.disk import detach_loop, loops_backed_by
 from tests.dataplane.conftest import Keys
 from tests.dockerengine import ULIMITS, Engine
 from tests.providers.dockerharness import make_provider, serving
@@ -48,6 +49,15 @@ for pid in pids:
 '"""
 
 pytestmark = [pytest.mark.isolation, pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(autouse=True)
+def no_disk_left(tmp_path: Path) -> Iterator[None]:
+    """Whatever a test leaves (it failed before deleting its sandbox), no workspace disk
+    of its provider stays attached to a loop device of the machine."""
+    yield
+    for device in loops_backed_by(tmp_path):
+        detach_loop(device)
 
 
 async def test_a_sandbox_is_a_locked_down_container(
