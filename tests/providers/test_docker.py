@@ -107,6 +107,10 @@ async def test_a_sandbox_is_a_locked_down_container(
             assert net.exit_code != 0 and "unreachable" in net.stderr.lower()
             await sb.write("/workspace/notes.txt", "kept\n")
             assert (await sb.run("cat /workspace/notes.txt")).stdout == "kept\n"
+            # The dataplane's socket cannot be removed, nor another put beside it.
+            sock = await sb.run("rm -f /run/sandlot/dp.sock; touch /run/sandlot/x", check=False)
+            assert sock.exit_code != 0 and sock.stderr.count("Permission denied") == 2
+            assert (await sb.run("ls /run/sandlot")).stdout == "dp.sock\n"
 
 
 async def test_memory_and_pids_limits_are_enforced(

@@ -385,6 +385,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         try:
             container = await self._start_container(spec)
             upstream = await self._wait_ready(sid, container)
+            await asyncio.to_thread(self._seal_run_dir, sid)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -489,6 +490,16 @@ class DockerProvider(InboxProvider[_Sandbox]):
         run.chmod(0o700)
         self._write_trust(sandbox_id, "jwks.json", json.loads(self._jwks_text))
         self._write_trust(sandbox_id, "revoked.json", {"revoked": []})
+
+    def _seal_run_dir(self, sandbox_id: str) -> None:
+        """Once the dataplane listens, its socket's directory becomes root's: no process of
+        the sandbox (the dataplane's user) can remove the socket or put another in its
+        place, which a server that restarts would connect to."""
+        if os.geteuid() != 0:
+            return  # a server of the sandbox's own uid: the directory stays its own
+        run = self._dir(sandbox_id) / "run"
+        os.chown(run, 0, 0)
+        run.chmod(0o755)
 
     async def _start_container(self, spec: SandboxSpec) -> Any:
         """Create and start the container in one hop to a thread,
