@@ -21,6 +21,17 @@ STORM = (
     "for s in INT TERM HUP QUIT USR1 USR2 ALRM PROF 9 STOP; do kill -$s 1; done; done"
 )
 
+# PTRACE_ATTACH to the dataplane: a tracer stops it (and, attached, could end it); if it
+# is let in, it is let go at once (the dataplane resumes: the test fails, not hangs).
+TRACE = """import ctypes, os
+libc = ctypes.CDLL(None)
+attached = libc.ptrace(16, 1, 0, 0)
+print(attached)
+if attached == 0:
+    os.waitpid(1, 0x40000000)
+    libc.ptrace(17, 1, 0, 0)
+"""
+
 
 async def no_command_stops_the_dataplane(
     sb: AsyncSandbox, state: Callable[[], Awaitable[SandboxState]]
@@ -34,6 +45,10 @@ async def no_command_stops_the_dataplane(
         await sb.run(f"{kill}; sleep 0.3", check=False)
         assert await state() is SandboxState.ACTIVE, kill
         assert (await sb.run("cat /workspace/kept.txt")).stdout == "kept\n", kill
+    # Nor trace it or read its memory, where every client's token passes.
+    assert (await sb.run(f"python3 - <<'EOF'\n{TRACE}EOF")).stdout == "-1\n"
+    probe = await sb.run("cat /proc/1/environ; ls /proc/1/fd", check=False)
+    assert probe.stdout == "" and probe.stderr.count("Permission denied") == 2
     # `kill -9 -1` ended every other process of the sandbox, the glob helper too.
     assert (await shell.wait()).exit_code == 137
     assert [f.path for f in await sb.glob("*.txt")] == ["/workspace/kept.txt"]

@@ -31,12 +31,12 @@ none of them.
 Started as its container's first process (PID 1, no init before it), the dataplane is
 the one process of the sandbox its commands cannot stop, though they run as its user:
 ``kill -1`` passes over an init, the kernel never delivers it a ``SIGKILL`` or
-``SIGSTOP`` sent from inside its PID namespace, and it handles every other signal that
-would end a process by doing nothing (:class:`ContainerInit`). An agent's ``pkill
-python3`` or ``kill -9 -1`` ends the sandbox's commands, not the sandbox. It collects the
-processes its commands leave behind, which become its children as they would an init's
-(:func:`~sandlot.runtime.direct.reap_orphans`, every second). Only the engine stops it,
-with ``SIGKILL``.
+``SIGSTOP`` sent from inside its PID namespace, it handles every other signal that
+would end a process by doing nothing, and it cannot be traced (:class:`ContainerInit`).
+An agent's ``pkill python3`` or ``kill -9 -1`` ends the sandbox's commands, not the
+sandbox. It collects the processes its commands leave behind, which become its children
+as they would an init's (:func:`~sandlot.runtime.direct.reap_orphans`, every second).
+Only the engine stops it, with ``SIGKILL``.
 
 A command the OOM killer ends (the container's memory limit) is reported ``oom_killed``:
 the container's memory cgroup counts the kills (``memory.events`` or, on cgroup v1,
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import gc
 import hmac
 import importlib.util
@@ -87,6 +88,7 @@ CONTROL_HEADER = b"x-sandlot-control"
 #: A pushed revocation list is small: a few hundred tokens at most.
 MAX_PUSH_BYTES = 1 << 20
 COMMAND_OOM_SCORE_ADJ = 800
+PR_SET_DUMPABLE = 4
 #: Where a container sees its own memory cgroup's OOM kill count (v2, then v1).
 OOM_COUNTERS = (
     Path("/sys/fs/cgroup/memory.events"),
@@ -466,9 +468,13 @@ class ContainerInit:
 
     def start(self) -> None:
         """At start-up, before any command can run (uvicorn's SIGINT and SIGTERM handlers,
-        Python's SIGINT handler, would stop the dataplane at a command's word)."""
+        Python's SIGINT handler, would stop the dataplane at a command's word). Its
+        process is made undumpable too: a command, of its user, could otherwise trace it
+        (and end it so) or read its memory, where every client's token passes. A command
+        it starts is dumpable again once it runs its program."""
         for signo in self.UNHEEDED:
             signal.signal(signo, self._unheeded)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
         self._sweep(asyncio.get_running_loop())
 
     @staticmethod
