@@ -14,7 +14,7 @@ device, so the device must name that sandbox's image for as long as the containe
 start. It is detached once the sandbox's container and volume are removed; an image and
 a device left by a crash are removed with the sandbox's other leftovers. Images are thin,
 as :mod:`sandlot.runtime.disk`'s are: a new one is refused when the host's filesystem
-could not hold it in full beside :data:`~sandlot.runtime.disk.HOST_RESERVE_BYTES`.
+could not hold it in full beside the server's reserve (:func:`~sandlot.runtime.disk.make_room`).
 
 This needs the provider to run as root on the engine's host (an engine reached over a
 Unix socket), ``mkfs.ext4`` and ``debugfs`` (e2fsprogs) and loop devices:
@@ -33,13 +33,13 @@ import threading
 from pathlib import Path
 
 from sandlot.runtime.disk import (
-    HOST_RESERVE_BYTES,
     MKFS_OPTIONS,
     DiskError,
     attach_loop,
     detach_loop,
     find_mkfs,
     loops_backed_by,
+    make_room,
     sparse_copy,
 )
 
@@ -75,9 +75,8 @@ class WorkspaceDisks:
             with tempfile.TemporaryDirectory(prefix=".trial-", dir=self.directory) as trial:
                 image = Path(trial) / "disk.img"
                 sparse_copy(self._template(1), image)
-                device, fd = attach_loop(image)
+                _, fd = attach_loop(image)
                 os.close(fd)  # AUTOCLEAR: detached as it closes
-                del device
         except (OSError, subprocess.SubprocessError, DiskError) as exc:
             self._mkfs = self._debugfs = ""
             return f"a trial disk could not be made and attached: {exc}"
@@ -95,7 +94,7 @@ class WorkspaceDisks:
         image = self.image(sandbox_id)
         with self._lock:
             if not image.exists():
-                self._make_room(size_mb << 20)
+                make_room(self.directory, size_mb << 20)
                 staging = image.with_name(f".{sandbox_id}.{os.getpid()}.tmp")
                 staging.unlink(missing_ok=True)
                 sparse_copy(self._template(size_mb), staging)
@@ -148,13 +147,3 @@ class WorkspaceDisks:
             raise DiskError(f"making a {size_mb} MiB workspace disk failed: {err}") from exc
         staging.rename(path)
         return path
-
-    def _make_room(self, size: int) -> None:
-        st = os.statvfs(self.directory)
-        free = st.f_bavail * st.f_frsize
-        if free - size < HOST_RESERVE_BYTES:
-            mib = 1 << 20
-            raise DiskError(
-                f"not enough free space on the host for a {size // mib} MiB workspace disk: "
-                f"{free // mib} MiB free, {HOST_RESERVE_BYTES // mib} MiB kept for the server"
-            )

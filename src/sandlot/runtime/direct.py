@@ -342,6 +342,8 @@ class DirectRuntime(SandboxRuntime):
     def disk_usage(self) -> tuple[int, int] | None:
         if not self._disk:
             return None
+        # As DiskManager.usage, without importing the disk module into a container's
+        # dataplane, whose start-up is what a new sandbox waits for.
         st = os.statvfs(self._workspace)
         return st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
 

@@ -327,6 +327,19 @@ def _chown_tree(path: Path, uid: int, gid: int) -> None:
             os.lchown(os.path.join(root, name), uid, gid)
 
 
+def make_room(directory: Path, size: int) -> None:
+    """Refuse a disk of ``size`` bytes in ``directory`` that the host's filesystem could not
+    hold in full beside the server's reserve (:data:`HOST_RESERVE_BYTES`)."""
+    st = os.statvfs(directory)
+    free = st.f_bavail * st.f_frsize
+    if free - size < HOST_RESERVE_BYTES:
+        mib = 1 << 20
+        raise DiskError(
+            f"not enough free space on the host for a {size // mib} MiB sandbox disk: "
+            f"{free // mib} MiB free, {HOST_RESERVE_BYTES // mib} MiB kept for the server"
+        )
+
+
 def find_mkfs() -> str | None:
     """``mkfs.ext4``, also where a non-root ``PATH`` leaves out the sbin directories."""
     return shutil.which("mkfs.ext4") or shutil.which("mkfs.ext4", path="/usr/sbin:/sbin")
@@ -432,7 +445,7 @@ class DiskManager:
                 log.warning("sandbox %s keeps its workspace of before disk limits", sandbox_id)
                 return None
             if fresh:
-                self._make_room(size_mb << 20)
+                make_room(self.images, size_mb << 20)
                 template = self._template(size_mb)
                 staging = disk.image.with_name(f".{sandbox_id}.{os.getpid()}.tmp")
                 staging.unlink(missing_ok=True)
@@ -586,14 +599,3 @@ class DiskManager:
                 raise DiskError(f"mkfs.ext4 failed for a {size_mb} MiB disk: {err}") from exc
             staging.rename(path)
         return path
-
-    def _make_room(self, size: int) -> None:
-        """Refuse a disk the host could not hold in full, beside the server's reserve."""
-        st = os.statvfs(self.images)
-        free = st.f_bavail * st.f_frsize
-        if free - size < HOST_RESERVE_BYTES:
-            mib = 1 << 20
-            raise DiskError(
-                f"not enough free space on the host for a {size // mib} MiB sandbox disk: "
-                f"{free // mib} MiB free, {HOST_RESERVE_BYTES // mib} MiB kept for the server"
-            )
