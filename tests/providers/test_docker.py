@@ -342,6 +342,53 @@ def test_ulimits_are_checked_when_the_provider_is_configured(tmp_path: Path) -> 
     assert provider.ulimits == [("nofile", (16384, 16384)), ("nproc", (32768, 32768))]
 
 
+def test_the_log_key_is_checked_when_the_provider_is_configured(tmp_path: Path) -> None:
+    keys, nowhere = Keys(), SimpleNamespace(url="unix:///nonexistent.sock")
+    for bad in ["json-file", {"driver": ""}, {"driver": "local", "options": "max-size=1m"},
+                {"driver": "local", "size": "1m"}]:  # fmt: skip
+        with pytest.raises(InvalidRequest, match="log"):
+            make_provider(nowhere, "img", tmp_path, keys, log=bad)  # type: ignore[arg-type]
+    provider = make_provider(nowhere, "img", tmp_path, keys)  # type: ignore[arg-type]
+    assert provider.log_config == {
+        "Type": "json-file", "Config": {"max-size": "1m", "max-file": "2"}
+    }  # fmt: skip
+    # A driver of the operator's choice comes with its own options, or none.
+    provider = make_provider(nowhere, "img", tmp_path, keys, log={"driver": "journald"})  # type: ignore[arg-type]
+    assert provider.log_config == {"Type": "journald", "Config": {}}
+
+
+#: Garbage sent to the dataplane's socket from inside: each connection is a warning of
+#: the dataplane's, written by the engine to a file on its host.
+LOG_FLOOD = """python3 -c '
+import socket
+for _ in range(40000):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect("/run/sandlot/dp.sock")
+    s.sendall(b"GARBAGE\\r\\n\\r\\n")
+    s.recv(100)
+    s.close()
+print("sent")
+'"""
+
+
+async def test_no_command_can_fill_the_host_through_the_dataplanes_log(
+    engine: Engine, image: str, tmp_path: Path
+) -> None:
+    # 40,000 warnings are some 4 MB of log on the engine's host (Docker's json-file, 3.4
+    # MB for Podman's k8s-file) without a bound; with it, at most 2 MiB stay.
+    async with serving(engine, image, tmp_path) as h:
+        await h.create("sb_log")
+        container = h.container("sb_log")
+        async with h.sandbox("sb_log") as sb:
+            assert (await sb.run(LOG_FLOOD)).stdout == "sent\n"
+            assert (await sb.run("echo alive")).stdout == "alive\n"
+        logs = Path(container.attrs["LogPath"]).parent
+        kept = sum(f.stat().st_size for f in logs.iterdir() if "log" in f.name)
+        assert 0 < kept <= (2 << 20) + 4096
+        assert b"Invalid HTTP request" in container.logs(tail=5)
+        await h.provider.delete("sb_log")
+
+
 async def test_a_container_that_dies_fails_its_sandbox_at_once(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:

@@ -83,7 +83,7 @@ from typing import Any
 import docker
 import docker.errors
 import httpx
-from docker.types import Mount, Ulimit
+from docker.types import LogConfig, Mount, Ulimit
 
 from sandlot.protocol.errors import (
     InvalidRequest,
@@ -119,6 +119,13 @@ TRUST_MOUNT = "/run/sandlot-trust"
 SOCKET_NAME = "dp.sock"
 WORKSPACE = "/workspace"
 DEFAULT_ULIMITS: dict[str, int | list[int]] = {"nofile": 16384, "nproc": 32768}
+#: What the engine keeps of a container's output (the dataplane's warnings) on its host:
+#: at most two files of 1 MiB. A command can make the dataplane log (garbage sent to its
+#: socket is a warning each time), and a log without a bound would fill the host's disk.
+DEFAULT_LOG: dict[str, Any] = {
+    "driver": "json-file",
+    "options": {"max-size": "1m", "max-file": "2"},
+}
 #: The names both engines take (setrlimit's, less ``RLIMIT_``).
 ULIMIT_NAMES = frozenset(
     [
@@ -172,6 +179,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
         if not self.sweep_interval > 0:
             raise InvalidRequest("the docker provider's sweep_seconds is a positive number")
         self.ulimits = _ulimits(cfg.get("ulimits", DEFAULT_ULIMITS))
+        self.log_config = _log_config(cfg.get("log", DEFAULT_LOG))
         data_dir = Path(cfg.get("data_dir", ".sandlot")).absolute()
         self.root = data_dir / "docker"
         self.disks = WorkspaceDisks(data_dir / "docker-disks", self.uid, self.gid)
@@ -467,6 +475,7 @@ class DockerProvider(InboxProvider[_Sandbox]):
             "read_only": self.read_only_root,
             "tmpfs": {"/tmp": f"rw,nosuid,nodev,size={self.tmp_mb}m,mode=1777"},
             "ulimits": [Ulimit(name=n, soft=soft, hard=hard) for n, (soft, hard) in self.ulimits],
+            "log_config": self.log_config,
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges"],
             "mounts": mounts,
@@ -771,6 +780,19 @@ def _ulimits(table: Any) -> list[tuple[str, tuple[int, int]]]:
             )
         out.append((name, (int(pair[0]), int(pair[1]))))
     return out
+
+
+def _log_config(table: Any) -> LogConfig:
+    """The ``log`` key: ``driver`` (the engine's log driver) and its ``options``."""
+    if not isinstance(table, Mapping) or not set(table) <= {"driver", "options"}:
+        raise InvalidRequest("the docker provider's log is a table of driver and options")
+    driver = table.get("driver", DEFAULT_LOG["driver"])
+    options = table.get("options", DEFAULT_LOG["options"] if "driver" not in table else {})
+    if not isinstance(driver, str) or not driver:
+        raise InvalidRequest("the docker provider's log driver is a name, e.g. json-file")
+    if not isinstance(options, Mapping):
+        raise InvalidRequest("the docker provider's log options are a table of strings")
+    return LogConfig(type=driver, config={str(k): str(v) for k, v in options.items()})
 
 
 def _conflict(exc: BaseException | None) -> bool:
