@@ -129,13 +129,9 @@ class KeyService:
         return f"sl_{prefix}_{secret}", info
 
     def authenticate(self, raw: str | None) -> Principal:
-        if not raw:
-            raise Unauthenticated("an API key is required (Authorization: Bearer <key>)")
-        m = _KEY_RE.match(raw.strip())
-        if m is None:
-            raise Unauthenticated("invalid API key")
-        prefix, secret = m.groups()
-        digest = _hash(secret)
+        """Who ``raw`` is (a read of the store when it is not cached: call it off the
+        event loop, or :meth:`from_cache` first)."""
+        prefix, digest = self._parse(raw)
         now = time.monotonic()
         cached = self._cache.get(prefix)
         if cached is None or now - cached[0] > self.CACHE_SECONDS:
@@ -143,6 +139,30 @@ class KeyService:
             if len(self._cache) > 10_000:
                 self._cache.clear()
             self._cache[prefix] = cached
+        return self._check(cached, digest)
+
+    def from_cache(self, raw: str | None) -> Principal | None:
+        """Who ``raw`` is, without the store: ``None`` when that needs :meth:`authenticate`
+        (not cached, or cached too long ago). Unauthenticated for a key that is
+        malformed, or known to be wrong."""
+        prefix, digest = self._parse(raw)
+        cached = self._cache.get(prefix)
+        if cached is None or time.monotonic() - cached[0] > self.CACHE_SECONDS:
+            return None
+        return self._check(cached, digest)
+
+    @staticmethod
+    def _parse(raw: str | None) -> tuple[str, str]:
+        if not raw:
+            raise Unauthenticated("an API key is required (Authorization: Bearer <key>)")
+        m = _KEY_RE.match(raw.strip())
+        if m is None:
+            raise Unauthenticated("invalid API key")
+        prefix, secret = m.groups()
+        return prefix, _hash(secret)
+
+    @staticmethod
+    def _check(cached: tuple[float, str, Principal | None], digest: str) -> Principal:
         _, secret_hash, principal = cached
         if principal is None or not hmac.compare_digest(secret_hash, digest):
             raise Unauthenticated("invalid API key")

@@ -35,6 +35,7 @@ from sandlot.broker.hosts import host_credential
 from sandlot.broker.identities import identity
 from sandlot.broker.settings import BrokerSettings
 from sandlot.cli.draining import GRACEFUL_SHUTDOWN_SECONDS, Drain, DrainingServer
+from sandlot.dataplane.http.connections import guarded_http, raise_open_files_limit
 from sandlot.dataplane.http.host import DataplaneHost
 from sandlot.web.allowlist import Upstream
 from sandlot.web.app import create_web_app
@@ -256,6 +257,7 @@ def run_until_signalled(server: uvicorn.Server, sockets: list[socket.socket]) ->
     """
     signal.signal(signal.SIGTERM, lambda *_: None)
     signal.signal(signal.SIGINT, lambda *_: None)
+    raise_open_files_limit()
     # What the start-up made (modules, the app) lives as long as the process: out of the
     # collector's way, so that a full collection walks only what requests left behind
     # (it walked everything: pauses of 0.2 to 1 s on a loaded machine).
@@ -276,6 +278,9 @@ def uvicorn_config(app: Any) -> uvicorn.Config:
         ws_per_message_deflate=False,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_SECONDS),
         lifespan="on",
+        # A connection that sends no request head in time is closed (one that sends
+        # nothing held a descriptor for good: sandlot.dataplane.http.connections).
+        http=guarded_http(),
     )
 
 

@@ -66,6 +66,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, cast
 
+from sandlot.dataplane.http.connections import guarded_http
 from sandlot.dataplane.http.host import create_standalone_app
 from sandlot.dataplane.services.auth import JwksSource, TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
@@ -502,6 +503,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         app,
         log_level="warning",
         lifespan="on",
+        # Closes a connection that sends no request head in time (a pod's port is open to
+        # other pods; a socket, to the sandbox's own commands).
+        http=guarded_http(),
         # Called as a class is, once per upgrade.
         ws=cast("type[asyncio.Protocol]", websocket_protocol()),
         ws_ping_interval=None,

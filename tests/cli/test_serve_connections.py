@@ -1,0 +1,90 @@
+"""Connections that send nothing cannot take ``sandlot serve`` from everyone else
+(``sandlot.dataplane.http.connections``): what anyone who reaches its port can do,
+with no key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandlot.sdk import AsyncSandlot
+from tests.servers import SandlotServer
+
+#: More than the soft limit of open files a shell often gives (1024).
+SILENT = 1100
+
+
+@pytest.fixture
+def room() -> Iterator[int]:
+    """This process may open :data:`SILENT` sockets and more (root raises its hard limit
+    where it is lower); the limits it had are put back after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    room = max(hard, 4 * SILENT) if os.geteuid() == 0 else hard
+    resource.setrlimit(resource.RLIMIT_NOFILE, (room, room))
+    try:
+        yield room
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, room))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def start_with_common_limit(server: SandlotServer, room: int) -> None:
+    """``server`` started with the soft limit of open files a shell often gives (1024),
+    and a hard one above (as systemd gives)."""
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, room))
+    try:
+        server.start()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (room, room))
+
+
+def server_fds(server: SandlotServer) -> int:
+    assert server.proc is not None
+    return len(os.listdir(f"/proc/{server.proc.pid}/fd"))
+
+
+def test_connections_that_send_nothing_do_not_take_the_server(tmp_path: Path, room: int) -> None:
+    server = SandlotServer(tmp_path / "data", env={"SANDLOT_HEAD_TIMEOUT_SECONDS": "1"})
+    start_with_common_limit(server, room)
+    try:
+        # The server took its soft limit up to the hard one.
+        assert server.proc is not None
+        limits = Path(f"/proc/{server.proc.pid}/limits").read_text()
+        soft, hard = next(ln for ln in limits.splitlines() if "open files" in ln).split()[3:5]
+        assert soft == hard == str(room)
+        before = server_fds(server)
+        host, port = "127.0.0.1", server.port
+        silent = [socket.create_connection((host, port)) for _ in range(SILENT)]
+        for s in silent[::10]:
+            s.sendall(b"GET /api/healthz HTTP/1.1\r\n")  # a head begun, never finished
+        # Everyone else is answered meanwhile: a fresh connection, and a command that
+        # runs longer than a head may take (its request is not cut).
+        assert httpx.get(f"{server.url}/api/healthz", timeout=10).status_code == 200
+        key = server.key("alice", "agent")
+
+        async def long_command() -> str:
+            client = AsyncSandlot(server.url, key, auto_refresh=False)
+            try:
+                sandbox = await client.ensure("thr_slow")
+                return (await sandbox.run("sleep 2.5; echo done")).stdout
+            finally:
+                await client.aclose()
+
+        assert asyncio.run(long_command()) == "done\n"
+        # Each silent connection was closed by the server, its descriptor given back.
+        deadline = time.monotonic() + 10
+        for s in silent:
+            s.settimeout(max(0.1, deadline - time.monotonic()))
+            assert s.recv(1) == b""
+            s.close()
+        assert server_fds(server) < before + 50
+    finally:
+        server.stop()
