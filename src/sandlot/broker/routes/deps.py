@@ -66,9 +66,9 @@ async def get_principal(request: Request) -> Principal:
     raw = api_key_of(request)
     # A key not cached is read from the store in a thread: keys nobody has (anyone can
     # send some) never are, and a slow store or one out of reach held the event loop.
-    principal = broker.keys.from_cache(raw) or await anyio.to_thread.run_sync(
-        broker.keys.authenticate, raw
-    )
+    principal = broker.keys.from_cache(raw)
+    if principal is None:
+        principal = await anyio.to_thread.run_sync(broker.keys.authenticate, raw)
     on_behalf = request.headers.get("x-sandlot-on-behalf-of")
     if on_behalf:
         if principal.type is not PrincipalType.SERVICE:
