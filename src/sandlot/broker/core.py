@@ -20,7 +20,7 @@ from sandlot.broker.pools import PoolService
 from sandlot.broker.ratelimit import RateLimiter, SharedRateLimiter
 from sandlot.broker.reaper import Reaper
 from sandlot.broker.revocations import RevocationWatcher
-from sandlot.broker.sandboxes import SandboxService
+from sandlot.broker.sandboxes import STOP_DRAIN_SECONDS, SandboxService
 from sandlot.broker.scopes import MemberService
 from sandlot.broker.sessions import SessionService
 from sandlot.broker.settings import BrokerSettings, ConfigError
@@ -225,7 +225,7 @@ class Broker:
         await self.reaper.stop()
         await self.sessions.pool_claims.close()
         await self.host_api.close()
-        await self.sandboxes.drain()
+        await self.sandboxes.drain(STOP_DRAIN_SECONDS)
         await self.provider.close()
         if self.remote is not None and self.remote is not self.provider:
             await self.remote.close()

@@ -218,18 +218,15 @@ class HostRegistry:
                 + ", retry later",
                 metadata={"reason": "no_host", "provider": provider},
             )
-        used: dict[str, int] = dict(
-            conn.execute(
-                select(sandboxes.c.host, func.count())
-                .where(
-                    sandboxes.c.host.in_([h.id for h in candidates]),
-                    sandboxes.c.state.in_(_OCCUPYING),
-                )
-                .group_by(sandboxes.c.host)
+        rows = conn.execute(
+            select(sandboxes.c.host, func.count())
+            .where(
+                sandboxes.c.host.in_([h.id for h in candidates]),
+                sandboxes.c.state.in_(_OCCUPYING),
             )
-            .tuples()
-            .all()
-        )
+            .group_by(sandboxes.c.host)
+        ).all()
+        used: dict[str, int] = {str(host): int(count) for host, count in rows}
         free = {h.id: h.capacity - int(used.get(h.id, 0)) for h in candidates}
         best = min(candidates, key=lambda h: (-free[h.id], h.id))
         if free[best.id] <= 0:
@@ -336,12 +333,16 @@ class FleetProvider(Provider):
     host_bound = False
     #: Seconds a host's record (URL, credential) is reused before it is read again.
     RECORD_TTL = 2.0
+    #: Seconds a host's client is kept once replaced (each call ends within 30 s).
+    RETIRE_SECONDS = 60.0
 
     def __init__(self, registry: HostRegistry) -> None:
         super().__init__({})
         self.registry = registry
         self._records: dict[str, tuple[float, HostRecord | None]] = {}
         self._clients: dict[tuple[str, str, str], RemoteProvider] = {}
+        #: Clients of a host's registration before its last, and when they were replaced.
+        self._retired: list[tuple[float, RemoteProvider]] = []
 
     def _record(self, host_id: str) -> HostRecord | None:
         now = time.monotonic()
@@ -377,6 +378,11 @@ class FleetProvider(Provider):
         key = (record.id, record.provider_url, record.credential)
         client = self._clients.get(key)
         if client is None:
+            # The host registered again with another address or secret: its client
+            # before is closed once the calls through it are over.
+            now = time.monotonic()
+            for old in [k for k in self._clients if k[0] == record.id]:
+                self._retired.append((now, self._clients.pop(old)))
             client = RemoteProvider(
                 {
                     "url": record.provider_url,
@@ -386,12 +392,17 @@ class FleetProvider(Provider):
                 }
             )
             self._clients[key] = client
+        if self._retired and time.monotonic() - self._retired[0][0] > self.RETIRE_SECONDS:
+            done = [c for t, c in self._retired if time.monotonic() - t > self.RETIRE_SECONDS]
+            self._retired = [(t, c) for t, c in self._retired if c not in done]
+            await asyncio.gather(*(c.close() for c in done), return_exceptions=True)
         return client
 
     async def close(self) -> None:
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *(c for _, c in self._retired)]:
             await client.close()
         self._clients.clear()
+        self._retired.clear()
 
     async def create(self, spec: SandboxSpec) -> ProviderStatus:
         return await (await self._for(spec.sandbox_id)).create(spec)

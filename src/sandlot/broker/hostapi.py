@@ -35,7 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Collection
+import threading
+import time
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +51,12 @@ from sandlot.broker.idempotency import IdempotencyStore
 from sandlot.broker.pools import PoolService
 from sandlot.broker.reaper import Reaper
 from sandlot.broker.revocations import read_revocations
-from sandlot.broker.sandboxes import LIVE_STATES, SandboxRow, SandboxService
+from sandlot.broker.sandboxes import (
+    LIVE_STATES,
+    STOP_DRAIN_SECONDS,
+    SandboxRow,
+    SandboxService,
+)
 from sandlot.broker.settings import BrokerSettings
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import sandboxes
@@ -127,12 +134,15 @@ class HostScope:
         )
 
     async def close(self) -> None:
-        await self.sandboxes.drain()
+        await self.sandboxes.drain(STOP_DRAIN_SECONDS)
         await self.provider.close()
 
 
 class HostApi:
     """What a broker does for hosts that reach the store through its API."""
+
+    #: Seconds a retired scope is kept for the calls through it (each ends within 30 s).
+    RETIRE_SECONDS = 60.0
 
     def __init__(
         self,
@@ -157,7 +167,10 @@ class HostApi:
         self.hub = hub
         self.keys = HostKeyService(store)
         self._scopes: dict[str, HostScope] = {}
-        self._retired: list[HostScope] = []
+        #: Scopes of hosts that registered again with another address or secret, and
+        #: when: closed :data:`RETIRE_SECONDS` later (calls through them may be running).
+        self._retired: list[tuple[float, HostScope]] = []
+        self._retiring = threading.Lock()
 
     @property
     def registry(self) -> HostRegistry:
@@ -209,12 +222,31 @@ class HostApi:
                 f"host {host_id} is not registered: register first",
                 metadata={"reason": "not_registered"},
             )
-        scope = self._scopes.get(host_id)
-        if scope is None or not scope.matches(record):
-            if scope is not None:
-                self._retired.append(scope)
-            scope = HostScope(self, record)
-            self._scopes[host_id] = scope
+        with self._retiring:
+            scope = self._scopes.get(host_id)
+            if scope is None or not scope.matches(record):
+                if scope is not None:
+                    self._retired.append((time.monotonic(), scope))
+                scope = HostScope(self, record)
+                self._scopes[host_id] = scope
+        return scope
+
+    async def _scope(self, host_id: str, check: Callable[[], Any] | None = None) -> HostScope:
+        """:meth:`scope` off the event loop (after ``check``), and the scopes retired long
+        enough ago closed."""
+
+        def find() -> HostScope:
+            if check is not None:
+                check()
+            return self.scope(host_id)
+
+        scope = await anyio.to_thread.run_sync(find)
+        with self._retiring:
+            now = time.monotonic()
+            done = [s for t, s in self._retired if now - t > self.RETIRE_SECONDS]
+            self._retired = [(t, s) for t, s in self._retired if now - t <= self.RETIRE_SECONDS]
+        if done:
+            await asyncio.gather(*(s.close() for s in done), return_exceptions=True)
         return scope
 
     def adoption(self, host_id: str) -> list[dict[str, Any]]:
@@ -248,12 +280,12 @@ class HostApi:
     async def recover(self, host_id: str, lost: Collection[str]) -> list[str]:
         """After the host re-adopted its sandboxes: re-drive or fail the ones it lost,
         record where the rest answer, finish interrupted teardowns."""
-        scope = await anyio.to_thread.run_sync(self.scope, host_id)
+        scope = await self._scope(host_id)
         return await scope.reaper.recover(lost_ids=lost)
 
     async def reap(self, host_id: str) -> dict[str, list[str]]:
         """One reaper pass over the host's sandboxes (idleness, TTLs, teardowns, orphans)."""
-        scope = await anyio.to_thread.run_sync(self.scope, host_id)
+        scope = await self._scope(host_id)
         report = await scope.reaper.run_once()
         return {k: v for k, v in vars(report).items() if v}
 
@@ -261,16 +293,15 @@ class HostApi:
         """A state the host's provider reported for one of its sandboxes; True if recorded
         (False: already there, or a transition the sandbox no longer allows)."""
 
-        def check() -> HostScope:
+        def check() -> None:
             with self.store.read() as conn:
                 row = conn.execute(
                     select(sandboxes.c.host, sandboxes.c.state).where(sandboxes.c.id == sandbox_id)
                 ).first()
             if row is None or row.host != host_id:
                 raise SandboxNotFound(f"no sandbox {sandbox_id} on host {host_id}")
-            return self.scope(host_id)
 
-        scope = await anyio.to_thread.run_sync(check)
+        scope = await self._scope(host_id, check)
         return await scope.sandboxes.apply_state(sandbox_id, status.state, reason=status.reason)
 
     def revocations(self, host_id: str, *, since: float, keys_since: float) -> dict[str, Any]:
@@ -307,7 +338,7 @@ class HostApi:
         return row is not None and row.host == host_id
 
     async def close(self) -> None:
-        scopes = [*self._scopes.values(), *self._retired]
+        scopes = [*self._scopes.values(), *(s for _, s in self._retired)]
         self._scopes.clear()
         self._retired.clear()
         await asyncio.gather(*(s.close() for s in scopes), return_exceptions=True)

@@ -63,8 +63,11 @@ def host_credential(data_dir: Path, given: Path | None = None) -> str:
     if given is not None:
         value = given.read_text().strip()
         if len(value) < 16:
-            raise ConfigError("the credential must be at least 16 characters")
+            raise ConfigError(f"the credential in {given} must be at least 16 characters")
         return value
     if os.environ.get("SANDLOT_HOST_CREDENTIAL"):
-        return os.environ["SANDLOT_HOST_CREDENTIAL"]
+        value = os.environ["SANDLOT_HOST_CREDENTIAL"].strip()
+        if len(value) < 16:
+            raise ConfigError("SANDLOT_HOST_CREDENTIAL must be at least 16 characters")
+        return value
     return _kept_once(data_dir / CREDENTIAL_FILE, lambda: secrets.token_urlsafe(32), 0o600)

@@ -44,6 +44,9 @@ from sandlot.providers.base import Provider, ProviderStatus, SandboxSpec
 from sandlot.providers.remote import HOST_UNREACHABLE, dataplane_coordinates
 
 log = logging.getLogger("sandlot.broker.sandboxes")
+#: Seconds a stopping broker waits for provider calls in flight (each is bounded, a
+#: host's to 30 s, but one stop should not wait for all of them in turn).
+STOP_DRAIN_SECONDS = 10.0
 
 Clock = Callable[[], float]
 
@@ -802,7 +805,17 @@ class SandboxService:
             rows = conn.execute(q).all()
         return [SandboxRow.from_row(r) for r in rows]
 
-    async def drain(self) -> None:
-        """Wait for background provider work (used at shutdown and by tests)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    async def drain(self, timeout: float | None = None) -> None:
+        """Wait for background provider work (used at shutdown and by tests); after
+        ``timeout`` seconds, what is left is cancelled (as a crash would end it: the
+        next start recovers it)."""
+        try:
+            async with asyncio.timeout(timeout):
+                while self._tasks:
+                    await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        except TimeoutError:
+            left = list(self._tasks)
+            log.warning("%d provider calls still running after %g s: cancelled", len(left), timeout)
+            for task in left:
+                task.cancel()
+            await asyncio.gather(*left, return_exceptions=True)

@@ -209,6 +209,8 @@ def _run_agent(
     except SandlotError:
         raise ConfigError("the host key is not one (it reads slh_…)") from None
     _claim_host_id(settings.data_dir, wanted)
+    # What is wrong here is said before the brokers are asked anything.
+    credential = _credential(settings.data_dir, credential_file)
     try:
         config = hello(broker, host_key)
     except HostKeyRefused as exc:
@@ -220,7 +222,6 @@ def _run_agent(
         raise fail(str(exc)) from None
     except SandlotError as exc:
         raise fail(f"the broker at {broker} cannot register hosts: {exc.message}") from None
-    credential = _credential(settings.data_dir, credential_file)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as exc:

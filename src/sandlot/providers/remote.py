@@ -95,15 +95,18 @@ def provider_router(provider: Provider, secret: str) -> APIRouter:
     @router.post("/sandboxes")
     async def create(request: Request) -> Any:
         check(request)
-        body = await request.json()
-        spec = SandboxSpec(
-            sandbox_id=body["sandbox_id"],
-            generation=int(body["generation"]),
-            template=Template.model_validate(body["template"]),
-            owner_user_id=body.get("owner_user_id"),
-            name=body.get("name"),
-            provider=body.get("provider"),
-        )
+        body = await _body(request)
+        try:
+            spec = SandboxSpec(
+                sandbox_id=str(body["sandbox_id"]),
+                generation=int(body["generation"]),
+                template=Template.model_validate(body["template"]),
+                owner_user_id=_optional_str(body.get("owner_user_id")),
+                name=_optional_str(body.get("name")),
+                provider=_optional_str(body.get("provider")),
+            )
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise InvalidRequest(f"not a sandbox to create: {_what(exc)}") from None
         return _status_json(await provider.create(spec))
 
     @router.get("/members")
@@ -129,10 +132,13 @@ def provider_router(provider: Provider, secret: str) -> APIRouter:
         if action == "resume":
             return _status_json(await provider.resume(sandbox_id))
         if action == "revoke":
-            body = await request.json()
-            await provider.revoke(
-                sandbox_id, [RevokedToken(t["jti"], float(t["expires_at"])) for t in body["tokens"]]
-            )
+            body = await _body(request)
+            try:
+                given = body["tokens"]
+                tokens = [RevokedToken(str(t["jti"]), float(t["expires_at"])) for t in given]
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
+                raise InvalidRequest(f"not a list of revoked tokens: {_what(exc)}") from None
+            await provider.revoke(sandbox_id, tokens)
             return {}
         if action == "activity":
             a = await provider.activity(sandbox_id)
@@ -154,8 +160,34 @@ def provider_router(provider: Provider, secret: str) -> APIRouter:
     return router
 
 
+async def _body(request: Request) -> dict[str, Any]:
+    """The request's JSON object, or 400."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise InvalidRequest("the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("the body is not a JSON object")
+    return body
+
+
+def _optional_str(value: Any) -> str | None:
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{value!r} is not a string")
+    return value
+
+
+def _what(exc: BaseException) -> str:
+    return f"{exc.args[0]!r} is missing" if isinstance(exc, KeyError) else str(exc)[:200]
+
+
 #: ``metadata.reason`` of a call that never reached its host (nothing was done there).
 HOST_UNREACHABLE = "host_unreachable"
+#: Seconds a call to a host may take in all (its answer included, however it trickles).
+CALL_SECONDS = 30.0
+#: What a host says of the broker's own credential, never of the user's: a broker's
+#: caller is told the host is unavailable, not that its own key is wrong.
+_ABOUT_THE_BROKER = frozenset({"UNAUTHENTICATED", "FORBIDDEN"})
 
 
 class RemoteProvider(Provider):
@@ -181,11 +213,12 @@ class RemoteProvider(Provider):
         #: Sandbox id → the member that runs it (as the broker's rows say).
         self._owner: dict[str, str] = {}
         transport = httpx.AsyncHTTPTransport(uds=config["uds"]) if config.get("uds") else None
+        self.call_seconds = float(config.get("call_timeout_seconds", CALL_SECONDS))
         self._client = httpx.AsyncClient(
             base_url=str(config.get("url", "http://sandbox-host")),
             transport=transport,
             headers={SECRET_HEADER: str(config["secret"])},
-            timeout=httpx.Timeout(30.0, connect=5.0),
+            timeout=httpx.Timeout(self.call_seconds, connect=min(5.0, self.call_seconds)),
         )
 
     async def start(self, listener: StatusListener | None = None) -> None:
@@ -234,7 +267,10 @@ class RemoteProvider(Provider):
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         try:
-            resp = await self._client.request(method, f"/internal/provider{path}", json=body)
+            # The client's timeout bounds each read; this, the whole answer (a host that
+            # sends a byte now and then held the broker's request for good).
+            async with asyncio.timeout(self.call_seconds):
+                resp = await self._client.request(method, f"/internal/provider{path}", json=body)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             # Never sent: the host did nothing (a creation may be tried elsewhere).
             raise ProviderUnavailable(
@@ -242,13 +278,25 @@ class RemoteProvider(Provider):
             ) from exc
         except httpx.HTTPError as exc:
             raise ProviderUnavailable("the sandbox host is unreachable") from exc
+        except TimeoutError:
+            raise ProviderUnavailable(
+                f"the sandbox host did not answer within {self.call_seconds:g} s"
+            ) from None
+        try:
+            payload = resp.json()
+        except ValueError:
+            payload = None
         if resp.status_code >= 400:
-            try:
-                payload = resp.json()
-            except ValueError:
-                payload = None
-            raise error_from_wire(payload, resp.status_code)
-        return resp.json()
+            error = error_from_wire(payload, resp.status_code)
+            if error.wire_code in _ABOUT_THE_BROKER:
+                raise ProviderUnavailable(
+                    "the sandbox host refused this broker's credential",
+                    metadata={"host_said": error.message[:200]},
+                )
+            raise error
+        if payload is None:
+            raise ProviderUnavailable("the sandbox host's answer is not JSON")
+        return payload
 
     async def create(self, spec: SandboxSpec) -> ProviderStatus:
         body = {
