@@ -65,6 +65,13 @@ def test_connections_that_send_nothing_do_not_take_the_server(tmp_path: Path, ro
         silent = [socket.create_connection((host, port)) for _ in range(SILENT)]
         for s in silent[::10]:
             s.sendall(b"GET /api/healthz HTTP/1.1\r\n")  # a head begun, never finished
+        # The sign-in takes no key and reads a body: one announced, never sent.
+        origin = f"http://{host}:{port}"
+        for s in silent[5::10]:
+            s.sendall(
+                f"POST /api/auth/login HTTP/1.1\r\nHost: {host}:{port}\r\nOrigin: {origin}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode()
+            )
         # Everyone else is answered meanwhile: a fresh connection, and a command that
         # runs longer than a head may take (its request is not cut).
         assert httpx.get(f"{server.url}/api/healthz", timeout=10).status_code == 200

@@ -112,7 +112,11 @@ async def test_a_connection_that_sends_no_head_in_time_is_closed(
     assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200")
     writer.write(b"GET / HT")  # the next head begun, never finished
     await closed_by_server(reader, 3.0)
-    for _, w in [*silent, dripping, (reader, writer)]:
+    # A head whole, then a body that stops coming while its handler reads it.
+    stalled = await asyncio.open_connection(host, port)
+    stalled[1].write(b"POST /body HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
+    await closed_by_server(stalled[0], 3 * 3 * DEADLINE)
+    for _, w in [*silent, dripping, (reader, writer), stalled]:
         w.close()
 
 

@@ -9,7 +9,8 @@ without a key, took every descriptor a server may open and it answered nobody.
   ``client_header_timeout`` or Apache's ``RequestReadTimeout``): counted from the
   connection, then from each response's end; a connection still short of a head by
   then is closed. A request in flight, a stream, a WebSocket are never cut: only a
-  connection waiting for a head is.
+  connection waiting for a head is. A body its handler reads may pause three times
+  that at most between two reads (:data:`BODY_IDLE_HEADS`, ``client_body_timeout``).
 - :func:`raise_open_files_limit` takes the soft limit of open files up to the hard one
   (the soft one is often 1024, which is nothing for a server; Go's runtime does the same
   for every program).
@@ -31,6 +32,11 @@ log = logging.getLogger("sandlot.connections")
 HEAD_SECONDS = 20.0
 #: The environment variable that sets it for a server.
 HEAD_ENV = "SANDLOT_HEAD_TIMEOUT_SECONDS"
+#: How many head deadlines a request's body may go without a byte while its handler
+#: reads it (60 s by default, nginx's ``client_body_timeout``): a head that announces
+#: a body, then nothing, held its connection for good, and a route that reads a body
+#: takes no key (the sign-in).
+BODY_IDLE_HEADS = 3
 
 
 def head_seconds(environ: Mapping[str, str] = os.environ) -> float:
@@ -49,11 +55,14 @@ def head_seconds(environ: Mapping[str, str] = os.environ) -> float:
     return seconds
 
 
-def guarded_http(deadline: float | None = None) -> type[asyncio.Protocol]:
+def guarded_http(
+    deadline: float | None = None, body_idle: float | None = None
+) -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (``httptools`` when installed, else ``h11``, as its
     ``auto``), closing a connection that has sent no whole request head within
     ``deadline`` seconds (default :func:`head_seconds`) of its start or of its last
-    response's end."""
+    response's end, or that sends nothing for ``body_idle`` seconds (default
+    :data:`BODY_IDLE_HEADS` deadlines) of a body its request's handler is reading."""
     from uvicorn.config import HTTP_PROTOCOLS
     from uvicorn.importer import import_from_string
 
@@ -64,18 +73,27 @@ def guarded_http(deadline: float | None = None) -> type[asyncio.Protocol]:
     except ImportError:
         base = import_from_string(HTTP_PROTOCOLS["h11"])
 
-    seconds = head_seconds() if deadline is None else deadline
+    head = head_seconds() if deadline is None else deadline
+    idle = BODY_IDLE_HEADS * head if body_idle is None else body_idle
 
     class HeadDeadline(base):  # type: ignore[misc]
-        """The protocol, with a timer armed while no request is being answered."""
+        """The protocol, with a timer while it waits for a client: for a request head
+        (from the connection, or the last response's end), or for the next bytes of a
+        request body that its handler is reading."""
 
-        _head_timer: asyncio.TimerHandle | None = None
-        #: The request the timer was armed after (``None``: none yet on the connection).
+        _timer: asyncio.TimerHandle | None = None
+        #: The request the head deadline was set after (``None``: none yet).
         _armed_after: Any = None
+        _head_due = 0.0
+        _last_data = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            self._last_data = self.loop.time()
+            super().data_received(data)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -86,26 +104,47 @@ def guarded_http(deadline: float | None = None) -> type[asyncio.Protocol]:
             super().connection_lost(exc)
 
         def _arm(self) -> None:
-            self._disarm()
             self._armed_after = self.cycle
-            self._head_timer = self.loop.call_later(seconds, self._head_late)
+            now = self.loop.time()
+            self._head_due = now + head
+            self._last_data = now
+            self._schedule(head)
+
+        def _schedule(self, delay: float) -> None:
+            self._disarm()
+            self._timer = self.loop.call_later(max(delay, 0.01), self._check)
 
         def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
 
-        def _head_late(self) -> None:
-            self._head_timer = None
+        def _check(self) -> None:
+            self._timer = None
             transport = self.transport
             if transport.is_closing() or transport.get_protocol() is not self:
                 return  # closed already, or a WebSocket now
+            now = self.loop.time()
             cycle = self.cycle
-            if cycle is not self._armed_after:
-                return  # a head came: its request is being answered (its end re-arms)
-            if cycle is not None and not cycle.response_complete:
-                return  # a request pipelined behind the last one is being answered
-            transport.close()
+            if cycle is self._armed_after and (cycle is None or cycle.response_complete):
+                # No head since: the deadline is the head's.
+                if now >= self._head_due:
+                    transport.close()
+                else:
+                    self._schedule(self._head_due - now)
+                return
+            if cycle is None or cycle.response_complete or not cycle.more_body:
+                # A request being answered, its body read (its end arms the deadline of
+                # the next head); or a pipelined one about to be.
+                self._schedule(idle)
+                return
+            if self.flow.read_paused:
+                # The handler is slow to take the body, not the client to send it.
+                self._last_data = now
+            if now - self._last_data >= idle:
+                transport.close()
+            else:
+                self._schedule(self._last_data + idle - now)
 
     HeadDeadline.__name__ = HeadDeadline.__qualname__ = f"HeadDeadline{base.__name__}"
     return HeadDeadline
@@ -126,4 +165,11 @@ def raise_open_files_limit() -> int:
     return want
 
 
-__all__ = ["HEAD_ENV", "HEAD_SECONDS", "guarded_http", "head_seconds", "raise_open_files_limit"]
+__all__ = [
+    "BODY_IDLE_HEADS",
+    "HEAD_ENV",
+    "HEAD_SECONDS",
+    "guarded_http",
+    "head_seconds",
+    "raise_open_files_limit",
+]
