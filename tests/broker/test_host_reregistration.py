@@ -112,6 +112,9 @@ async def test_a_hosts_former_clients_are_closed_once_retired(store: str, tmp_pa
             )
             assert r.status_code == 200, r.text
             await broker.sandboxes.drain()
+            async with asyncio.timeout(20):  # a retired scope is closed in the background
+                while not all(s.provider._client.is_closed for s in scopes[:3]):
+                    await asyncio.sleep(0.01)
             assert [s.provider._client.is_closed for s in scopes] == [True, True, True, False]
             assert [c._client.is_closed for c in fleet_clients] == [True, True, True, False]
             assert broker.host_api._retired == [] and broker.remote._retired == []

@@ -171,6 +171,7 @@ class HostApi:
         #: when: closed :data:`RETIRE_SECONDS` later (calls through them may be running).
         self._retired: list[tuple[float, HostScope]] = []
         self._retiring = threading.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
 
     @property
     def registry(self) -> HostRegistry:
@@ -245,8 +246,10 @@ class HostApi:
             now = time.monotonic()
             done = [s for t, s in self._retired if now - t > self.RETIRE_SECONDS]
             self._retired = [(t, s) for t, s in self._retired if now - t <= self.RETIRE_SECONDS]
-        if done:
-            await asyncio.gather(*(s.close() for s in done), return_exceptions=True)
+        for old in done:  # in the background: a close waits for its calls to end
+            task = asyncio.get_running_loop().create_task(old.close())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
         return scope
 
     def adoption(self, host_id: str) -> list[dict[str, Any]]:
@@ -341,4 +344,4 @@ class HostApi:
         scopes = [*self._scopes.values(), *(s for _, s in self._retired)]
         self._scopes.clear()
         self._retired.clear()
-        await asyncio.gather(*(s.close() for s in scopes), return_exceptions=True)
+        await asyncio.gather(*(s.close() for s in scopes), *self._closing, return_exceptions=True)
