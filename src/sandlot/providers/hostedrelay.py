@@ -26,15 +26,21 @@ What does not map one to one is done with what the box has (PROTOCOL.md 3.9):
   (execs, shells, API file changes); changes made by processes inside the box are
   not seen.
 - ``/files/archive`` and ``WS /events/ws`` answer 501 ``NOT_SUPPORTED``.
+
+Nothing a client sends or asks for is held whole in the broker: uploads are passed on
+as they arrive, files read whole are read only up to :data:`MAX_FILE_BYTES`, a
+command's output is kept up to :data:`~sandlot.providers.hostedstreams.MAX_OUTPUT_BYTES`
+per stream (``truncated``), and a sandbox holds at most
+:data:`~sandlot.providers.hostedstate.MAX_TRANSFERS` streamed transfers at once.
 """
 
 from __future__ import annotations
 
 import base64
 import errno
-import json
 import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -49,7 +55,6 @@ from sandlot.dataplane.http.web import (
     parse_json,
     query_int,
     query_path,
-    read_body,
     request_id_of,
 )
 from sandlot.dataplane.services.auth import TokenVerifier
@@ -64,6 +69,7 @@ from sandlot.protocol.dataplane import (
     MkdirRequest,
     MoveRequest,
     ReadResponse,
+    SignalRequest,
     WriteRequest,
 )
 from sandlot.protocol.errors import (
@@ -218,10 +224,12 @@ async def exec_once(request: Request) -> Response:
             return json_response(ex.result)
     ex = hosted.new_exec(body.command, body.command_id, ctx.actor, False)
     started = time.perf_counter()
-    if body.stdin is not None:
-        result = await hostedstreams.run_with_stdin(box, body, ex)
-    else:
-        try:
+    # Whatever fails on the way (a refused cwd, the box gone), the command is over for
+    # the relay: left running, it would count as work forever and the box never reaped.
+    try:
+        if body.stdin is not None:
+            result = await hostedstreams.run_with_stdin(box, body, ex)
+        else:
             result = await box.execute(
                 command_text(body.command),
                 timeout=body.timeout_seconds,
@@ -231,11 +239,12 @@ async def exec_once(request: Request) -> Response:
                 # The client's own id only: the box may record ids durably (a cost).
                 command_id=body.command_id,
             )
-        except BaseException:
-            hosted.ended(ex, None, state="failed")
-            raise
+    except BaseException:
+        hosted.ended(ex, None, state="failed")
+        raise
     exit_code = result.get("exit_code")
-    stdout, stderr = str(result.get("stdout", "")), str(result.get("stderr", ""))
+    stdout, cut_out = hostedstreams.kept_output(str(result.get("stdout", "")))
+    stderr, cut_err = hostedstreams.kept_output(str(result.get("stderr", "")))
     ex.stdout_offset, ex.stderr_offset = len(stdout.encode()), len(stderr.encode())
     ex.result = {
         "exec_id": ex.exec_id,
@@ -245,7 +254,7 @@ async def exec_once(request: Request) -> Response:
         "exit_code": exit_code,
         "timed_out": bool(result.get("timed_out", False)),
         "oom_killed": False,
-        "truncated": False,
+        "truncated": bool(result.get("truncated")) or cut_out or cut_err,
         "duration_ms": round((time.perf_counter() - started) * 1000, 3),
     }
     hosted.ended(ex, exit_code if isinstance(exit_code, int) else None)
@@ -270,8 +279,8 @@ async def exec_get(request: Request) -> Response:
 async def exec_signal(request: Request) -> Response:
     hosted, _, box = await authorize(request, Capability.EXEC)
     ex = hosted.find_exec(request.path_params["exec_id"])
-    raw = json.loads(await read_body(request, 4096) or b"{}").get("signal", "")
-    name = str(raw).upper()
+    raw = (await parse_json(request, SignalRequest, limit=4096)).signal
+    name = raw.upper()
     name = name if name.startswith("SIG") else f"SIG{name}"
     if name not in SIGNALS:
         raise InvalidRequest(f"unknown signal {raw!r}")
@@ -282,36 +291,120 @@ async def exec_signal(request: Request) -> Response:
     return json_response(ex.snapshot(hosted.events.last_sequence))
 
 
+#: Bytes of a file read from a client's upload before the next is passed on.
+UPLOAD_CHUNK = 64 << 10
+#: The largest upload (the dataplane's own default ``max_upload_bytes``).
+MAX_UPLOAD_BYTES = 16 << 30
+
+
+def _too_large() -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"upload over {MAX_UPLOAD_BYTES} bytes", metadata={"limit": MAX_UPLOAD_BYTES}
+    )
+
+
 @endpoint()
 async def upload(request: Request) -> Response:
     hosted, ctx, box = await authorize(request, Capability.FS_WRITE)
     path = box.resolve(query_path(request))
     ctype = request.headers.get("content-type", "")
-    if ctype.startswith("multipart/form-data"):
-        form = await request.form()
-        part = form.get("file")
-        if part is None or isinstance(part, str):
-            raise InvalidRequest("multipart field 'file' is required")
-        data = await part.read()
-        await form.close()
-    else:
-        data = await read_body(request, 1 << 34)
-    created = not await box.exists(path)
-    await box.upload(path, data)
-    hosted.changed(path, "created" if created else "modified", ctx.actor)
-    return json_response({"path": path, "size": len(data)}, 201)
+    length = request.headers.get("content-length")
+    if length is not None and not length.isdigit():
+        raise InvalidRequest("bad Content-Length")
+    if length is not None and int(length) > MAX_UPLOAD_BYTES:
+        raise _too_large()
+    hosted.take_transfer()
+    try:
+        if ctype.startswith("multipart/form-data"):
+            # Starlette parses the form into a spooled temporary file (kept in memory
+            # up to 1 MiB, then on disk): it is read from there a chunk at a time.
+            form = await request.form()
+            try:
+                part = form.get("file")
+                if part is None or isinstance(part, str):
+                    raise InvalidRequest("multipart field 'file' is required")
+                sent = await _pass_on(box, path, _chunks_of(part.read), part.size)
+            finally:
+                await form.close()
+        else:
+            size = int(length) if length is not None else None
+            sent = await _pass_on(box, path, request.stream(), size)
+    finally:
+        hosted.give_transfer()
+    hosted.changed(path, "created" if sent.created else "modified", ctx.actor)
+    return json_response({"path": path, "size": sent.size}, 201)
+
+
+class _Sent:
+    """What :func:`_pass_on` passed on: its size, whether it made a new file."""
+
+    def __init__(self, created: bool) -> None:
+        self.created = created
+        self.size = 0
+
+
+async def _pass_on(box: Box, path: str, chunks: AsyncIterator[bytes], size: int | None) -> _Sent:
+    """The upload streamed to the box as it arrives (never held whole here)."""
+    sent = _Sent(not await box.exists(path))
+
+    async def counted() -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            sent.size += len(chunk)
+            if sent.size > MAX_UPLOAD_BYTES:
+                raise _too_large()
+            yield chunk
+
+    await box.upload(path, counted(), size)
+    return sent
+
+
+async def _chunks_of(read: Callable[[int], Awaitable[bytes]]) -> AsyncIterator[bytes]:
+    while chunk := await read(UPLOAD_CHUNK):
+        yield chunk
+
+
+class _Passthrough(StreamingResponse):
+    """A box's streamed answer passed on. ``done`` (closing the box's answer, giving the
+    transfer slot back) runs however the client's exchange ends, even when the client
+    leaves before the body starts (the body's own ``finally`` would then never run)."""
+
+    def __init__(self, body: Any, done: Callable[[], Awaitable[None]], **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._done = done
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._done()
 
 
 @endpoint()
 async def download(request: Request) -> Response:
-    _, _, box = await authorize(request, Capability.FS_READ)
+    hosted, _, box = await authorize(request, Capability.FS_READ)
     path = box.resolve(query_path(request))
     headers = {k: v for k, v in request.headers.items() if k in ("range", "if-range")}
-    upstream = await box.stream(request.method, "/download", params={"path": path}, headers=headers)
+    hosted.take_transfer()
+    try:
+        upstream = await box.stream(
+            request.method, "/download", params={"path": path}, headers=headers
+        )
+    except BaseException:
+        hosted.give_transfer()
+        raise
+    released = False
+
+    async def done() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            hosted.give_transfer()
+            await upstream.aclose()
+
     keep = ("content-type", "content-length", "content-range", "accept-ranges", "etag")
     out = {k: v for k, v in upstream.headers.items() if k.lower() in keep}
     if request.method == "HEAD":
-        await upstream.aclose()
+        await done()
         return Response(status_code=upstream.status_code, headers=out)
 
     async def body() -> Any:
@@ -319,19 +412,16 @@ async def download(request: Request) -> Response:
             async for chunk in upstream.aiter_raw():
                 yield chunk
         finally:
-            await upstream.aclose()
+            await done()
 
-    return StreamingResponse(body(), status_code=upstream.status_code, headers=out)
+    return _Passthrough(body(), done, status_code=upstream.status_code, headers=out)
 
 
 async def _read_whole(box: Box, path: str) -> bytes | None:
     try:
-        data = await box.download(path)
+        return await box.download(path, MAX_FILE_BYTES)
     except FileNotFound:
         return None
-    if len(data) > MAX_FILE_BYTES:
-        raise PayloadTooLarge("file too large for the relay to read whole")
-    return data
 
 
 @endpoint()

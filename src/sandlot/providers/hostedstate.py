@@ -19,6 +19,7 @@ from sandlot.dataplane.services.events import EventLog
 from sandlot.protocol.common import Actor, Capability, rfc3339
 from sandlot.protocol.errors import (
     ExecNotFound,
+    RateLimited,
     SandboxNotFound,
     SandboxStarting,
     Unauthenticated,
@@ -71,6 +72,10 @@ class RelayExec:
 #: Finished commands a sandbox's relay remembers (for ``/execs`` and reattaches); past
 #: it, the oldest finished ones without a client are forgotten, as the dataplane does.
 MAX_RELAY_EXECS = 1_000
+#: Streamed uploads and downloads one sandbox may have open at once: each holds a
+#: connection to the service for as long as its client takes, and the pool they share
+#: is every sandbox's.
+MAX_TRANSFERS = 16
 
 
 class Hosted:
@@ -91,6 +96,8 @@ class Hosted:
         self.last_active_at = time.time()
         self.running = 0
         self.clients = 0
+        #: Streamed transfers open now (at most :data:`MAX_TRANSFERS`).
+        self.transfers = 0
         self.settled = asyncio.Event()
         #: Commands followed by the relay while no client watches them.
         self.watchers: set[asyncio.Task[None]] = set()
@@ -100,6 +107,20 @@ class Hosted:
         task = asyncio.get_running_loop().create_task(follow)
         self.watchers.add(task)
         task.add_done_callback(self.watchers.discard)
+
+    def take_transfer(self) -> None:
+        """Hold one of the sandbox's transfer slots (429 when all are held): give it back
+        with :meth:`give_transfer` however the transfer ends."""
+        if self.transfers >= MAX_TRANSFERS:
+            raise RateLimited(
+                f"at most {MAX_TRANSFERS} uploads and downloads at once per sandbox",
+                metadata={"limit": MAX_TRANSFERS},
+                retry_after=1.0,
+            )
+        self.transfers += 1
+
+    def give_transfer(self) -> None:
+        self.transfers -= 1
 
     def close(self) -> None:
         for task in list(self.watchers):
@@ -227,6 +248,7 @@ def command_text(command: str | list[str]) -> str:
 
 
 __all__ = [
+    "MAX_TRANSFERS",
     "Hosted",
     "HostedLookup",
     "RelayCore",

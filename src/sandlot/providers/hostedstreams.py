@@ -12,7 +12,15 @@ is answered with a ``NOT_SUPPORTED`` error frame (the box's frames have none).
 
 A shell (``/shell/ws?session=NAME``) is one PTY command of the template's shell
 profile on the box, kept by the relay with its recent output, and shared by every
-client that attaches to that name: drivers type, observers watch.
+client that attaches to that name: drivers type, observers watch. Each client reads
+that recent output through its own cursor, so a client that reads slower than the
+shell writes holds no memory of its own: when the output it had not read yet is no
+longer kept, it gets a ``gap`` frame saying which bytes it lost, then what is kept
+(PROTOCOL.md 3.4); an ``attach {offset}`` frame moves its cursor.
+
+``POST /exec`` with ``stdin`` keeps at most :data:`MAX_OUTPUT_BYTES` of each stream
+(``truncated`` beyond), as the box's own ``/execute`` does; the rest of the output is
+read and dropped, so the command still runs to its end.
 
 The event log is the relay's (:class:`~sandlot.dataplane.services.events.EventLog`):
 what passed through it, in order. ``WS /events/ws`` is not offered (501 over HTTP,
@@ -22,6 +30,7 @@ close 1008 with an error frame on a WebSocket); ``GET /events`` is.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import json
 import shlex
@@ -64,8 +73,26 @@ from sandlot.providers.hostedstate import (
 
 #: Reconnections to the box's socket one stream tries before giving up.
 RECONNECTS = 5
-#: Output a shell keeps for clients that attach later.
+#: Output a shell keeps for clients that attach later (and for clients that lag).
 SHELL_HISTORY_BYTES = 256 << 10
+#: Output of a one-shot command kept per stream (PROTOCOL.md 3.1's default).
+MAX_OUTPUT_BYTES = 10 << 20
+#: At most this much of a shell's output goes in one frame to a client.
+SHELL_FRAME_BYTES = 64 << 10
+
+
+def kept_output(text: str, limit: int = MAX_OUTPUT_BYTES) -> tuple[str, bool]:
+    """``text`` cut to ``limit`` UTF-8 bytes, and whether it was cut. A text that fills
+    the limit to within one character was cut by the box (which keeps as much, and says
+    nothing about it)."""
+    if len(text) * 4 <= limit - 4:  # short enough whatever its characters
+        return text, False
+    data = text.encode()
+    if len(data) <= limit - 4:
+        return text, False
+    if len(data) <= limit:
+        return text, True
+    return data[:limit].decode("utf-8", "ignore"), True
 
 
 def _relay(ws: Any) -> RelayCore:
@@ -219,9 +246,12 @@ def _execute_body(frame: Any, ex: RelayExec, box: Box) -> dict[str, Any]:
 
 
 async def run_with_stdin(box: Box, req: ExecRequest, ex: RelayExec) -> dict[str, Any]:
-    """``POST /exec`` with ``stdin``: the command on ``/execute/ws``, fed and collected."""
+    """``POST /exec`` with ``stdin``: the command on ``/execute/ws``, fed and collected
+    (up to :data:`MAX_OUTPUT_BYTES` per stream)."""
     up = _Upstream(box, ex)
     out: list[list[str]] = [[], []]
+    room = [MAX_OUTPUT_BYTES, MAX_OUTPUT_BYTES]
+    truncated = False
     try:
         await up.start(_execute_body(req, ex, box) | {"pty": False})
         if req.stdin:
@@ -229,13 +259,23 @@ async def run_with_stdin(box: Box, req: ExecRequest, ex: RelayExec) -> dict[str,
         await up.send({"type": "close_stdin"})
         async for frame in up.frames():
             if frame["type"] in ("stdout", "stderr"):
-                out[0 if frame["type"] == "stdout" else 1].append(str(frame["data"]))
+                i = 0 if frame["type"] == "stdout" else 1
+                data = str(frame["data"])
+                size = len(data.encode())
+                if size > room[i]:
+                    data = data.encode()[: room[i]].decode("utf-8", "ignore")
+                    size = room[i]
+                    truncated = True
+                if data:
+                    out[i].append(data)
+                    room[i] -= size
             elif frame["type"] == "exit":
                 return {
                     "stdout": "".join(out[0]),
                     "stderr": "".join(out[1]),
                     "exit_code": frame.get("exit_code"),
                     "timed_out": bool(frame.get("timed_out", False)),
+                    "truncated": truncated,
                 }
             elif frame["type"] == "error":
                 raise _frame_error(frame)
@@ -450,12 +490,15 @@ class RelayShell:
         self.ex = hosted.new_exec(argv, None, None, True)
         self.up = _Upstream(box, self.ex)
         self.argv = argv
-        self.history: list[tuple[int, str]] = []
+        #: Recent output: (offset, text, its UTF-8 length), contiguous, oldest first.
+        self.history: list[tuple[int, str, int]] = []
+        self._starts: list[int] = []
         self.history_bytes = 0
         self.offset = 0
         self.exit_code: int | None = None
         self.done = asyncio.Event()
-        self.clients: set[asyncio.Queue[dict[str, Any] | None]] = set()
+        #: One wake-up per attached client, set when there is output (or an exit) to read.
+        self.clients: set[asyncio.Event] = set()
         self.task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -470,19 +513,7 @@ class RelayShell:
         try:
             async for frame in self.up.frames():
                 if frame.get("type") in ("stdout", "stderr"):
-                    data = str(frame["data"])
-                    self.history.append((self.offset, data))
-                    self.offset += len(data.encode())
-                    self.history_bytes += len(data.encode())
-                    while self.history_bytes > SHELL_HISTORY_BYTES and len(self.history) > 1:
-                        self.history_bytes -= len(self.history.pop(0)[1].encode())
-                    out = {
-                        "type": "stdout",
-                        "data": data,
-                        "offset": self.offset - len(data.encode()),
-                    }
-                    for queue in list(self.clients):
-                        queue.put_nowait(out)
+                    self._keep(str(frame["data"]))
                 elif frame.get("type") == "exit":
                     code = frame.get("exit_code")
                     self.exit_code = code if isinstance(code, int) else None
@@ -491,19 +522,69 @@ class RelayShell:
             self.hosted.ended(self.ex, None, state="failed")
         finally:
             self.done.set()
-            for queue in list(self.clients):
-                queue.put_nowait({"type": "exit", "exit_code": self.exit_code})
+            self._wake()
             self.hosted.shells.pop(self.name, None)
             self.hosted.events.append("shell.exited", "shell", {"name": self.name})
             await self.up.close()
 
+    def _keep(self, data: str) -> None:
+        size = len(data.encode())
+        if not size:
+            return
+        self.history.append((self.offset, data, size))
+        self._starts.append(self.offset)
+        self.offset += size
+        self.history_bytes += size
+        while self.history_bytes > SHELL_HISTORY_BYTES and len(self.history) > 1:
+            self.history_bytes -= self.history.pop(0)[2]
+            self._starts.pop(0)
+        self._wake()
+
+    def _wake(self) -> None:
+        for wake in self.clients:
+            wake.set()
+
     def history_text(self) -> tuple[str, int]:
         first = self.history[0][0] if self.history else self.offset
-        return "".join(d for _, d in self.history), first
+        return "".join(d for _, d, _ in self.history), first
+
+    def since(self, cursor: int) -> tuple[int, str, int]:
+        """What a client whose next byte is ``cursor`` has not read: where the kept
+        output resumes (past ``cursor`` when those bytes are no longer kept: a gap), up
+        to about :data:`SHELL_FRAME_BYTES` of text from there, and the offset after it."""
+        i = max(0, bisect.bisect_right(self._starts, cursor) - 1)
+        resume = end = cursor
+        texts: list[str] = []
+        for off, data, size in self.history[i:]:
+            if off + size <= end:
+                continue
+            if off > end:  # the oldest kept output starts past the cursor
+                resume = end = off
+            if off < end:  # the cursor is inside this chunk (an attach): from a character
+                raw = data.encode()[end - off :]
+                lead = 0
+                while lead < len(raw) and raw[lead] & 0xC0 == 0x80:
+                    lead += 1
+                if not texts:
+                    resume = end + lead
+                data = raw[lead:].decode("utf-8", "ignore")
+            end = off + size
+            texts.append(data)
+            if end - resume >= SHELL_FRAME_BYTES:
+                break
+        return resume, "".join(texts), end
 
     async def kill(self) -> None:
         with contextlib.suppress(Exception):
             await self.up.send({"type": "kill"})
+
+
+class _ShellReader:
+    """One client's place in a shell's output."""
+
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.wake = asyncio.Event()
 
 
 async def shell_ws(ws: WebSocket) -> None:
@@ -524,7 +605,7 @@ async def shell_ws(ws: WebSocket) -> None:
         await _fail(ws, Unauthenticated("token revoked"))
 
     relay.track(ctx.jti, close_revoked)
-    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    reader: _ShellReader | None = None
     shell: RelayShell | None = None
     try:
         name = params.get("session", "default")[:128]
@@ -543,10 +624,12 @@ async def shell_ws(ws: WebSocket) -> None:
                 await shell.start()
             except BaseException:
                 hosted.shells.pop(name, None)
+                hosted.ended(shell.ex, None, state="failed")
                 raise
-        shell.clients.add(queue)
-        hosted.clients += 1
         text, first = shell.history_text()
+        reader = _ShellReader(shell.offset)
+        shell.clients.add(reader.wake)
+        hosted.clients += 1
         await _send(
             ws,
             {
@@ -558,34 +641,48 @@ async def shell_ws(ws: WebSocket) -> None:
             },
         )
         await _send(ws, {"type": "history", "data": text, "offset": first})
-        if shell.done.is_set():
+        if shell.done.is_set() and reader.offset >= shell.offset:
             await _send(ws, {"type": "exit", "exit_code": shell.exit_code})
             return
-        await _until_first(_shell_out(ws, queue), _shell_in(ws, shell, role, ctx), closed.wait())
+        await _until_first(
+            _shell_out(ws, shell, reader), _shell_in(ws, shell, reader, role, ctx), closed.wait()
+        )
     except (WebSocketDisconnect, RuntimeError):
         pass
     except SandlotError as exc:
         await _fail(ws, exc)
     finally:
         relay.untrack(ctx.jti, close_revoked)
-        if shell is not None and queue in shell.clients:
-            shell.clients.discard(queue)
+        if shell is not None and reader is not None and reader.wake in shell.clients:
+            shell.clients.discard(reader.wake)
             hosted.clients -= 1
         with contextlib.suppress(Exception):
             await ws.close(1000)
 
 
-async def _shell_out(ws: WebSocket, queue: asyncio.Queue[dict[str, Any] | None]) -> None:
+async def _shell_out(ws: WebSocket, shell: RelayShell, reader: _ShellReader) -> None:
+    """The shell's output to one client, from its own cursor: what it is too slow for is
+    dropped for it alone, and told (a ``gap`` frame); nothing is queued per client."""
     while True:
-        frame = await queue.get()
-        if frame is None:
+        reader.wake.clear()
+        resume, text, end = shell.since(reader.offset)
+        if resume > reader.offset:
+            await _send(ws, F.gap_frame("stdout", reader.offset, resume))
+            reader.offset = resume
+        if text:
+            await _send(ws, {"type": "stdout", "data": text, "offset": resume})
+            reader.offset = end
+            continue
+        reader.offset = max(reader.offset, end)
+        if shell.done.is_set() and reader.offset >= shell.offset:
+            await _send(ws, {"type": "exit", "exit_code": shell.exit_code})
             return
-        await _send(ws, frame)
-        if frame["type"] == "exit":
-            return
+        await reader.wake.wait()
 
 
-async def _shell_in(ws: WebSocket, shell: RelayShell, role: str, ctx: AuthContext) -> None:
+async def _shell_in(
+    ws: WebSocket, shell: RelayShell, reader: _ShellReader, role: str, ctx: AuthContext
+) -> None:
     while True:
         try:
             frame = F.parse_client_frame(await receive_frame(ws))
@@ -598,6 +695,10 @@ async def _shell_in(ws: WebSocket, shell: RelayShell, role: str, ctx: AuthContex
                 await _send(ws, F.error_frame(denied.wire_code, denied.message))
                 continue
             await shell.up.send({"type": "input", "data": frame.data})
+        elif isinstance(frame, F.AttachFrame):
+            # From that offset on (what is no longer kept: a gap frame first).
+            reader.offset = min(max(0, frame.offset or 0), shell.offset)
+            reader.wake.set()
         elif isinstance(frame, F.PingFrame):
             await _send(ws, F.PONG)
         elif isinstance(frame, F.CloseFrame):
@@ -645,7 +746,8 @@ async def shell_delete(request: Request) -> Response:
 
 @endpoint()
 async def events_sse(request: Request) -> Response:
-    hosted, _, _ = await authorize(request, Capability.FS_READ)
+    hosted, ctx, _ = await authorize(request, Capability.FS_READ)
+    relay = _relay(request)
     raw = request.query_params.get("after") or request.headers.get("last-event-id") or "0"
     try:
         after = int(raw)
@@ -663,11 +765,25 @@ async def events_sse(request: Request) -> Response:
         cursor = after
         live = False
         wake = asyncio.Event()
+        revoked = asyncio.Event()
+
+        async def close_revoked() -> None:
+            revoked.set()
+            wake.set()
+
+        # A stream is a socket of its token's like the WebSockets: revoking the token
+        # (its session released) ends it, and nothing more is delivered on it.
+        relay.track(ctx.jti, close_revoked)
         log.listen(wake)
         try:
+            if relay.verifier.is_revoked(ctx.jti):
+                revoked.set()
             yield b": connected\n\n"
             while True:
                 wake.clear()
+                if revoked.is_set():
+                    yield b'event: error\ndata: {"code":"UNAUTHENTICATED"}\n\n'
+                    return
                 try:
                     batch = log.since(cursor)
                 except SequenceExpired:
@@ -689,6 +805,7 @@ async def events_sse(request: Request) -> Response:
                     yield b": keep-alive\n\n"
         finally:
             log.unlisten(wake)
+            relay.untrack(ctx.jti, close_revoked)
 
     return StreamingResponse(
         stream(),

@@ -56,7 +56,7 @@ from sandlot.providers.base import (
     SandboxSpec,
     StatusListener,
 )
-from sandlot.providers.hostedbox import Box, box_error
+from sandlot.providers.hostedbox import STREAM_TIMEOUT, Box, box_error
 from sandlot.providers.hostedrelay import HostedRelay
 from sandlot.providers.hostedstate import Hosted
 from sandlot.sdk._async._wire import AsyncWire
@@ -114,6 +114,7 @@ class LangSmithProvider(Provider):
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._listener: StatusListener | None = None
         self._client: httpx.AsyncClient | None = None
+        self._transfers: httpx.AsyncClient | None = None
         self._wire: AsyncWire | None = None
         #: The ASGI app the embedded server mounts at ``/dp``.
         self.app = HostedRelay(self._hosted, self.verifier)
@@ -128,8 +129,15 @@ class LangSmithProvider(Provider):
         # httpx notes every request at INFO: one line per relayed call is noise and time.
         logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
         self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(60.0, connect=10.0),
+            timeout=httpx.Timeout(60.0, connect=10.0, pool=10.0),
             limits=httpx.Limits(max_connections=200, max_keepalive_connections=50),
+        )
+        # Streamed uploads and downloads last as long as their clients take: a pool of
+        # their own, so that however many are held they never starve the control plane
+        # and the boxes' other calls (each sandbox holds at most MAX_TRANSFERS of them).
+        self._transfers = httpx.AsyncClient(
+            timeout=STREAM_TIMEOUT,
+            limits=httpx.Limits(max_connections=200, max_keepalive_connections=20),
         )
         self._wire = AsyncWire()
 
@@ -142,6 +150,9 @@ class LangSmithProvider(Provider):
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._transfers is not None:
+            await self._transfers.aclose()
+            self._transfers = None
         if self._wire is not None:
             await self._wire.aclose()
             self._wire = None
@@ -154,6 +165,16 @@ class LangSmithProvider(Provider):
         if self._client is None:
             raise ProviderUnavailable("the langsmith provider is not started")
         return self._client
+
+    def _box(self, url: str) -> Box:
+        return Box(
+            url,
+            self._key,
+            self.client,
+            workspace=self.workspace,
+            wire=self._wire,
+            transfers=self._transfers,
+        )
 
     async def _control(
         self, method: str, route: str, json_body: Any = None, *, missing_ok: bool = False
@@ -220,7 +241,7 @@ class LangSmithProvider(Provider):
             hosted.box_name = name
             await self._wait_ready(name, doc)
             url = await self._dataplane_url(name, doc)
-            hosted.box = Box(url, self._key, self.client, workspace=self.workspace, wire=self._wire)
+            hosted.box = self._box(url)
             hosted.state, hosted.reason = SandboxState.ACTIVE, "box ready"
             hosted.events.append(
                 "sandbox.ready",
@@ -315,7 +336,7 @@ class LangSmithProvider(Provider):
                 lost.append(rec.sandbox_id)
                 continue
             hosted.box_name = name
-            hosted.box = Box(url, self._key, self.client, workspace=self.workspace, wire=self._wire)
+            hosted.box = self._box(url)
             hosted.state, hosted.reason = SandboxState.ACTIVE, "re-adopted after restart"
             hosted.settled.set()
             self._sandboxes[rec.sandbox_id] = hosted
