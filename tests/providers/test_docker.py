@@ -113,6 +113,34 @@ async def test_a_sandbox_is_a_locked_down_container(
             assert (await sb.run("ls /run/sandlot")).stdout == "dp.sock\n"
 
 
+#: What a command plants where a Python started in the workspace would import it from.
+PLANTED = "import os\nopen('/tmp/planted-by-' + str(os.getpid()), 'w').close()\n"
+
+
+async def test_no_command_can_put_code_on_the_dataplanes_import_path(
+    engine: Engine, image: str, tmp_path: Path
+) -> None:
+    # The dataplane imports some modules on first use (websockets at the first
+    # WebSocket); run from /workspace with ``-m``, Python looked for them there first.
+    async with serving(engine, image, tmp_path) as h:
+        await h.create("sb_path")
+        command = h.container("sb_path").attrs["Config"]["Cmd"]
+        assert command[:5] == ["python3", "-s", "-P", "-m", "sandlot.dataplane"]
+        async with h.sandbox("sb_path") as sb:
+            for module in ("websockets", "prometheus_client", "httpx", "h11", "wsproto"):
+                await sb.write(f"/workspace/{module}/__init__.py", PLANTED)
+            site = "/workspace/.local/lib/python3.11/site-packages"
+            await sb.write(f"{site}/planted.pth", PLANTED.replace("\n", "; ", 1))
+            cmd = await sb.stream("echo streamed")
+            assert (await cmd.wait()).stdout == "streamed\n"
+            assert "planted" not in (await sb.run("ls /tmp")).stdout
+            # What was planted works, for a Python started there by a command.
+            await sb.run("cd /workspace && python3 -c 'import websockets'")
+            planted = (await sb.run("ls /tmp")).stdout.split()
+            assert len(planted) == 1 and planted[0].startswith("planted-by-")
+            assert planted != ["planted-by-1"]
+
+
 async def test_memory_and_pids_limits_are_enforced(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:

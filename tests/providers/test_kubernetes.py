@@ -73,7 +73,7 @@ async def test_a_sandbox_is_a_locked_down_pod(
         assert container.security_context.capabilities.drop == ["ALL"]
         assert container.security_context.allow_privilege_escalation is False
         assert container.resources.limits == {"cpu": "500m", "memory": "256Mi"}
-        assert container.command[:3] == ["python3", "-m", "sandlot.dataplane"]
+        assert container.command[:5] == ["python3", "-s", "-P", "-m", "sandlot.dataplane"]
         volumes = {v.name: v for v in spec.volumes}
         assert volumes["workspace"].empty_dir is not None
         assert not any(v.secret for v in spec.volumes)  # no service-account token

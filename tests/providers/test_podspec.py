@@ -71,7 +71,7 @@ def test_a_pod_is_locked_down_and_runs_the_dataplane() -> None:
         "requests": {"cpu": "500m", "memory": "300Mi"},
     }
     command = container["command"]
-    assert command[:3] == ["python3", "-m", "sandlot.dataplane"]
+    assert command[:5] == ["python3", "-s", "-P", "-m", "sandlot.dataplane"]
     assert command[command.index("--generation") + 1] == "3"
     assert command[command.index("--host") + 1] == "0.0.0.0"
     volumes = {v["name"]: v for v in pod_spec["volumes"]}

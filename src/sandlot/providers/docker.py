@@ -432,6 +432,11 @@ class DockerProvider(InboxProvider[_Sandbox]):
             mounts.append(Mount(vm.path, name, type="volume", read_only=vm.read_only))
         command = [
             self.python,
+            # Nothing of the workspace on the dataplane's import path (-P: not its working
+            # directory; -s: not a user site under its HOME): a command that wrote
+            # /workspace/websockets/ ran its code in the dataplane at its first import.
+            "-s",
+            "-P",
             "-m",
             "sandlot.dataplane",
             "--sandbox-id",

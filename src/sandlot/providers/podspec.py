@@ -147,6 +147,9 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
     inst = settings.instance
     command = [
         settings.python,
+        # Nothing of the workspace on the dataplane's import path (docker.py says why).
+        "-s",
+        "-P",
         "-m",
         "sandlot.dataplane",
         "--sandbox-id",
