@@ -141,6 +141,63 @@ async def test_no_command_can_put_code_on_the_dataplanes_import_path(
             assert planted != ["planted-by-1"]
 
 
+async def raw_request(base: str, request: str) -> bytes:
+    """``request`` sent as is (no client library resolves its dot segments), and the
+    start of the answer."""
+    url = httpx.URL(base)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    try:
+        writer.write(request.encode())
+        async with asyncio.timeout(30):
+            return await reader.readuntil(b"\r\n\r\n")
+    finally:
+        writer.close()
+
+
+async def test_the_relay_passes_on_no_path_outside_the_sandboxs_api(
+    engine: Engine, image: str, tmp_path: Path
+) -> None:
+    async with serving(engine, image, tmp_path) as h:
+        await h.create("sb_rel")
+        auth = h.headers("sb_rel")["Authorization"]
+        for path in (
+            "/v1/%2e%2e/%2e%2e/__control/status",
+            "/v1/%2E%2E/%2E%2E/metrics",
+            "/v1/./../../__control/reload",
+            "/v1/%00",
+            "/v1/x%0Dy",
+        ):
+            for token in ("", f"Authorization: {auth}\r\n"):
+                head = await raw_request(
+                    h.base, f"GET /dp/sb_rel{path} HTTP/1.1\r\nHost: x\r\n{token}\r\n"
+                )
+                assert head.startswith(b"HTTP/1.1 400 "), (path, head)
+        # An encoded ? is part of the path, not the start of a query.
+        async with httpx.AsyncClient(timeout=30) as client:
+            r = await client.get(
+                f"{h.base}/dp/sb_rel/v1/fs/read%3Fpath=x", headers={"Authorization": auth}
+            )
+            assert r.status_code == 404
+        # An event stream asked for with a body (in pieces) ends with its client.
+        for _ in range(3):
+            _, writer = await asyncio.open_connection(
+                httpx.URL(h.base).host, httpx.URL(h.base).port
+            )
+            writer.write(
+                f"GET /dp/sb_rel/v1/events HTTP/1.1\r\nHost: x\r\nAuthorization: {auth}\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n1\r\na\r\n".encode()
+            )
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await asyncio.sleep(0.5)
+            writer.close()
+        async with asyncio.timeout(20):
+            while (await h.provider.activity("sb_rel")).attached_clients:
+                await asyncio.sleep(0.1)
+
+
 async def test_memory_and_pids_limits_are_enforced(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:

@@ -28,12 +28,14 @@ import stat
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from websockets.asyncio.client import ClientConnection, connect, unix_connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 
 from sandlot.protocol.errors import (
+    InvalidRequest,
     NotFound,
     ProviderUnavailable,
     ResourceNotFound,
@@ -42,6 +44,8 @@ from sandlot.protocol.errors import (
 )
 from sandlot.web.relay import relay
 
+#: What a path segment holds unencoded (RFC 3986 pchar, and the separator).
+_PATH_SAFE = "/-._~!$&'()*+,;=:@"
 _ROUTE = re.compile(r"^/([A-Za-z0-9_.-]{1,128})(/v1(?:/.*)?)$")
 #: Headers of one hop only (RFC 9110 7.6.1), never passed on.
 _HOP = frozenset(
@@ -165,12 +169,15 @@ class SocketRelay:
         try:
             if match is None:
                 raise ResourceNotFound("no such route")
+            _check_path(match.group(2))
             upstream = await self._upstream(scope, match.group(1), match.group(2))
         except SandlotError as exc:
             await _refuse(scope, receive, send, exc)
             return
         query = scope.get("query_string", b"").decode("latin-1")
-        target = route + (f"?{query}" if query else "")
+        # The path is decoded: encoded again, so that a ``%3F`` or ``%23`` in it stays
+        # part of the path rather than starting a query or a fragment.
+        target = quote(route, safe=_PATH_SAFE) + (f"?{query}" if query else "")
         if scope["type"] == "http":
             await self._http(scope, receive, send, upstream, target)
         else:
@@ -198,8 +205,9 @@ class SocketRelay:
         if first["type"] == "http.disconnect":
             return
         content: bytes | AsyncIterator[bytes] = first.get("body", b"")
-        if first.get("more_body"):
-            content = _body(first.get("body", b""), receive)
+        body_read = [not first.get("more_body")]
+        if not body_read[0]:
+            content = _body(first.get("body", b""), receive, body_read)
         request = upstream.client.build_request(
             scope["method"], target, headers=headers, content=content
         )
@@ -212,7 +220,10 @@ class SocketRelay:
             await _refuse(scope, receive, send, error, started=True)
             return
         try:
-            await _stream_response(response, receive, send, watch=not first.get("more_body"))
+            # The client is watched once its body is read whole (the body's reader takes
+            # its messages until then): an event stream requested with a body ran on,
+            # with its connection to the dataplane, after its client left.
+            await _stream_response(response, receive, send, watch=body_read[0])
         finally:
             await response.aclose()
 
@@ -256,7 +267,18 @@ class _AsgiSocket:
     send: Callable[[MutableMapping[str, Any]], Any]
 
 
-async def _body(first: bytes, receive: Any) -> AsyncIterator[bytes]:
+def _check_path(route: str) -> None:
+    """No ``.`` or ``..`` segment (the path is passed on as a URL, whose dot segments are
+    resolved: ``/v1/%2e%2e/%2e%2e/__control/status`` reached the dataplane's control
+    routes, which the relay never forwards), no control character (not a URL at all)."""
+    if any(segment in (".", "..") for segment in route.split("/")):
+        raise InvalidRequest("a path may not hold a . or .. segment")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in route):
+        raise InvalidRequest("a path may not hold a control character")
+
+
+async def _body(first: bytes, receive: Any, read: list[bool]) -> AsyncIterator[bytes]:
+    """The request's body as it comes; ``read[0]`` is set once it has come whole."""
     if first:
         yield first
     while True:
@@ -267,6 +289,7 @@ async def _body(first: bytes, receive: Any) -> AsyncIterator[bytes]:
         if body:
             yield body
         if not message.get("more_body"):
+            read[0] = True
             return
 
 
