@@ -226,6 +226,37 @@ async def test_refused_keys_do_not_pile_up(server: SandlotServer, agent_key: str
         await good.aclose()
 
 
+async def test_no_call_leaves_a_client_a_command_or_a_session_it_did_not_ask_for(
+    server: SandlotServer, agent_key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Calls refused before the broker is asked (no session named) keep no client of the
+    # key either: they were kept, one per key ever sent.
+    bad = Callers(server.url, default_key="sl_not_a_key")
+    async with Client(build_server(bad)) as client:
+        for name in ("exec", "read", "ls"):
+            args = {"command": "true"} if name == "exec" else {"path": "."}
+            assert (await failed(client, name, args))["code"] == "INVALID_REQUEST"
+    assert bad.by_key == {}
+    # A command given no timeout gets one (made short here): it never runs on unseen.
+    monkeypatch.setattr("sandlot.integrations.mcp.EXEC_TIMEOUT_SECONDS", 1.0)
+    good = Callers(server.url, default_key=agent_key)
+    try:
+        async with Client(build_server(good)) as client:
+            grant = await ok(client, "environment_acquire", {"thread_id": "thr_mcp_bounds"})
+            sid = grant["session_id"]
+            body = await ok(client, "exec", {"session_id": sid, "command": "sleep 60; echo late"})
+            assert body["exit_code"] == 124 and body["timed_out"] is True
+            assert body["stdout"] == ""
+            # A session id is one id: what follows a ? in it is no query of the release.
+            forged = {"session_id": f"{sid}?terminate=true&wait=false#", "terminate": False}
+            assert (await failed(client, "environment_release", forged))["code"] == "SESSION_NOT_FOUND"
+            beat = await ok(client, "environment_heartbeat", {"session_id": sid})
+            assert beat["state"] == "active"
+            await ok(client, "environment_release", {"session_id": sid})
+    finally:
+        await good.aclose()
+
+
 async def test_scopes_modes_and_the_token(server: SandlotServer, agent_key: str) -> None:
     async with http_client(server, agent_key) as client:
         scope = {"type": "thread", "id": f"thr_modes_{uuid.uuid4().hex[:8]}"}

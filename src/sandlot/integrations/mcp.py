@@ -36,6 +36,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, ParamSpec
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.shared.exceptions import MCPError
 from mcp.shared.jsonrpc_dispatcher import progress_token_from_params
@@ -58,6 +59,8 @@ from sandlot.sdk import AsyncSandbox, AsyncSandlot, CommandResult, FileEntry
 MAX_DOWNLOAD_BYTES = 8 << 20
 #: Characters of stdout and of stderr an ``exec`` result carries (the rest is cut).
 MAX_OUTPUT_CHARS = 256 << 10
+#: Seconds ``exec`` gives a command that names no ``timeout``.
+EXEC_TIMEOUT_SECONDS = 300.0
 #: The modes of ``environment_acquire`` and the protocol's (PROTOCOL.md 2.1).
 MODES = {"ensure": "ensure", "attach": "attach_only", "create": "create_only"}
 
@@ -145,7 +148,7 @@ class Callers:
         return caller
 
     async def forget(self, ctx: Context) -> None:
-        """Drop the client of a key the broker refused, unless it holds sessions: keys
+        """Drop the client of a key whose call failed, unless it holds sessions: keys
         that were never valid must not pile up."""
         key = self.key(ctx)
         caller = self.by_key.get(key) if key else None
@@ -185,7 +188,10 @@ def _tool(
                 return await fn(*args, **kwargs)
             except SandlotError as exc:
                 ctx = kwargs.get("ctx")
-                if isinstance(exc, Unauthenticated) and isinstance(ctx, Context):
+                if isinstance(ctx, Context):
+                    # Whatever failed, a key that holds no session keeps no client: a
+                    # call refused before the broker was asked (a missing argument) left
+                    # one per key ever sent, which anyone could send by the thousand.
                     await callers.forget(ctx)
                 body = error_body(exc)
                 return CallToolResult(
@@ -250,13 +256,24 @@ async def _stream(sandbox: AsyncSandbox, command: str, ctx: Context, **kw: Any) 
     seen = 0
     parts: dict[str, list[str]] = {"stdout": [], "stderr": []}
     sizes = {"stdout": 0, "stderr": 0}
+    lost = 0
     try:
         async for chunk in cmd:
             seen += len(chunk.data.encode("utf-8")) + chunk.lost
+            lost += chunk.lost
             if sizes[chunk.stream] < MAX_OUTPUT_CHARS:
                 parts[chunk.stream].append(chunk.data)
                 sizes[chunk.stream] += len(chunk.data)
             await ctx.report_progress(seen, None, chunk.data)
+    except anyio.get_cancelled_exc_class():
+        # The call was cancelled: so is its command (left, it would run on unseen).
+        with (
+            anyio.CancelScope(shield=True),
+            anyio.move_on_after(5),
+            contextlib.suppress(Exception),
+        ):
+            await cmd.signal("SIGKILL")
+        raise
     finally:
         await cmd.aclose()
     return CommandResult(
@@ -266,7 +283,7 @@ async def _stream(sandbox: AsyncSandbox, command: str, ctx: Context, **kw: Any) 
         exec_id=cmd.exec_id,
         command_id=cmd.command_id,
         timed_out=cmd.timed_out,
-        truncated=any(size >= MAX_OUTPUT_CHARS for size in sizes.values()),
+        truncated=lost > 0 or any(size >= MAX_OUTPUT_CHARS for size in sizes.values()),
     )
 
 
@@ -376,9 +393,13 @@ def build_server(callers: Callers) -> MCPServer[Any]:
     ) -> Json:
         """Run a shell command in the sandbox and return exit_code, stdout and stderr.
 
-        timeout (seconds) bounds the command (exit code 124 when it is hit). With a
-        progress token, output is streamed as progress notifications while it runs.
+        timeout (seconds, 300 by default) bounds the command (exit code 124 when it is
+        hit). With a progress token, output is streamed as progress notifications while
+        it runs.
         """
+        # Never unbounded: a command that outlived the call's answer ran on unseen, and
+        # each retry of the call started another.
+        timeout = EXEC_TIMEOUT_SECONDS if timeout is None else timeout
         sandbox = await callers.of(ctx).sandbox(session_id, thread_id)
         # Without exec in the grant, POST /exec lets the dataplane answer CAPABILITY_DENIED
         # itself (the SDK's socket reports a refused socket only as a broken one).

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from sandlot.protocol.errors import RequestTimeout
 
@@ -77,3 +78,10 @@ class RetryBudget:
     def backoff(self) -> float:
         """Seconds to wait before the next attempt (doubling, at most 2 s)."""
         return min(0.05 * (1 << min(self.failures, 8)), 2.0)
+
+
+def seg(value: str) -> str:
+    """``value`` as one segment of a URL's path: an id a caller passes (a session id from
+    a model's tool call, say) can add no segment, query or fragment (``x?terminate=true``
+    ended a session whose release asked to keep it)."""
+    return quote(value, safe="")

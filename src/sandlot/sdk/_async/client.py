@@ -26,6 +26,7 @@ from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._async.events import AsyncEventStream, wait_for_state
 from sandlot.sdk._async.sandbox import AsyncSandbox
 from sandlot.sdk.settings import load_settings
+from sandlot.sdk.transport import seg
 from sandlot.sdk.types import (
     AuditEntry,
     Event,
@@ -358,17 +359,17 @@ class AsyncSandlot:
 
     async def session(self, session_id: str, *, timeout: float | None = None) -> SessionSnapshot:
         """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``; no token)."""
-        body = await self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout)
+        body = await self._json("GET", f"/v1/sandbox/sessions/{seg(session_id)}", timeout)
         return SessionSnapshot.from_wire(body)
 
     async def refresh(self, session_id: str, *, timeout: float | None = None) -> RefreshResult:
         """A fresh token for the binding (capabilities never wider than granted)."""
-        path = f"/v1/sandbox/sessions/{session_id}/refresh"
+        path = f"/v1/sandbox/sessions/{seg(session_id)}/refresh"
         return RefreshResult.from_wire(await self._json("POST", path, timeout, json_body={}))
 
     async def heartbeat(self, session_id: str, *, timeout: float | None = None) -> HeartbeatResult:
         """Extend this actor's lease: the binding's state and the lease's new expiry."""
-        path = f"/v1/sandbox/sessions/{session_id}/heartbeat"
+        path = f"/v1/sandbox/sessions/{seg(session_id)}/heartbeat"
         return HeartbeatResult.from_wire(await self._json("POST", path, timeout, json_body={}))
 
     async def release(
@@ -394,7 +395,7 @@ class AsyncSandlot:
                 await lease.stop()
                 del self._leases[key]
         params = {"terminate": True, "wait": False} if terminate else None
-        path = f"/v1/sandbox/sessions/{session_id}"
+        path = f"/v1/sandbox/sessions/{seg(session_id)}"
         body = await self._json("DELETE", path, deadline.remaining(), params=params)
         if not terminate:
             return None
@@ -414,7 +415,10 @@ class AsyncSandlot:
     ) -> AsyncEventStream:
         """The binding's ordered event log after ``after`` (SSE, resumes after drops)."""
         return AsyncEventStream(
-            self._http, f"/v1/sandbox/sessions/{session_id}/events", after=after, timeout=timeout
+            self._http,
+            f"/v1/sandbox/sessions/{seg(session_id)}/events",
+            after=after,
+            timeout=timeout,
         )
 
     def sandbox(self, grant: Grant | Mapping[str, Any]) -> AsyncSandbox:
@@ -457,7 +461,7 @@ class AsyncSandlot:
         self, sandbox_id: str, *, timeout: float | None = None
     ) -> SandboxSnapshot:
         """One sandbox's snapshot."""
-        body = await self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout)
+        body = await self._json("GET", f"/v1/sandboxes/{seg(sandbox_id)}", timeout)
         return SandboxSnapshot.from_wire(body)
 
     async def delete_sandbox(
@@ -472,7 +476,7 @@ class AsyncSandlot:
         :meth:`sandbox_events` after its ``last_event_sequence``.
         """
         deadline = self._http.deadline(timeout)
-        path = f"/v1/sandboxes/{sandbox_id}"
+        path = f"/v1/sandboxes/{seg(sandbox_id)}"
         body = await self._json("DELETE", path, deadline.remaining(), params={"wait": False})
         # A broker that answers 204 has finished the teardown already.
         left = deadline.remaining()
@@ -501,7 +505,7 @@ class AsyncSandlot:
         self, sandbox_id: str, verb: str, target: tuple[str, ...], wait: bool, timeout: float | None
     ) -> SandboxSnapshot:
         deadline = self._http.deadline(timeout)
-        path = f"/v1/sandboxes/{sandbox_id}/{verb}"
+        path = f"/v1/sandboxes/{seg(sandbox_id)}/{verb}"
         body = await self._json("POST", path, deadline.remaining(), json_body={})
         snap = (
             SandboxSnapshot.from_wire(body)
@@ -533,7 +537,7 @@ class AsyncSandlot:
     ) -> AsyncEventStream:
         """A sandbox's phase events on the broker (SSE)."""
         return AsyncEventStream(
-            self._http, f"/v1/sandboxes/{sandbox_id}/events", after=after, timeout=timeout
+            self._http, f"/v1/sandboxes/{seg(sandbox_id)}/events", after=after, timeout=timeout
         )
 
     # --- templates, pools, volumes --------------------------------------------------
@@ -545,7 +549,7 @@ class AsyncSandlot:
 
     async def get_template(self, name: str, *, timeout: float | None = None) -> Template:
         """One template."""
-        return Template.from_wire(await self._json("GET", f"/v1/templates/{name}", timeout))
+        return Template.from_wire(await self._json("GET", f"/v1/templates/{seg(name)}", timeout))
 
     async def create_template(
         self, template: dict[str, Any], *, timeout: float | None = None
@@ -556,7 +560,7 @@ class AsyncSandlot:
 
     async def delete_template(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a template (admins)."""
-        await self._json("DELETE", f"/v1/templates/{name}", timeout)
+        await self._json("DELETE", f"/v1/templates/{seg(name)}", timeout)
 
     async def list_pools(self, *, timeout: float | None = None) -> list[Pool]:
         """Warm pools, with how many sandboxes each has ready."""
@@ -579,7 +583,7 @@ class AsyncSandlot:
 
     async def delete_pool(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a warm pool (admins)."""
-        await self._json("DELETE", f"/v1/pools/{name}", timeout)
+        await self._json("DELETE", f"/v1/pools/{seg(name)}", timeout)
 
     async def list_volumes(self, *, timeout: float | None = None) -> list[Volume]:
         """The caller's volumes."""
@@ -595,7 +599,7 @@ class AsyncSandlot:
 
     async def delete_volume(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a volume."""
-        await self._json("DELETE", f"/v1/volumes/{name}", timeout)
+        await self._json("DELETE", f"/v1/volumes/{seg(name)}", timeout)
 
     # --- audit ---------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from sandlot.sdk._async._wire import AsyncWire
 from sandlot.sdk._async.commands import AsyncCommand
 from sandlot.sdk._async.events import AsyncEventStream
 from sandlot.sdk._async.shells import AsyncShell
-from sandlot.sdk.transport import Deadline
+from sandlot.sdk.transport import Deadline, seg
 from sandlot.sdk.types import (
     ArchiveResult,
     CommandResult,
@@ -311,14 +311,14 @@ class AsyncSandbox:
 
     async def get_exec(self, exec_id: str, *, timeout: float | None = None) -> ExecSnapshot:
         """One command's snapshot, with ``last_event_sequence`` (``GET /execs/{id}``)."""
-        return ExecSnapshot.from_wire(await self._call("GET", f"/execs/{exec_id}", timeout))
+        return ExecSnapshot.from_wire(await self._call("GET", f"/execs/{seg(exec_id)}", timeout))
 
     async def signal_exec(
         self, exec_id: str, signal: str = "SIGINT", *, timeout: float | None = None
     ) -> ExecSnapshot:
         """Send a signal to a command; return its snapshot as the signal was sent."""
         body = await self._call(
-            "POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal}
+            "POST", f"/execs/{seg(exec_id)}/signal", timeout, json_body={"signal": signal}
         )
         return ExecSnapshot.from_wire(body)
 
@@ -362,7 +362,7 @@ class AsyncSandbox:
 
     async def delete_shell(self, name: str, *, timeout: float | None = None) -> None:
         """End a shell for every client."""
-        await self._call("DELETE", f"/shells/{name}", timeout)
+        await self._call("DELETE", f"/shells/{seg(name)}", timeout)
 
     # --- files ---------------------------------------------------------------------
 

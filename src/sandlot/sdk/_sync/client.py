@@ -27,6 +27,7 @@ from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.events import EventStream, wait_for_state
 from sandlot.sdk._sync.sandbox import Sandbox
 from sandlot.sdk.settings import load_settings
+from sandlot.sdk.transport import seg
 from sandlot.sdk.types import (
     AuditEntry,
     Event,
@@ -359,17 +360,17 @@ class Sandlot:
 
     def session(self, session_id: str, *, timeout: float | None = None) -> SessionSnapshot:
         """The binding snapshot (``binding``, ``sandbox``, ``dataplane``, ``policy``; no token)."""
-        body = self._json("GET", f"/v1/sandbox/sessions/{session_id}", timeout)
+        body = self._json("GET", f"/v1/sandbox/sessions/{seg(session_id)}", timeout)
         return SessionSnapshot.from_wire(body)
 
     def refresh(self, session_id: str, *, timeout: float | None = None) -> RefreshResult:
         """A fresh token for the binding (capabilities never wider than granted)."""
-        path = f"/v1/sandbox/sessions/{session_id}/refresh"
+        path = f"/v1/sandbox/sessions/{seg(session_id)}/refresh"
         return RefreshResult.from_wire(self._json("POST", path, timeout, json_body={}))
 
     def heartbeat(self, session_id: str, *, timeout: float | None = None) -> HeartbeatResult:
         """Extend this actor's lease: the binding's state and the lease's new expiry."""
-        path = f"/v1/sandbox/sessions/{session_id}/heartbeat"
+        path = f"/v1/sandbox/sessions/{seg(session_id)}/heartbeat"
         return HeartbeatResult.from_wire(self._json("POST", path, timeout, json_body={}))
 
     def release(
@@ -395,7 +396,7 @@ class Sandlot:
                 lease.stop()
                 del self._leases[key]
         params = {"terminate": True, "wait": False} if terminate else None
-        path = f"/v1/sandbox/sessions/{session_id}"
+        path = f"/v1/sandbox/sessions/{seg(session_id)}"
         body = self._json("DELETE", path, deadline.remaining(), params=params)
         if not terminate:
             return None
@@ -413,7 +414,10 @@ class Sandlot:
     ) -> EventStream:
         """The binding's ordered event log after ``after`` (SSE, resumes after drops)."""
         return EventStream(
-            self._http, f"/v1/sandbox/sessions/{session_id}/events", after=after, timeout=timeout
+            self._http,
+            f"/v1/sandbox/sessions/{seg(session_id)}/events",
+            after=after,
+            timeout=timeout,
         )
 
     def sandbox(self, grant: Grant | Mapping[str, Any]) -> Sandbox:
@@ -454,7 +458,7 @@ class Sandlot:
 
     def get_sandbox(self, sandbox_id: str, *, timeout: float | None = None) -> SandboxSnapshot:
         """One sandbox's snapshot."""
-        body = self._json("GET", f"/v1/sandboxes/{sandbox_id}", timeout)
+        body = self._json("GET", f"/v1/sandboxes/{seg(sandbox_id)}", timeout)
         return SandboxSnapshot.from_wire(body)
 
     def delete_sandbox(
@@ -469,7 +473,7 @@ class Sandlot:
         :meth:`sandbox_events` after its ``last_event_sequence``.
         """
         deadline = self._http.deadline(timeout)
-        path = f"/v1/sandboxes/{sandbox_id}"
+        path = f"/v1/sandboxes/{seg(sandbox_id)}"
         body = self._json("DELETE", path, deadline.remaining(), params={"wait": False})
         # A broker that answers 204 has finished the teardown already.
         left = deadline.remaining()
@@ -496,7 +500,7 @@ class Sandlot:
         self, sandbox_id: str, verb: str, target: tuple[str, ...], wait: bool, timeout: float | None
     ) -> SandboxSnapshot:
         deadline = self._http.deadline(timeout)
-        path = f"/v1/sandboxes/{sandbox_id}/{verb}"
+        path = f"/v1/sandboxes/{seg(sandbox_id)}/{verb}"
         body = self._json("POST", path, deadline.remaining(), json_body={})
         snap = (
             SandboxSnapshot.from_wire(body)
@@ -528,7 +532,7 @@ class Sandlot:
     ) -> EventStream:
         """A sandbox's phase events on the broker (SSE)."""
         return EventStream(
-            self._http, f"/v1/sandboxes/{sandbox_id}/events", after=after, timeout=timeout
+            self._http, f"/v1/sandboxes/{seg(sandbox_id)}/events", after=after, timeout=timeout
         )
 
     # --- templates, pools, volumes --------------------------------------------------
@@ -540,7 +544,7 @@ class Sandlot:
 
     def get_template(self, name: str, *, timeout: float | None = None) -> Template:
         """One template."""
-        return Template.from_wire(self._json("GET", f"/v1/templates/{name}", timeout))
+        return Template.from_wire(self._json("GET", f"/v1/templates/{seg(name)}", timeout))
 
     def create_template(
         self, template: dict[str, Any], *, timeout: float | None = None
@@ -551,7 +555,7 @@ class Sandlot:
 
     def delete_template(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a template (admins)."""
-        self._json("DELETE", f"/v1/templates/{name}", timeout)
+        self._json("DELETE", f"/v1/templates/{seg(name)}", timeout)
 
     def list_pools(self, *, timeout: float | None = None) -> list[Pool]:
         """Warm pools, with how many sandboxes each has ready."""
@@ -574,7 +578,7 @@ class Sandlot:
 
     def delete_pool(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a warm pool (admins)."""
-        self._json("DELETE", f"/v1/pools/{name}", timeout)
+        self._json("DELETE", f"/v1/pools/{seg(name)}", timeout)
 
     def list_volumes(self, *, timeout: float | None = None) -> list[Volume]:
         """The caller's volumes."""
@@ -588,7 +592,7 @@ class Sandlot:
 
     def delete_volume(self, name: str, *, timeout: float | None = None) -> None:
         """Delete a volume."""
-        self._json("DELETE", f"/v1/volumes/{name}", timeout)
+        self._json("DELETE", f"/v1/volumes/{seg(name)}", timeout)
 
     # --- audit ---------------------------------------------------------------------
 

@@ -26,7 +26,7 @@ from sandlot.sdk._sync._wire import Wire
 from sandlot.sdk._sync.commands import Command
 from sandlot.sdk._sync.events import EventStream
 from sandlot.sdk._sync.shells import Shell
-from sandlot.sdk.transport import Deadline
+from sandlot.sdk.transport import Deadline, seg
 from sandlot.sdk.types import (
     ArchiveResult,
     CommandResult,
@@ -310,13 +310,15 @@ class Sandbox:
 
     def get_exec(self, exec_id: str, *, timeout: float | None = None) -> ExecSnapshot:
         """One command's snapshot, with ``last_event_sequence`` (``GET /execs/{id}``)."""
-        return ExecSnapshot.from_wire(self._call("GET", f"/execs/{exec_id}", timeout))
+        return ExecSnapshot.from_wire(self._call("GET", f"/execs/{seg(exec_id)}", timeout))
 
     def signal_exec(
         self, exec_id: str, signal: str = "SIGINT", *, timeout: float | None = None
     ) -> ExecSnapshot:
         """Send a signal to a command; return its snapshot as the signal was sent."""
-        body = self._call("POST", f"/execs/{exec_id}/signal", timeout, json_body={"signal": signal})
+        body = self._call(
+            "POST", f"/execs/{seg(exec_id)}/signal", timeout, json_body={"signal": signal}
+        )
         return ExecSnapshot.from_wire(body)
 
     # --- shells --------------------------------------------------------------------
@@ -359,7 +361,7 @@ class Sandbox:
 
     def delete_shell(self, name: str, *, timeout: float | None = None) -> None:
         """End a shell for every client."""
-        self._call("DELETE", f"/shells/{name}", timeout)
+        self._call("DELETE", f"/shells/{seg(name)}", timeout)
 
     # --- files ---------------------------------------------------------------------
 
