@@ -35,6 +35,10 @@ from sandlot.providers.socketrelay import SocketRelay, TcpUpstream, Upstream
 JwksSource = Callable[[], Awaitable[Mapping[str, Any]]]
 
 STATUS = "/__control/status"
+#: Seconds a status read may take in all, where the provider sets no ``status_timeout``.
+STATUS_SECONDS = 10.0
+#: Seconds an activity read may take in all (the reaper waits for it).
+ACTIVITY_SECONDS = 5.0
 
 
 class InboxSandbox:
@@ -208,10 +212,15 @@ class InboxProvider(Provider, Generic[BoxT]):
                 httpx.USE_CLIENT_DEFAULT if self.status_timeout is None else self.status_timeout
             )
             try:
-                resp = await box.upstream.client.get(STATUS, timeout=timeout)
-                if resp.status_code == 200:
-                    box.last_event_sequence = int(resp.json()["last_event_sequence"])
+                # The whole answer within the deadline, not each read: a dataplane that
+                # answered a byte at a time held the caller (the reaper, a resume).
+                async with asyncio.timeout(self.status_timeout or STATUS_SECONDS):
+                    resp = await box.upstream.client.get(STATUS, timeout=timeout)
+                    if resp.status_code == 200:
+                        box.last_event_sequence = _sequence(resp.json())
             except self.status_errors:
+                await self._unanswered(sandbox_id, box)
+            except (TimeoutError, ValueError):
                 await self._unanswered(sandbox_id, box)
         return ProviderStatus(box.state, box.last_event_sequence, box.reason)
 
@@ -240,16 +249,28 @@ class InboxProvider(Provider, Generic[BoxT]):
         if box.state is not SandboxState.ACTIVE or box.upstream is None:
             return SandboxActivity()
         try:
-            resp = await box.upstream.client.get(STATUS, timeout=5.0)
-            doc = resp.json() if resp.status_code == 200 else {}
-        except (httpx.TransportError, ValueError):
+            async with asyncio.timeout(ACTIVITY_SECONDS):
+                resp = await box.upstream.client.get(STATUS, timeout=ACTIVITY_SECONDS)
+                doc = resp.json() if resp.status_code == 200 else {}
+            if not isinstance(doc, dict):
+                raise ValueError("the status is not an object")
+            last = doc.get("last_active_at")
+            return SandboxActivity(
+                running_execs=int(doc.get("running_execs", 0)),
+                attached_clients=int(doc.get("attached_clients", 0)),
+                last_active_at=float(last) if last is not None else None,
+            )
+        except (httpx.TransportError, TimeoutError, ValueError, TypeError):
+            # Nothing the dataplane says (in time, or at all) is no activity.
             return SandboxActivity()
-        last = doc.get("last_active_at")
-        return SandboxActivity(
-            running_execs=int(doc.get("running_execs", 0)),
-            attached_clients=int(doc.get("attached_clients", 0)),
-            last_active_at=float(last) if last is not None else None,
-        )
+
+
+def _sequence(doc: Any) -> int:
+    """The status's ``last_event_sequence`` (ValueError: not one)."""
+    value = doc.get("last_event_sequence") if isinstance(doc, dict) else None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"not an event sequence: {value!r}")
+    return value
 
 
 __all__ = ["InboxProvider", "InboxSandbox", "JwksSource"]
