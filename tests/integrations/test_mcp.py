@@ -249,7 +249,8 @@ async def test_no_call_leaves_a_client_a_command_or_a_session_it_did_not_ask_for
             assert body["stdout"] == ""
             # A session id is one id: what follows a ? in it is no query of the release.
             forged = {"session_id": f"{sid}?terminate=true&wait=false#", "terminate": False}
-            assert (await failed(client, "environment_release", forged))["code"] == "SESSION_NOT_FOUND"
+            refused = await failed(client, "environment_release", forged)
+            assert refused["code"] == "SESSION_NOT_FOUND"
             beat = await ok(client, "environment_heartbeat", {"session_id": sid})
             assert beat["state"] == "active"
             await ok(client, "environment_release", {"session_id": sid})

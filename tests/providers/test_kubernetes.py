@@ -22,7 +22,13 @@ from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.providers.base import AdoptionRecord, SandboxSpec
-from sandlot.providers.podspec import CONTAINER, LABEL_INSTANCE, LABEL_SANDBOX, object_name
+from sandlot.providers.podspec import (
+    CONTAINER,
+    LABEL_INSTANCE,
+    LABEL_SANDBOX,
+    object_name,
+    volume_claim,
+)
 from tests.dataplane.conftest import Keys
 from tests.k8scluster import Cluster
 from tests.providers.k8sharness import NAMESPACE, Harness, core_api, serving
@@ -186,6 +192,50 @@ async def test_no_command_stops_the_dataplane_but_its_death_fails_the_sandbox(
                              headers=h.headers("sb_kill"))  # fmt: skip
             assert r.status_code == 503 and r.json()["error"]["metadata"]["reason"] == "EXITED"
         await h.provider.delete("sb_kill")
+
+
+async def test_a_named_volume_is_its_claim_and_one_without_a_claim_fails_at_once(
+    k8s_cluster: Cluster, k8s_image: str, tmp_path: Path
+) -> None:
+    # A volume's name may hold capitals and _, a claim's may not: the claim's name is
+    # made from it. Before, the pod waited for a claim nobody could name until the start's
+    # deadline (120 s), and failed for a reason that named no volume.
+    mounts = [{"volume": "Shared_Data", "path": "/data"}]
+    claim = volume_claim("x" * 16, "Shared_Data")
+    assert claim.startswith("sl-xxxxxxxx-vol-shared-data-") and claim == claim.lower()
+    async with serving(k8s_cluster, k8s_image, tmp_path, Keys()) as h:
+        claim = volume_claim(h.provider.instance, "Shared_Data")
+        spec = SandboxSpec("sb_novol", 1, Template(name="t", image="host", volume_mounts=mounts))
+        await h.provider.create(spec)
+        async with asyncio.timeout(30):
+            while (st := await h.provider.status("sb_novol")).state is SandboxState.PROVISIONING:
+                await asyncio.sleep(0.05)
+        assert st.state is SandboxState.FAILED and (st.reason or "").startswith("VOLUME: ")
+        assert claim in (st.reason or "")
+        await h.provider.delete("sb_novol")
+        h.core.create_namespaced_persistent_volume_claim(
+            NAMESPACE,
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolumeClaim",
+                "metadata": {"name": claim},
+                "spec": {
+                    "accessModes": ["ReadWriteOnce"],
+                    "resources": {"requests": {"storage": "16Mi"}},
+                },
+            },
+        )
+        try:
+            for sid in ("sb_vol1", "sb_vol2"):
+                await h.create(sid, volume_mounts=mounts)
+            async with h.sandbox("sb_vol1") as sb:
+                await sb.run("echo shared > /data/note.txt")
+            async with h.sandbox("sb_vol2") as sb:
+                assert (await sb.run("cat /data/note.txt")).stdout == "shared\n"
+        finally:
+            for sid in ("sb_vol1", "sb_vol2"):
+                await h.provider.delete(sid)
+            h.core.delete_namespaced_persistent_volume_claim(claim, NAMESPACE)
 
 
 async def test_a_claim_workspace_survives_suspend_and_resume(

@@ -4,6 +4,7 @@ cluster itself is exercised by test_kubernetes.py)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from kubernetes.client import (
@@ -29,6 +30,7 @@ from sandlot.providers.podspec import (
     pod_failure,
     pod_manifest,
     trust_manifest,
+    volume_claim,
 )
 
 SETTINGS = PodSettings(instance="0123456789abcdef", issuer="https://broker.test")
@@ -187,3 +189,13 @@ def test_an_agent_sandbox_resource_carries_the_pod() -> None:
     assert template["metadata"]["annotations"] == pod["metadata"]["annotations"]
     assert template["spec"] == pod["spec"]
     assert body["spec"]["replicas"] == 1
+
+
+def test_a_named_volumes_claim_is_a_dns_name_and_one_per_volume() -> None:
+    # A name that already is one keeps the documented form; others are made one, and
+    # the exact name's hash keeps two volumes that read alike apart.
+    assert volume_claim(SETTINGS.instance, "data") == f"sl-{SETTINGS.instance[:8]}-vol-data"
+    odd = [volume_claim(SETTINGS.instance, v) for v in ("Data_1", "data-1", "DATA_1", "_")]
+    assert len(set(odd)) == 4
+    for name in odd:
+        assert re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", name) and len(name) <= 63

@@ -101,15 +101,24 @@ async def test_a_host_refusing_the_brokers_credential_is_unavailable(host: str) 
 @contextlib.asynccontextmanager
 async def trickling_host() -> AsyncIterator[str]:
     """A host that answers every call with a head and then a byte every 0.2 s, forever."""
+    handlers: set[asyncio.Task[Any]] = set()
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(ConnectionError):
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
             await reader.readuntil(b"\r\n\r\n")
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000000\r\n\r\n{")
             while True:
                 writer.write(b" ")
                 await writer.drain()
                 await asyncio.sleep(0.2)
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            handlers.discard(task)
 
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
@@ -117,6 +126,10 @@ async def trickling_host() -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.close()
+        for task in list(handlers):
+            task.cancel()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
 
 
 async def test_a_host_answering_a_byte_at_a_time_is_given_up_at_the_deadline() -> None:

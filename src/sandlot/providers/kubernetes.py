@@ -110,6 +110,7 @@ from sandlot.providers.podspec import (
     pod_failure,
     pod_manifest,
     trust_manifest,
+    volume_claim,
 )
 from sandlot.providers.socketrelay import TcpUpstream
 
@@ -284,7 +285,10 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         except ApiException as exc:
             if exc.status in (404, 409):
                 raise
-            raise ProviderUnavailable(f"cluster: {exc.status} {exc.reason}") from exc
+            said = _api_message(exc)
+            raise ProviderUnavailable(
+                f"cluster: {exc.status} {exc.reason}" + (f": {said}" if said else "")
+            ) from exc
         except Exception as exc:
             raise ProviderUnavailable(f"cluster: {exc}") from exc
 
@@ -505,6 +509,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                     ns,
                     claim_manifest(self.settings, spec),
                 )
+        await self._check_volume_claims(spec)
         manifest = pod_manifest(self.settings, spec)
         if self.sandbox_resources is not None:
             # agent-sandbox's controller makes the pod; the watch knows it by its labels.
@@ -512,6 +517,24 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             return
         pod = await self._api(self._core.create_namespaced_pod, ns, manifest)
         box.pod_uid = pod.metadata.uid
+
+    async def _check_volume_claims(self, spec: SandboxSpec) -> None:
+        """Each named volume's claim exists (the cluster's operator makes them, of the
+        access mode its sandboxes need): a pod mounting a missing one waits for it until
+        the start's deadline, then fails for a reason that names no volume."""
+        for vm in spec.template.volume_mounts:
+            claim = volume_claim(self.instance, vm.volume)
+            try:
+                await self._api(
+                    self._core.read_namespaced_persistent_volume_claim, claim, self.namespace
+                )
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise
+                raise ProviderUnavailable(
+                    f"VOLUME: volume {vm.volume!r} has no claim {claim!r} in namespace "
+                    f"{self.namespace!r}: make one (docs/KUBERNETES.md, Named volumes)"
+                ) from None
 
     async def _create_sandbox_resource(self, pod: Mapping[str, Any]) -> None:
         resources = self.sandbox_resources
@@ -852,6 +875,16 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
 
     def image_for(self, template: Template) -> str:
         return self.settings.image_for(template)
+
+
+def _api_message(exc: ApiException) -> str:
+    """What the API server said of a refusal (its Status's ``message``), if anything."""
+    try:
+        doc = json.loads(exc.body or "")
+    except (TypeError, ValueError):
+        return ""
+    message = doc.get("message") if isinstance(doc, dict) else None
+    return str(message)[:400] if message else ""
 
 
 __all__ = ["KubernetesProvider"]

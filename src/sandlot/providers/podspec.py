@@ -45,6 +45,8 @@ WORKSPACE = "/workspace"
 CONTAINER = "dataplane"
 
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?$")
+#: A DNS-1123 label short enough to end a claim's name.
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,40}[a-z0-9])?$")
 
 #: Where the dataplane keeps its event log on a ``pvc`` workspace's claim (a sub-directory
 #: of the claim beside the workspace's), so a pod made again on it carries on the sequence.
@@ -61,7 +63,9 @@ WAITING_FAILURES = {
     "RunContainerError": "START",
     "CrashLoopBackOff": "START",
 }
-FAILURE_CODES = frozenset({"OOM", "EVICTED", "IMAGE", "START", "EXITED", "DELETED", "TIMEOUT"})
+FAILURE_CODES = frozenset(
+    {"OOM", "EVICTED", "IMAGE", "START", "EXITED", "DELETED", "TIMEOUT", "VOLUME"}
+)
 
 
 def failure_code(reason: str | None) -> str | None:
@@ -109,6 +113,18 @@ def object_name(instance: str, sandbox_id: str, suffix: str = "") -> str:
     digest = hashlib.sha256(sandbox_id.encode()).hexdigest()[:8]
     name = f"sl-{instance[:8]}-{readable}-{digest}" if readable else f"sl-{instance[:8]}-{digest}"
     return f"{name}-{suffix}" if suffix else name
+
+
+def volume_claim(instance: str, volume: str) -> str:
+    """The claim a named volume is mounted from: ``sl-{instance}-vol-{volume}`` when the
+    volume's name is a DNS-1123 name already; else readable and a hash of the exact name
+    (a claim's name holds no capital or ``_``, which a volume's may)."""
+    if _DNS_LABEL.match(volume):
+        return f"sl-{instance[:8]}-vol-{volume}"
+    readable = re.sub(r"[^a-z0-9-]", "-", volume.lower()).strip("-")[:32].strip("-")
+    digest = hashlib.sha256(volume.encode()).hexdigest()[:8]
+    base = f"sl-{instance[:8]}-vol"
+    return f"{base}-{readable}-{digest}" if readable else f"{base}-{digest}"
 
 
 def pool_label(pool: str) -> str:
@@ -197,7 +213,7 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
         mounts.append({"name": "workspace", "mountPath": STATE_MOUNT, "subPath": "dataplane"})
     for i, vm in enumerate(template.volume_mounts):
         name = f"vol-{i}"
-        claim = f"sl-{inst[:8]}-vol-{vm.volume}"
+        claim = volume_claim(inst, vm.volume)
         volumes.append(
             {"name": name, "persistentVolumeClaim": {"claimName": claim, "readOnly": vm.read_only}}
         )
@@ -403,4 +419,5 @@ __all__ = [
     "pod_failure",
     "pod_manifest",
     "trust_manifest",
+    "volume_claim",
 ]
