@@ -3,6 +3,7 @@ over streamable HTTP (``/mcp`` of the server) and over stdio (``sandlot mcp``)."
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import subprocess
@@ -256,6 +257,35 @@ async def test_no_call_leaves_a_client_a_command_or_a_session_it_did_not_ask_for
             await ok(client, "environment_release", {"session_id": sid})
     finally:
         await good.aclose()
+
+
+async def test_a_session_no_call_uses_is_let_go_and_taken_up_again(
+    server: SandlotServer, agent_key: str
+) -> None:
+    # Its lease was held for the server's life, heartbeat after heartbeat: the sandbox of
+    # an MCP client that went away never went idle.
+    callers = Callers(server.url, default_key=agent_key, idle=1.0)
+    try:
+        async with Client(build_server(callers)) as client:
+            grant = await ok(client, "environment_acquire", {"thread_id": "thr_mcp_idle"})
+            sid = grant["session_id"]
+            caller = callers.by_key[agent_key]
+            assert list(caller.sandboxes) == [sid] and caller.client._leases
+            async with asyncio.timeout(20):
+                while caller.sandboxes or caller.client._leases:
+                    await asyncio.sleep(0.1)
+            # Named again, the session is taken up (attached), and held again.
+            body = await ok(client, "exec", {"session_id": sid, "command": "echo again"})
+            assert body["stdout"] == "again\n"
+            caller = callers.by_key[agent_key]
+            assert list(caller.sandboxes) == [sid] and caller.client._leases
+            await ok(client, "environment_release", {"session_id": sid})
+        # With nothing held and no call, the key's client goes too.
+        async with asyncio.timeout(20):
+            while callers.by_key:
+                await asyncio.sleep(0.1)
+    finally:
+        await callers.aclose()
 
 
 async def test_scopes_modes_and_the_token(server: SandlotServer, agent_key: str) -> None:

@@ -29,10 +29,12 @@ absolute path inside the sandbox without the leading ``/``
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import functools
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, ParamSpec
 
@@ -61,6 +63,8 @@ MAX_DOWNLOAD_BYTES = 8 << 20
 MAX_OUTPUT_CHARS = 256 << 10
 #: Seconds ``exec`` gives a command that names no ``timeout``.
 EXEC_TIMEOUT_SECONDS = 300.0
+#: Seconds a session no call used stays held by the server (its lease kept).
+SESSION_IDLE_SECONDS = 600.0
 #: The modes of ``environment_acquire`` and the protocol's (PROTOCOL.md 2.1).
 MODES = {"ensure": "ensure", "attach": "attach_only", "create": "create_only"}
 
@@ -76,11 +80,35 @@ class ScopeArg(BaseModel):
 
 
 class Caller:
-    """What one API key reaches: its broker client and the sandboxes of its sessions."""
+    """What one API key reaches: its broker client and the sandboxes of its sessions,
+    each with when a call last used it."""
 
     def __init__(self, url: str, api_key: str) -> None:
         self.client = AsyncSandlot(url=url, api_key=api_key)
         self.sandboxes: dict[str, AsyncSandbox] = {}
+        self.used: dict[str, float] = {}
+        #: When a call last came with this key.
+        self.called = time.monotonic()
+
+    def _use(self, sandbox: AsyncSandbox) -> AsyncSandbox:
+        if sandbox.grant.session_id is not None:
+            self.used[sandbox.grant.session_id] = time.monotonic()
+        return sandbox
+
+    async def let_go(self, idle: float) -> None:
+        """Stop holding the sessions no call used for ``idle`` seconds: their leases
+        then expire at the broker, so a sandbox whose MCP client went away goes idle
+        and is reaped as any other (it was held for the server's life). A later call
+        naming the session takes it up again."""
+        now = time.monotonic()
+        for session_id, at in list(self.used.items()):
+            if now - at < idle:
+                continue
+            del self.used[session_id]
+            sandbox = self.sandboxes.pop(session_id, None)
+            await self.client.forget(session_id)
+            if sandbox is not None:
+                await sandbox.aclose()
 
     async def acquire(
         self,
@@ -100,7 +128,7 @@ class Caller:
         )
         if sandbox.grant.session_id is not None:
             self.sandboxes[sandbox.grant.session_id] = sandbox
-        return sandbox
+        return self._use(sandbox)
 
     async def sandbox(self, session_id: str | None, thread_id: str | None) -> AsyncSandbox:
         """The sandbox of a session this server acquired, or one it adopts by attaching to
@@ -108,7 +136,7 @@ class Caller:
         if session_id:
             known = self.sandboxes.get(session_id)
             if known is not None:
-                return known
+                return self._use(known)
             scope = (await self.client.session(session_id)).binding.scope
             adopted = await self.acquire(
                 scope_type=scope.type, scope_id=scope.id, mode="attach_only"
@@ -129,10 +157,14 @@ class Callers:
     """One :class:`Caller` per API key, made on first use. Over stdio there is one key,
     ``default_key``; over HTTP each request names its own."""
 
-    def __init__(self, url: str, default_key: str | None = None) -> None:
+    def __init__(
+        self, url: str, default_key: str | None = None, idle: float = SESSION_IDLE_SECONDS
+    ) -> None:
         self.url = url
         self.default_key = default_key
+        self.idle = idle
         self.by_key: dict[str, Caller] = {}
+        self._sweeper: asyncio.Task[None] | None = None
 
     def key(self, ctx: Context) -> str | None:
         headers = ctx.headers
@@ -145,7 +177,23 @@ class Callers:
         caller = self.by_key.get(key)
         if caller is None:
             caller = self.by_key[key] = Caller(self.url, key)
+        caller.called = time.monotonic()
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
         return caller
+
+    async def _sweep(self) -> None:
+        """Every tenth of :attr:`idle`: sessions no call used that long let go, and the
+        clients of keys left holding none closed."""
+        while self.by_key:
+            await asyncio.sleep(max(self.idle / 10, 0.1))
+            for key, caller in list(self.by_key.items()):
+                with contextlib.suppress(Exception):
+                    await caller.let_go(self.idle)
+                quiet = time.monotonic() - caller.called > self.idle
+                if quiet and not caller.sandboxes and self.by_key.get(key) is caller:
+                    del self.by_key[key]
+                    await caller.aclose()
 
     async def forget(self, ctx: Context) -> None:
         """Drop the client of a key whose call failed, unless it holds sessions: keys
@@ -157,6 +205,10 @@ class Callers:
             await caller.aclose()
 
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         for caller in self.by_key.values():
             await caller.aclose()
         self.by_key.clear()
@@ -378,6 +430,7 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         caller = callers.of(ctx)
         snapshot = await caller.client.release(session_id, terminate=terminate)
         caller.sandboxes.pop(session_id, None)
+        caller.used.pop(session_id, None)
         state = snapshot.binding.state if snapshot is not None else None
         return {"session_id": session_id, "released": True, "state": state}
 

@@ -390,10 +390,7 @@ class AsyncSandlot:
         ``binding.last_event_sequence``). A plain detach returns ``None``.
         """
         deadline = self._http.deadline(timeout)
-        for key, lease in list(self._leases.items()):
-            if lease.grant.session_id == session_id:
-                await lease.stop()
-                del self._leases[key]
+        await self.forget(session_id)
         params = {"terminate": True, "wait": False} if terminate else None
         path = f"/v1/sandbox/sessions/{seg(session_id)}"
         body = await self._json("DELETE", path, deadline.remaining(), params=params)
@@ -409,6 +406,16 @@ class AsyncSandlot:
         if wait:
             snapshot = await self._wait_binding(snapshot, _TERMINATED, deadline.remaining())
         return snapshot
+
+    async def forget(self, session_id: str) -> None:
+        """Stop keeping the session's token fresh and its lease held, without a release:
+        unless another client holds it, the lease then expires at the broker and the
+        sandbox goes idle as its policy says (a later :meth:`ensure` or attach takes it
+        up again)."""
+        for key, lease in list(self._leases.items()):
+            if lease.grant.session_id == session_id:
+                await lease.stop()
+                del self._leases[key]
 
     def binding_events(
         self, session_id: str, *, after: int | None = None, timeout: float | None = None
