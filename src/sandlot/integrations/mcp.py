@@ -87,8 +87,9 @@ class Caller:
         self.client = AsyncSandlot(url=url, api_key=api_key)
         self.sandboxes: dict[str, AsyncSandbox] = {}
         self.used: dict[str, float] = {}
-        #: When a call last came with this key.
+        #: When a call last came with this key, and how many of its calls run now.
         self.called = time.monotonic()
+        self.in_flight = 0
 
     def _use(self, sandbox: AsyncSandbox) -> AsyncSandbox:
         if sandbox.grant.session_id is not None:
@@ -100,6 +101,8 @@ class Caller:
         then expire at the broker, so a sandbox whose MCP client went away goes idle
         and is reaped as any other (it was held for the server's life). A later call
         naming the session takes it up again."""
+        if self.in_flight:
+            return
         now = time.monotonic()
         for session_id, at in list(self.used.items()):
             if now - at < idle:
@@ -190,7 +193,7 @@ class Callers:
             for key, caller in list(self.by_key.items()):
                 with contextlib.suppress(Exception):
                     await caller.let_go(self.idle)
-                quiet = time.monotonic() - caller.called > self.idle
+                quiet = time.monotonic() - caller.called > self.idle and not caller.in_flight
                 if quiet and not caller.sandboxes and self.by_key.get(key) is caller:
                     del self.by_key[key]
                     await caller.aclose()
@@ -200,7 +203,8 @@ class Callers:
         that were never valid must not pile up."""
         key = self.key(ctx)
         caller = self.by_key.get(key) if key else None
-        if key and caller is not None and not caller.sandboxes:
+        # Not while another call of the key runs (this one counts itself).
+        if key and caller is not None and not caller.sandboxes and caller.in_flight <= 1:
             del self.by_key[key]
             await caller.aclose()
 
@@ -236,10 +240,15 @@ def _tool(
     def wrap(fn: Callable[P, Awaitable[Json]]) -> Callable[P, Awaitable[Json | CallToolResult]]:
         @functools.wraps(fn)
         async def run(*args: P.args, **kwargs: P.kwargs) -> Json | CallToolResult:
+            ctx = kwargs.get("ctx")
+            caller: Caller | None = None
             try:
+                if isinstance(ctx, Context):
+                    # A key's sessions are not let go while one of its calls runs.
+                    caller = callers.of(ctx)
+                    caller.in_flight += 1
                 return await fn(*args, **kwargs)
             except SandlotError as exc:
-                ctx = kwargs.get("ctx")
                 if isinstance(ctx, Context):
                     # Whatever failed, a key that holds no session keeps no client: a
                     # call refused before the broker was asked (a missing argument) left
@@ -251,6 +260,9 @@ def _tool(
                     structured_content=body,
                     is_error=True,
                 )
+            finally:
+                if caller is not None:
+                    caller.in_flight -= 1
 
         return run
 
