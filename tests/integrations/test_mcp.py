@@ -288,6 +288,27 @@ async def test_a_session_no_call_uses_is_let_go_and_taken_up_again(
         await callers.aclose()
 
 
+async def test_a_listing_cut_at_its_cap_says_so(server: SandlotServer, agent_key: str) -> None:
+    # The dataplane lists 10,000 entries at most and said so; the SDK dropped the flag,
+    # and a model took the first 10,000 files for all there were.
+    callers = Callers(server.url, default_key=agent_key)
+    try:
+        async with Client(build_server(callers)) as client:
+            grant = await ok(client, "environment_acquire", {"thread_id": "thr_mcp_many"})
+            sid = grant["session_id"]
+            make = "python3 -c \"[open(f'many/{i}.txt', 'w') for i in range(10050)]\""
+            await ok(client, "exec", {"session_id": sid, "command": f"mkdir many && {make}"})
+            listed = await ok(client, "ls", {"session_id": sid, "path": "many"})
+            found = await ok(client, "glob", {"session_id": sid, "pattern": "many/*.txt"})
+            assert (len(listed["entries"]), listed["truncated"]) == (10_000, True)
+            assert (len(found["matches"]), found["truncated"]) == (10_000, True)
+            few = await ok(client, "ls", {"session_id": sid, "path": "."})
+            assert few["truncated"] is False
+            await ok(client, "environment_release", {"session_id": sid, "terminate": True})
+    finally:
+        await callers.aclose()
+
+
 async def test_scopes_modes_and_the_token(server: SandlotServer, agent_key: str) -> None:
     async with http_client(server, agent_key) as client:
         scope = {"type": "thread", "id": f"thr_modes_{uuid.uuid4().hex[:8]}"}

@@ -540,7 +540,8 @@ def build_server(callers: Callers) -> MCPServer[Any]:
     ) -> Json:
         """Entries of a directory (depth levels), with absolute paths."""
         sandbox = await callers.of(ctx).sandbox(session_id, thread_id)
-        return {"entries": [_entry(e) for e in await sandbox.ls(path, depth=depth)]}
+        listing = await sandbox.ls(path, depth=depth)
+        return {"entries": [_entry(e) for e in listing], "truncated": listing.truncated}
 
     @mcp.tool()
     @tool
@@ -553,7 +554,8 @@ def build_server(callers: Callers) -> MCPServer[Any]:
     ) -> Json:
         """Regular files matching pattern under path (** spans directories)."""
         sandbox = await callers.of(ctx).sandbox(session_id, thread_id)
-        return {"matches": [_entry(e) for e in await sandbox.glob(pattern, path)]}
+        found = await sandbox.glob(pattern, path)
+        return {"matches": [_entry(e) for e in found], "truncated": found.truncated}
 
     @mcp.tool()
     @tool

@@ -366,6 +366,24 @@ class FileEntry(NamedTuple):
         ]
 
 
+class Listing(list[FileEntry]):
+    """The entries of a listing or a glob: a list, and ``truncated`` when the dataplane
+    stopped at its cap (there are more than listed: a caller, a model say, must not take
+    the list for all there is)."""
+
+    truncated: bool
+
+    def __init__(self, entries: Iterable[FileEntry] = (), *, truncated: bool = False) -> None:
+        super().__init__(entries)
+        self.truncated = truncated
+
+    @classmethod
+    def from_wire(cls, body: Mapping[str, Any], key: str) -> Listing:
+        """The entries under ``key`` of an ``/fs/list`` or ``/fs/glob`` answer."""
+        entries = FileEntry.many_from_wire(body[key])
+        return cls(entries, truncated=body.get("truncated") is True)
+
+
 @dataclass(frozen=True)
 class ReadResult:
     """A window of a file's lines (``/fs/read``); ``etag`` guards a later write.

@@ -31,11 +31,11 @@ from sandlot.sdk.types import (
     CommandResult,
     EditResult,
     ExecSnapshot,
-    FileEntry,
     FileStat,
     Grant,
     GrepAnswer,
     GrepMatch,
+    Listing,
     ReadResult,
     ShellSnapshot,
     UploadResult,
@@ -447,10 +447,11 @@ class AsyncSandbox:
 
     async def ls(
         self, path: str = "/workspace", *, depth: int = 1, timeout: float | None = None
-    ) -> list[FileEntry]:
-        """Entries of a directory (``depth`` levels), with absolute paths."""
+    ) -> Listing:
+        """Entries of a directory (``depth`` levels), with absolute paths (a list;
+        ``.truncated`` when there are more than the dataplane lists at once)."""
         body = await self._call("GET", "/fs/list", timeout, params={"path": path, "depth": depth})
-        return FileEntry.many_from_wire(body["entries"])
+        return Listing.from_wire(body, "entries")
 
     async def read(
         self, path: str, *, offset: int = 0, limit: int = 2000, timeout: float | None = None
@@ -514,12 +515,13 @@ class AsyncSandbox:
 
     async def glob(
         self, pattern: str, path: str = "/workspace", *, timeout: float | None = None
-    ) -> list[FileEntry]:
-        """Regular files matching ``pattern`` under ``path`` (``**`` spans directories)."""
+    ) -> Listing:
+        """Regular files matching ``pattern`` under ``path`` (``**`` spans directories;
+        a list, ``.truncated`` when there are more than the dataplane answers at once)."""
         body = await self._call(
             "POST", "/fs/glob", timeout, json_body={"pattern": pattern, "path": path}
         )
-        return FileEntry.many_from_wire(body["matches"])
+        return Listing.from_wire(body, "matches")
 
     async def grep(
         self,
