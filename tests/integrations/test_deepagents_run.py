@@ -6,6 +6,7 @@ grant of ``configurable.sandbox`` first (bootstrap mode), else ``configurable.th
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -52,6 +53,44 @@ def test_one_graph_serves_each_thread_its_own_sandbox(
         assert a.read_text("/workspace/a.txt") == "for a\n"
         assert b.read_text("/workspace/b.txt") == "for b\n"
         assert not a.exists("/workspace/b.txt") and not b.exists("/workspace/a.txt")
+    finally:
+        backend.close()
+        human.close()
+
+
+def held(client: Sandlot) -> list[Any]:
+    """The threads whose leases ``client`` holds (heartbeats, refreshes)."""
+    return [(lease.grant.scope or {}).get("id") for lease in client._leases.values()]
+
+
+def test_threads_are_let_go_beyond_the_limit_or_once_idle_and_taken_up_again(
+    server: SandlotServer, agent_key: str, human_key: str
+) -> None:
+    # Every thread's lease was held (heartbeats) for the process's life, those past the
+    # limit included: none of their sandboxes ever went idle.
+    backend = SandlotBackend.from_run(
+        url=server.url, api_key=agent_key, max_threads=1, idle_seconds=1.0
+    )
+    script = writes(
+        ("/workspace/a.txt", "a\n"), ("/workspace/b.txt", "b\n"), ("/workspace/c.txt", "c\n")
+    )
+    agent = create_deep_agent(model=ScriptedModel(messages=iter(script)), backend=backend)
+    runs = backend._resolve.__self__  # type: ignore[attr-defined]
+    human = Sandlot(server.url, human_key)
+    try:
+        run(agent, thread_id="thr_idle_a")
+        client = runs._clients[None]
+        assert held(client) == ["thr_idle_a"]
+        run(agent, thread_id="thr_idle_b")  # past the limit of 1: a is let go
+        assert held(client) == ["thr_idle_b"]
+        deadline = time.monotonic() + 20
+        while client._leases:  # b, once no call used it for a second
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run(agent, thread_id="thr_idle_a")  # taken up again: the same sandbox
+        a = human.ensure("thr_idle_a")
+        assert a.read_text("/workspace/a.txt") == "a\n"
+        assert a.read_text("/workspace/c.txt") == "c\n"
     finally:
         backend.close()
         human.close()

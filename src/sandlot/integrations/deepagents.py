@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
@@ -59,6 +60,8 @@ EMPTY_OLD_STRING = "Error: old_string cannot be empty. Provide the exact text to
 MAX_BINARY_BYTES = 500 * 1024
 #: Seconds a command may run when the caller names no timeout.
 DEFAULT_EXEC_TIMEOUT = 30 * 60
+#: Seconds a run's sandbox no call used stays held (:meth:`SandlotBackend.from_run`).
+RUN_SANDBOX_IDLE_SECONDS = 600.0
 
 
 def _bounds(offset: int, limit: int) -> tuple[int, int]:
@@ -175,6 +178,7 @@ class SandlotBackend(BaseSandbox):
         on_behalf_of: str | None = None,
         timeout: float = 60.0,
         max_threads: int = 256,
+        idle_seconds: float = RUN_SANDBOX_IDLE_SECONDS,
     ) -> SandlotBackend:
         """A backend whose sandbox is the current LangGraph run's, resolved on every call.
 
@@ -183,11 +187,13 @@ class SandlotBackend(BaseSandbox):
         sandbox of ``configurable.thread_id``, ensured with the agent's key
         (``url``/``api_key`` default to ``SANDLOT_URL``/``SANDLOT_API_KEY``) and kept
         fresh while it is in use. So one graph, built once, serves every thread; the
-        grants of the ``max_threads`` most recent threads are kept. Used outside a run,
+        grants of the ``max_threads`` most recent threads are kept, those no call used
+        for ``idle_seconds`` let go (their leases expire, so their sandboxes go idle as
+        their policy says; a later run takes one up again). Used outside a run,
         or in a run with neither, an operation raises ``RuntimeError``: a set-up mistake,
         not a failure to report to the model.
         """
-        runs = _RunSandboxes(url, api_key, on_behalf_of, timeout, max_threads)
+        runs = _RunSandboxes(url, api_key, on_behalf_of, timeout, max_threads, idle_seconds)
         backend = cls.__new__(cls)
         backend._fixed = None
         backend._resolve = runs.current
@@ -524,7 +530,12 @@ __all__ = ["SandlotBackend"]
 
 class _RunSandboxes:
     """The sandboxes of :meth:`SandlotBackend.from_run`: one per thread (or bootstrap
-    grant), the least recently used closed beyond ``limit``.
+    grant). One is let go (its lease no longer held, left to expire at the broker
+    without a release) when it is the least recently used beyond ``limit``, or when no
+    call used it for ``idle`` seconds (10 minutes): before, the client held every
+    thread's lease it ever made for the process's life, and none of those sandboxes went
+    idle. A later run of the thread takes its sandbox up again. The object let go is
+    closed once a call still using it must have ended (:data:`DEFAULT_EXEC_TIMEOUT`).
 
     With no URL or key given or in the environment, inside a LangGraph server that
     serves :mod:`sandlot.integrations.langgraph`, the server's own key is used, acting
@@ -538,12 +549,21 @@ class _RunSandboxes:
         on_behalf_of: str | None,
         timeout: float,
         limit: int,
+        idle: float = RUN_SANDBOX_IDLE_SECONDS,
     ) -> None:
         self._options = (url, api_key, on_behalf_of, timeout)
         self._clients: dict[str | None, Sandlot] = {}
         self._limit = max(1, limit)
+        self._idle = idle
         self._sandboxes: OrderedDict[str, Sandbox] = OrderedDict()
+        #: Per key: when a call last used it, and the client holding its lease.
+        self._used: dict[str, float] = {}
+        self._holder: dict[str, Sandlot] = {}
+        #: Sandboxes let go, and when: closed :data:`DEFAULT_EXEC_TIMEOUT` later.
+        self._retired: list[tuple[float, Sandbox]] = []
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
 
     def current(self) -> Sandbox:
         try:
@@ -571,7 +591,9 @@ class _RunSandboxes:
                 "SandlotBackend.from_run(): the run's config has neither "
                 "configurable.sandbox nor configurable.thread_id"
             )
+        gone: list[tuple[Sandbox, Sandlot | None]] = []
         with self._lock:
+            self._used[key] = time.monotonic()
             found = self._sandboxes.get(key)
             if found is not None:
                 self._sandboxes.move_to_end(key)
@@ -584,17 +606,54 @@ class _RunSandboxes:
                     client = Sandlot(url, api_key, on_behalf_of=on_behalf_of, timeout=timeout)
                     self._clients[on_behalf_of] = client
                 found = client.ensure(str(thread_id), timeout=timeout)
+                self._holder[key] = client
             self._sandboxes[key] = found
             while len(self._sandboxes) > self._limit:
-                _, oldest = self._sandboxes.popitem(last=False)
-                oldest.close()
-            return found
+                gone.append(self._take(next(iter(self._sandboxes))))
+            if self._sweeper is None:
+                self._sweeper = threading.Thread(
+                    target=self._sweep, name="sandlot-run-sandboxes", daemon=True
+                )
+                self._sweeper.start()
+        self._let_go(gone)
+        return found
+
+    def _take(self, key: str) -> tuple[Sandbox, Sandlot | None]:
+        """(Under the lock.) ``key``'s sandbox out of the cache, with its lease's holder."""
+        self._used.pop(key, None)
+        return self._sandboxes.pop(key), self._holder.pop(key, None)
+
+    def _let_go(self, gone: list[tuple[Sandbox, Sandlot | None]]) -> None:
+        for sandbox, holder in gone:
+            session_id = sandbox.grant.session_id
+            if holder is not None and session_id is not None:
+                holder.forget(session_id)
+            with self._lock:
+                self._retired.append((time.monotonic(), sandbox))
+
+    def _sweep(self) -> None:
+        """Every tenth of ``idle``: the sandboxes no call used for ``idle`` let go, and
+        those let go long enough ago closed."""
+        while not self._stop.wait(max(self._idle / 10, 0.1)):
+            now = time.monotonic()
+            with self._lock:
+                quiet = [k for k, at in self._used.items() if now - at >= self._idle]
+                gone = [self._take(k) for k in quiet if k in self._sandboxes]
+                done = [s for at, s in self._retired if now - at >= DEFAULT_EXEC_TIMEOUT]
+                self._retired = [(at, s) for at, s in self._retired if s not in done]
+            self._let_go(gone)
+            for sandbox in done:
+                sandbox.close()
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
-            for sandbox in self._sandboxes.values():
+            for sandbox in [*self._sandboxes.values(), *(s for _, s in self._retired)]:
                 sandbox.close()
             self._sandboxes.clear()
+            self._retired.clear()
+            self._used.clear()
+            self._holder.clear()
             for client in self._clients.values():
                 client.close()
             self._clients.clear()
