@@ -163,6 +163,8 @@ def test_two_workers_serve_sandboxes_of_both_providers(tmp_path: Path) -> None:
             # Both are served by the sandbox host's port, not the workers'.
             for grant in (local, hosted):
                 assert f":{p.broker.port}/" not in grant["sandbox"]["http_base_url"]
+            # The box is made in the background of the ensure: there once it is active.
+            _wait_state(a, hosted["sandbox"]["id"], "active")
             boxes = [x for x in p.boxes() if str(x["name"]).endswith(hosted["sandbox"]["id"][3:])]
             assert len(boxes) == 1 and not [
                 x for x in p.boxes() if str(x["name"]).endswith(local["sandbox"]["id"][3:])
