@@ -6,24 +6,19 @@ re-registration left an open client and a scope behind)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from sandlot.broker.app import create_app
 from sandlot.broker.core import Broker
 from sandlot.broker.settings import load_settings
-from sandlot.cli.hostagent import host_frame
 from sandlot.protocol.common import PrincipalType
-from tests.broker.fakes import FakeProvider
 from tests.pg import postgres_cluster
-from tests.servers import free_port
+from tests.providers.peers import host_api
 
 SECRET = "host-secret-" + "x" * 20
 
@@ -32,30 +27,6 @@ SECRET = "host-secret-" + "x" * 20
 def store() -> Iterator[str]:
     with postgres_cluster() as url:
         yield url
-
-
-@contextlib.asynccontextmanager
-async def host_api() -> AsyncIterator[str]:
-    """A sandbox host's provider API (``sandlot host``'s app) on loopback."""
-
-    async def readiness() -> tuple[bool, dict[str, Any]]:
-        return True, {}
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        yield
-
-    port = free_port()
-    app = host_frame(FakeProvider(), SECRET, readiness, lifespan)
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        await task
 
 
 async def test_a_hosts_former_clients_are_closed_once_retired(store: str, tmp_path: Path) -> None:
@@ -81,7 +52,7 @@ async def test_a_hosts_former_clients_are_closed_once_retired(store: str, tmp_pa
         host = {"Authorization": f"Bearer {made.json()['key']}"}
         # Each registration read as it is made (a broker rereads them every 2 s).
         broker.remote.RECORD_TTL = 0.0
-        async with host_api() as first, host_api() as second:
+        async with host_api(SECRET) as first, host_api(SECRET) as second:
             scopes, fleet_clients = [], []
             for round_, url in enumerate([first, second, first, second]):
                 reg = {"provider": "local", "provider_url": url, "provider_secret": SECRET,

@@ -6,10 +6,8 @@ for the caller (the reaper, a resume)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,49 +19,7 @@ from sandlot.providers.base import SandboxActivity, SandboxSpec
 from sandlot.providers.socketrelay import Upstream
 from tests.dataplane.conftest import Keys
 from tests.providers.dockerharness import make_provider
-
-
-@contextlib.asynccontextmanager
-async def dataplane(path: Path, answer: bytes | None) -> AsyncIterator[None]:
-    """A socket answering every request with ``answer`` as a JSON body, or (``None``)
-    with a head and then a byte every 0.2 s, forever."""
-    handlers: set[asyncio.Task[None]] = set()
-
-    async def answering(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await reader.readuntil(b"\r\n\r\n")
-            if answer is not None:
-                head = b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(answer)
-                writer.write(head + answer)
-                await writer.drain()
-                continue
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n{")
-            while True:
-                writer.write(b" ")
-                await writer.drain()
-                await asyncio.sleep(0.2)
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.add(task)
-        try:
-            await answering(reader, writer)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-            handlers.discard(task)
-
-    server = await asyncio.start_unix_server(serve, path=str(path))
-    try:
-        yield
-    finally:
-        server.close()
-        for task in list(handlers):
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
-        await server.wait_closed()
+from tests.providers.peers import trickling
 
 
 def upstream_at(path: Path) -> Upstream:
@@ -94,7 +50,7 @@ async def test_a_status_read_ends_in_time_whatever_the_dataplane_says(
 
     monkeypatch.setattr(provider, "_unanswered", checked)
     sock = tmp_path / "dp.sock"
-    async with dataplane(sock, answer):
+    async with trickling(answer, uds=sock):
         spec = SandboxSpec("sb_odd", 1, Template(name="t", image="host"))
         box = provider._new_box(spec, SandboxState.ACTIVE)
         box.upstream = upstream_at(sock)

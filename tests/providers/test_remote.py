@@ -6,49 +6,25 @@ credential is a host unavailable, never the user's key refused."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from sandlot.cli.hostagent import host_frame
 from sandlot.protocol.errors import ProviderUnavailable
 from sandlot.protocol.sessions import Template
 from sandlot.providers.base import SandboxSpec
 from sandlot.providers.remote import SECRET_HEADER, RemoteProvider
-from tests.broker.fakes import FakeProvider
-from tests.servers import free_port
+from tests.providers.peers import host_api, trickling
 
 SECRET = "s" * 32
 
 
-async def serve(app: Any) -> tuple[str, uvicorn.Server, asyncio.Task[None]]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning", lifespan="off"))
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    return f"http://127.0.0.1:{port}", server, task
-
-
 @pytest.fixture
 async def host() -> AsyncIterator[str]:
-    """A sandbox host's app (``sandlot host``'s) over a provider of its own."""
-
-    async def readiness() -> tuple[bool, dict[str, Any]]:
-        return True, {}
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Any) -> AsyncIterator[None]:
-        yield
-
-    url, server, task = await serve(host_frame(FakeProvider(), SECRET, readiness, lifespan))
-    yield url
-    server.should_exit = True
-    await task
+    async with host_api(SECRET) as url:
+        yield url
 
 
 def remote(url: str, secret: str = SECRET, **config: Any) -> RemoteProvider:
@@ -98,42 +74,8 @@ async def test_a_host_refusing_the_brokers_credential_is_unavailable(host: str) 
         await provider.close()
 
 
-@contextlib.asynccontextmanager
-async def trickling_host() -> AsyncIterator[str]:
-    """A host that answers every call with a head and then a byte every 0.2 s, forever."""
-    handlers: set[asyncio.Task[Any]] = set()
-
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.add(task)
-        try:
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000000\r\n\r\n{")
-            while True:
-                writer.write(b" ")
-                await writer.drain()
-                await asyncio.sleep(0.2)
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass
-        finally:
-            writer.close()
-            handlers.discard(task)
-
-    server = await asyncio.start_server(answer, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.close()
-        for task in list(handlers):
-            task.cancel()
-        await asyncio.gather(*handlers, return_exceptions=True)
-        await server.wait_closed()
-
-
 async def test_a_host_answering_a_byte_at_a_time_is_given_up_at_the_deadline() -> None:
-    async with trickling_host() as url:
+    async with trickling() as url:
         provider = remote(url, call_timeout_seconds=1.0)
         try:
             spec = SandboxSpec("sb_1", 1, Template(name="t", image="host"))
