@@ -451,6 +451,33 @@ async def test_an_upload_reaches_the_box_before_it_has_all_arrived() -> None:
             assert r.status_code == 201, r.text
             assert r.json()["size"] == (first + rest) * MiB
             assert fake.received > (first + rest) * MiB  # and the multipart framing
+            # A multipart body's file too, as it is parsed (never kept whole in between).
+            boundary = "b-0"
+            before = fake.received
+
+            async def multipart() -> AsyncIterator[bytes]:
+                yield (
+                    f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+                    'filename="x"\r\n\r\n'
+                ).encode()
+                chunk = b"m" * MiB
+                for _ in range(first):
+                    yield chunk
+                async with asyncio.timeout(30):
+                    while fake.received < before + 8 * MiB:
+                        await asyncio.sleep(0.05)
+                for _ in range(rest):
+                    yield chunk
+                yield f"\r\n--{boundary}--\r\n".encode()
+
+            r = await http.post(
+                f.url("/files/upload"),
+                params={"path": "big-multipart.bin"},
+                content=multipart(),
+                headers={"Content-Type": f"multipart/form-data; boundary={boundary}"},
+            )
+            assert r.status_code == 201, r.text
+            assert r.json()["size"] == (first + rest) * MiB
             # A multipart upload goes the same way.
             r = await http.post(
                 f.url("/files/upload"),
@@ -475,6 +502,24 @@ async def test_uploads_in_both_shapes_arrive_whole_at_a_real_box(server: Server)
         for path in ("raw.bin", 'sub/a "q".bin'):
             r = await http.get(server.url("/files/download"), params={"path": path})
             assert r.status_code == 200 and r.content == blob
+        # A multipart body cut before its closing boundary: refused, nothing kept at the box.
+        whole = httpx.Request(
+            "POST", "http://x/", files={"file": ("f", blob, "application/octet-stream")}
+        )
+        body = whole.read()
+        for path in ("raw.bin", "cut.bin"):
+            r = await http.post(
+                server.url("/files/upload"),
+                params={"path": path},
+                content=body[: -len(b"--\r\n") - 1],
+                headers={"Content-Type": whole.headers["content-type"]},
+            )
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["code"] == "INVALID_REQUEST"
+        r = await http.get(server.url("/files/download"), params={"path": "raw.bin"})
+        assert r.status_code == 200 and r.content == blob
+        r = await http.get(server.url("/files/download"), params={"path": "cut.bin"})
+        assert r.status_code == 404, r.text
 
 
 # --- streamed transfers cannot starve the rest ----------------------------------------------

@@ -48,6 +48,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Mount, Route, WebSocketRoute
 
+from sandlot.dataplane.http.multipart import file_chunks
 from sandlot.dataplane.http.web import (
     endpoint,
     error_response,
@@ -291,8 +292,6 @@ async def exec_signal(request: Request) -> Response:
     return json_response(ex.snapshot(hosted.events.last_sequence))
 
 
-#: Bytes of a file read from a client's upload before the next is passed on.
-UPLOAD_CHUNK = 64 << 10
 #: The largest upload (the dataplane's own default ``max_upload_bytes``).
 MAX_UPLOAD_BYTES = 16 << 30
 
@@ -316,16 +315,9 @@ async def upload(request: Request) -> Response:
     hosted.take_transfer()
     try:
         if ctype.startswith("multipart/form-data"):
-            # Starlette parses the form into a spooled temporary file (kept in memory
-            # up to 1 MiB, then on disk): it is read from there a chunk at a time.
-            form = await request.form()
-            try:
-                part = form.get("file")
-                if part is None or isinstance(part, str):
-                    raise InvalidRequest("multipart field 'file' is required")
-                sent = await _pass_on(box, path, _chunks_of(part.read), part.size)
-            finally:
-                await form.close()
+            # The file's bytes go on to the box as they are parsed: nothing of the
+            # upload is kept on the broker's disk or in its memory.
+            sent = await _pass_on(box, path, file_chunks(request), None)
         else:
             size = int(length) if length is not None else None
             sent = await _pass_on(box, path, request.stream(), size)
@@ -356,11 +348,6 @@ async def _pass_on(box: Box, path: str, chunks: AsyncIterator[bytes], size: int 
 
     await box.upload(path, counted(), size)
     return sent
-
-
-async def _chunks_of(read: Callable[[int], Awaitable[bytes]]) -> AsyncIterator[bytes]:
-    while chunk := await read(UPLOAD_CHUNK):
-        yield chunk
 
 
 class _Passthrough(StreamingResponse):

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from sandlot.dataplane.http.multipart import file_chunks
 from sandlot.dataplane.http.web import (
     Param,
     authorize,
@@ -39,7 +40,6 @@ from sandlot.protocol.common import Capability
 from sandlot.protocol.dataplane import ArchiveResponse, UploadResponse
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge
 
-CHUNK = 256 * 1024
 #: Downloads up to this size go out as one body (fewer loop turns); larger ones stream.
 SINGLE_BODY = 256 * 1024
 DOWNLOAD_CHUNK = 256 * 1024
@@ -89,23 +89,15 @@ async def upload(request: Request) -> Response:
         fd, tmp = await executor.light(create_temp, res)
         size = 0
         try:
-            if ctype.startswith("multipart/form-data"):
-                form = await request.form(max_files=1, max_fields=16, max_part_size=1 << 20)
-                upload_file = form.get("file")
-                if upload_file is None or isinstance(upload_file, str):
-                    raise InvalidRequest("multipart field 'file' is required")
-                while chunk := await upload_file.read(CHUNK):
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLarge("upload too large")
-                    await executor.light(_write, fd, chunk)
-                await form.close()
-            else:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise PayloadTooLarge("upload too large")
-                    await executor.light(_write, fd, chunk)
+            # A multipart body's file is written as it is parsed: nothing of it is kept
+            # outside the sandbox, and the limit holds before the body has ended.
+            multipart = ctype.startswith("multipart/form-data")
+            chunks = file_chunks(request) if multipart else request.stream()
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit:
+                    raise PayloadTooLarge("upload too large")
+                await executor.light(_write, fd, chunk)
             await executor.heavy(commit_temp, res, fd, tmp, mode)
         except BaseException:
             await executor.light(abort_temp, res, fd, tmp)
