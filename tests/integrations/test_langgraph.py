@@ -161,6 +161,22 @@ def test_agent_human_and_thread_lifecycle(server: LangGraphDev, lg: Any) -> None
     refused = session(server, "bob", thread_id)
     assert refused.status_code == 403, refused.text
     assert refused.json()["error"]["code"] == "FORBIDDEN"
+    # Nor may a request that says it comes from LangGraph Studio, which LangGraph lets
+    # past the auth handler as its Studio user (and ``langgraph dev`` checks nothing of):
+    # not even for a thread that user made.
+    studio_headers = {"X-Auth-Scheme": "langsmith"}
+    made = httpx.post(f"{server.url}/threads", json={}, headers=studio_headers, timeout=60)
+    assert made.status_code == 200, made.text
+    for thread in (thread_id, made.json()["thread_id"]):
+        studio = httpx.post(
+            f"{server.url}/v1/sandbox/sessions",
+            json={"thread_id": thread, "mode": "ensure"},
+            headers=studio_headers,
+            timeout=60,
+        )
+        assert studio.status_code == 403, studio.text
+        assert studio.json()["error"]["code"] == "FORBIDDEN"
+        assert "Studio" in studio.json()["error"]["message"]
     bob_exec = sandlot(server, "bob", "exec", thread_id, "--", "true")
     _, err = bob_exec.communicate(timeout=60)
     assert bob_exec.returncode != 0

@@ -95,6 +95,8 @@ PERMISSIONS = {"sandlot:agent": PrincipalType.AGENT, "sandlot:service": Principa
 ADMIN_PERMISSION = "sandlot:admin"
 #: The service key the server's own graphs use (one at a time; revoked at stop).
 RUNTIME_USER, RUNTIME_PRINCIPAL, RUNTIME_KEY_NAME = "langgraph", "langgraph-runs", "langgraph runs"
+#: The user LangGraph puts on requests it lets in as LangGraph Studio's.
+STUDIO_IDENTITY = "langgraph-studio-user"
 #: Run states after which a run's sandbox ends.
 LIVE_RUN_STATES = frozenset({"pending", "running"})
 _THREAD_PATH = re.compile(r"^/threads/([^/]+)/?$")
@@ -212,6 +214,14 @@ class SandlotInLangGraph:
         if not identity:
             return None
         identity = str(identity)
+        if identity == STUDIO_IDENTITY or getattr(user, "kind", None) == "StudioUser":
+            # LangGraph lets a request that says it comes from Studio (``X-Auth-Scheme:
+            # langsmith``) past the auth handler as this one user, which ``langgraph dev``
+            # checks nothing of: anyone reaching the port would be every thread's owner.
+            raise Forbidden(
+                "LangGraph Studio's user is not a sandlot user: call with your own "
+                "credentials (those the server's auth handler takes)"
+            )
         if len(identity) > 180 or any(ord(c) < 0x20 or c == "\x7f" for c in identity):
             raise Unauthenticated("the LangGraph user's identity is not a usable sandlot user id")
         if request.headers.get("x-sandlot-on-behalf-of"):
