@@ -19,7 +19,10 @@ async def _pool(h, ready: int) -> list[str]:  # type: ignore[no-untyped-def]
     h.broker.pools.create(Pool(name="warm", template="default", min_ready=ready, max_ready=ready))
     report = await h.broker.reaper.run_once()
     await h.broker.sandboxes.drain()
-    await asyncio.sleep(0.05)
+    # A pool sandbox is ready once the provider's status reached the store (after drain).
+    async with asyncio.timeout(10):
+        while h.broker.pools.get("warm").ready < ready:
+            await asyncio.sleep(0.01)
     assert h.broker.pools.get("warm").ready == ready
     return list(report.pool_created)
 
@@ -39,7 +42,29 @@ async def test_concurrent_ensures_claim_each_pool_sandbox_once(make_harness: Mak
     k = h.key("alice")
     threads = [f"thr_{i % 8}" for i in range(80)]
     random.Random(5).shuffle(threads)
-    got = await asyncio.gather(*(_ensure(h.client, k, t) for t in threads))
+    # The engine answers a refused claim (its 409) only once some ensure has its answer, so
+    # an ensure that holds a claim binds its thread before that thread's refused ensures
+    # can bind it to a new sandbox. Otherwise every claimer may lose its thread's race and
+    # give its claim back (as documented), and no thread is served from the pool.
+    answered = asyncio.Event()
+    claim = provider.claim_pooled
+
+    async def refused_late(sandbox_id: str) -> bool:
+        if await claim(sandbox_id):
+            return True
+        await answered.wait()
+        return False
+
+    provider.claim_pooled = refused_late  # type: ignore[method-assign]
+
+    async def ensure(thread: str) -> str:
+        try:
+            return await _ensure(h.client, k, thread)
+        finally:
+            answered.set()
+
+    async with asyncio.timeout(30):
+        got = await asyncio.gather(*(ensure(t) for t in threads))
     by_thread: dict[str, set[str]] = {}
     for thread, sid in zip(threads, got, strict=True):
         by_thread.setdefault(thread, set()).add(sid)
