@@ -19,6 +19,7 @@ from sandlot.protocol.errors import (
     CommandExitError,
     FileNotFound,
     PreconditionFailed,
+    RequestTimeout,
     SandboxStarting,
     SandlotError,
 )
@@ -202,6 +203,38 @@ async def test_files(sandbox: AsyncSandbox, tmp_path: Path) -> None:
     assert names == {"/workspace/sync/a.txt", "/workspace/sync/sub", "/workspace/sync/sub/b.txt"}
     with tarfile.open(fileobj=io.BytesIO(await sandbox.download_archive("/workspace/sync"))) as tar:
         assert {"a.txt", "sub/b.txt"} <= {m.name.removeprefix("./") for m in tar.getmembers()}
+
+
+async def test_archive_transfers_end_when_idle_not_at_a_deadline(sandbox: AsyncSandbox) -> None:
+    """A transfer slower than a deadline goes on while bytes move (``idle_timeout``)."""
+    await sandbox.run("mkdir -p /workspace/idle && head -c 4000000 /dev/urandom > idle/f")
+
+    async def slowly(**kw: float) -> int:
+        got = 0
+        async for chunk in sandbox.download_archive_stream("/workspace/idle", **kw):
+            got += len(chunk)
+            await asyncio.sleep(0.2)  # a slow reader: some 16 pieces, over 3 s
+        return got
+
+    with pytest.raises(RequestTimeout):
+        await slowly(timeout=1.0)
+    assert await slowly(idle_timeout=2.0) > 4000000
+
+    async def trickle() -> AsyncIterator[bytes]:
+        with io.BytesIO() as buf:
+            with tarfile.open(fileobj=buf, mode="w") as tar:
+                info = tarfile.TarInfo("slow.bin")
+                info.size = 100000
+                tar.addfile(info, io.BytesIO(bytes(100000)))
+            data = buf.getvalue()
+        for i in range(0, len(data), len(data) // 10 + 1):
+            yield data[i : i + len(data) // 10 + 1]
+            await asyncio.sleep(0.2)
+
+    with pytest.raises(RequestTimeout):
+        await sandbox.upload_archive("/workspace/idle", trickle(), timeout=1.0)
+    done = await sandbox.upload_archive("/workspace/idle", trickle(), idle_timeout=2.0)
+    assert done.files == 1 and done.bytes == 100000
 
 
 async def test_fs_operations_with_etags(sandbox: AsyncSandbox) -> None:

@@ -26,20 +26,27 @@ class Response:
 
 
 class Deadline:
-    """A client-side deadline shared by every step of one call."""
+    """A client-side deadline shared by every step of one call.
 
-    def __init__(self, seconds: float | None) -> None:
+    ``idle`` bounds each step on its own (a connection opened, a piece of a body
+    sent or received): a transfer of any length goes on while bytes keep moving,
+    and fails once none moved for that long.
+    """
+
+    def __init__(self, seconds: float | None, *, idle: float | None = None) -> None:
         self.seconds = seconds
+        self.idle = idle
         self.at = None if seconds is None else time.monotonic() + seconds
 
     def remaining(self) -> float | None:
-        """Seconds left (``None``: no deadline); raises ``TimeoutError`` once past."""
+        """Seconds the next step may take (``None``: no limit); raises ``TimeoutError``
+        once the deadline is past."""
         if self.at is None:
-            return None
+            return self.idle
         left = self.at - time.monotonic()
         if left <= 0:
             raise RequestTimeout(f"deadline of {self.seconds} s exceeded")
-        return left
+        return left if self.idle is None else min(left, self.idle)
 
 
 class RetryBudget:

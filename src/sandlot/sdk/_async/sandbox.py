@@ -108,14 +108,16 @@ class AsyncSandbox:
         query = urlencode({k: v for k, v in params.items() if v is not None})
         return self.grant.ws_base_url + path + (f"?{query}" if query else "")
 
-    async def _call(self, method: str, path: str, timeout: float | None, **kw: Any) -> Any:
+    async def _call(
+        self, method: str, path: str, timeout: float | None, *, idle: float | None = None, **kw: Any
+    ) -> Any:
         """A JSON call that waits out 423 SANDBOX_STARTING on the sandbox's event log.
 
         The log is read from its start once per call, and the call is retried after
         each activation it reports: an activation older than the 423 only costs one
         retry, and the cursor has then moved past it. No polling.
         """
-        deadline = self._http.deadline(timeout)
+        deadline = self._transfer_deadline(timeout, idle)
         log: AsyncEventStream | None = None
         try:
             while True:
@@ -130,6 +132,11 @@ class AsyncSandbox:
         finally:
             if log is not None:
                 await log.aclose()
+
+    def _transfer_deadline(self, timeout: float | None, idle: float | None) -> Deadline:
+        """The client's default deadline; with ``idle``, only the one given (if any), and
+        each step bounded by ``idle``."""
+        return self._http.deadline(timeout) if idle is None else Deadline(timeout, idle=idle)
 
     async def _next_activation(
         self, log: AsyncEventStream, exc: SandboxStarting, deadline: Deadline
@@ -417,12 +424,15 @@ class AsyncSandbox:
         *,
         delete_missing: bool = False,
         timeout: float | None = None,
+        idle_timeout: float | None = None,
     ) -> ArchiveResult:
         """Extract a tar into ``path``: bytes, a local directory packed first, or a stream
         of chunks sent as they come (a tar written while a tree is walked, say).
 
         ``delete_missing=True`` removes what the archive does not name (a sync). The
         answer counts what was written (``files``, ``bytes``...) and removed (``deleted``).
+        With ``idle_timeout``, the upload has no overall deadline (unless ``timeout``
+        is given too) and fails only once nothing moved for that many seconds.
         """
         if isinstance(data, str | os.PathLike):
             data = _tar_directory(os.fspath(data))
@@ -430,18 +440,37 @@ class AsyncSandbox:
             "POST",
             "/files/archive",
             timeout,
+            idle=idle_timeout,
             params={"path": path, "delete_missing": delete_missing},
             content=data,
         )
         return ArchiveResult.from_wire(body)
 
     async def download_archive(self, path: str, *, timeout: float | None = None) -> bytes:
-        """A tar of the directory ``path``."""
+        """A tar of the directory ``path``, whole in memory (see
+        :meth:`download_archive_stream` for trees of any size)."""
         deadline = self._http.deadline(timeout)
         resp = await self._http.request(
             "GET", "/files/archive", deadline=deadline, params={"path": path}
         )
         return resp.content
+
+    async def download_archive_stream(
+        self, path: str, *, timeout: float | None = None, idle_timeout: float | None = None
+    ) -> AsyncIterator[bytes]:
+        """A tar of the directory ``path``, chunk by chunk as it arrives (bounded memory).
+
+        With ``idle_timeout``, the download has no overall deadline (unless ``timeout``
+        is given too) and fails only once no byte came for that many seconds. The
+        archive ends with two zero blocks: a stream that stops before them was cut
+        short (the dataplane stops one when a file cannot be read mid-walk).
+        """
+        deadline = self._transfer_deadline(timeout, idle_timeout)
+        async with self._http.stream(
+            "/files/archive", deadline=deadline, params={"path": path}
+        ) as resp:
+            async for chunk in resp.aiter_bytes():
+                yield chunk
 
     # --- filesystem operations ------------------------------------------------------
 
