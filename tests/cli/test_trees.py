@@ -35,7 +35,8 @@ def _make(root: Path) -> dict[str, bytes]:
     (root / "run.sh").chmod(0o755)
     contents["run.sh"] = b"#!/bin/sh\n"
     (root / "link").symlink_to("a.txt")
-    (root / "longlink").symlink_to("../" * 40 + "x" * 10)
+    (root / "longlink").symlink_to("x/../" * 25 + "a.txt")  # over 100 bytes: a PAX record
+    (root / "out").symlink_to("../" * 40 + "x" * 10)  # points out: not sent
     return contents
 
 
@@ -48,7 +49,9 @@ def test_reads_back_with_tarfile(tmp_path: Path) -> None:
     src = tmp_path / "src"
     src.mkdir()
     contents = _make(src)
-    data = _archive(scan(src), chunk=4096)
+    tree = scan(src)
+    assert tree.links_out == [("out", "../" * 40 + "x" * 10)]
+    data = _archive(tree, chunk=4096)
     assert len(data) % RECORD == 0
     got: dict[str, bytes] = {}
     links = {}
@@ -65,7 +68,7 @@ def test_reads_back_with_tarfile(tmp_path: Path) -> None:
             else:
                 assert member.isdir(), member.name
     assert got == contents
-    assert links == {"link": "a.txt", "longlink": "../" * 40 + "x" * 10}
+    assert links == {"link": "a.txt", "longlink": "x/../" * 25 + "a.txt"}
 
 
 def test_gnu_tar_extracts_it(tmp_path: Path) -> None:

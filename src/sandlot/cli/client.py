@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import re
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -11,6 +14,7 @@ from typing import Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from sandlot.cli.errors import fail
@@ -21,6 +25,24 @@ from sandlot.sdk import AsyncSandbox, AsyncSandlot, ConnectError
 T = TypeVar("T")
 console = Console(highlight=False)
 
+#: What a name must not bring to a terminal: control characters (an escape sequence
+#: rewrites the screen), bidirectional overrides (a name shown reversed), bytes
+#: that are not UTF-8 (kept as lone surrogates).
+_UNSHOWABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte that was not UTF-8
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def shown(name: str) -> str:
+    """A name from elsewhere (a sandbox's file, say) as Rich markup printing it as it is,
+    with what a terminal would act on written as escapes."""
+    return escape(_UNSHOWABLE.sub(lambda m: _escaped(m.group()), name))
+
 
 def run(
     url: str | None,
@@ -28,10 +50,11 @@ def run(
     body: Callable[[AsyncSandlot, CliSettings], Awaitable[T]],
     *,
     auto_refresh: bool = True,
+    idle_timeout: float | None = None,
 ) -> T:
     """Run ``body`` with a broker client; expected failures become one line and exit 1."""
     try:
-        settings = load_settings(url, api_key)
+        settings = load_settings(url, api_key, idle_timeout=idle_timeout)
     except ConfigError as exc:
         raise fail(str(exc), 2) from None
 
@@ -54,8 +77,12 @@ def run(
         raise fail(f"timed out: {exc}") from None
     except SandlotError as exc:
         raise fail(f"{exc.message} ({exc.wire_code})") from None
-    except OSError as exc:
+    except (ConnectionError, ssl.SSLError) as exc:
         raise fail(f"connection to {settings.url} failed: {exc}") from None
+    except OSError as exc:
+        # Anything else is this machine's: a file or directory the command works on.
+        where = f": {shown(os.fsdecode(exc.filename))}" if exc.filename else ""
+        raise fail(f"{escape(exc.strerror or str(exc))}{where}") from None
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
 

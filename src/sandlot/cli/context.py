@@ -29,3 +29,11 @@ SandboxDirOption = typer.Option(
     help="A sandbox by id (one `sandlot sandbox create` made) instead of THREAD[:DIR].",
     show_default=False,
 )
+IdleTimeoutOption = typer.Option(
+    None,
+    "--idle-timeout",
+    metavar="SECONDS",
+    help="Fail the transfer once no byte moved for this long (env SANDLOT_IDLE_TIMEOUT;"
+    " default 120). There is no limit on the whole transfer.",
+    show_default=False,
+)

@@ -13,11 +13,15 @@ Environment variables:
 - ``XDG_CONFIG_HOME``: where that file is looked for (default ``~/.config``).
 - ``XDG_CACHE_HOME``: where ``sandlot watch`` keeps the cursor of each sandbox it
   watched, in ``sandlot/watch/`` (default ``~/.cache``).
+- ``SANDLOT_IDLE_TIMEOUT``: seconds a ``sync`` or ``pull`` transfer may go without a
+  byte moving before it fails (default 120; ``--idle-timeout``). A transfer has
+  no overall deadline: a large tree over a slow link takes what it takes.
 
 The config file (TOML; read when it exists)::
 
     url = "http://127.0.0.1:8765"
     api_key = "sl_…"
+    idle_timeout = 120
 
 Nothing else in the CLI reads the environment.
 """
@@ -32,6 +36,7 @@ from pathlib import Path
 
 DEFAULT_URL = "http://127.0.0.1:8765"
 DEFAULT_TIMEOUT = 30.0
+DEFAULT_IDLE_TIMEOUT = 120.0
 
 
 class ConfigError(ValueError):
@@ -45,6 +50,8 @@ class CliSettings:
     url: str
     api_key: str
     timeout: float = DEFAULT_TIMEOUT
+    #: Seconds an archive transfer (``sync``, ``pull``) may go without a byte moving.
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     #: Where ``sandlot watch`` keeps its cursors, one file per sandbox.
     watch_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "sandlot" / "watch")
 
@@ -64,6 +71,7 @@ def load_settings(
     api_key: str | None = None,
     timeout: float | None = None,
     *,
+    idle_timeout: float | None = None,
     environ: Mapping[str, str] | None = None,
 ) -> CliSettings:
     """Arguments (non-empty) > env > config file > defaults; raises :class:`ConfigError`."""
@@ -83,9 +91,17 @@ def load_settings(
             f"{path} (create one with: sandlot keys create --user YOU)"
         )
     cache = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    idle = idle_timeout or env.get("SANDLOT_IDLE_TIMEOUT") or file_values.get("idle_timeout")
+    try:
+        idle_seconds = float(str(idle)) if idle else DEFAULT_IDLE_TIMEOUT
+    except (TypeError, ValueError):
+        idle_seconds = -1.0
+    if not idle_seconds > 0:
+        raise ConfigError(f"the idle timeout must be a number of seconds above 0, not {idle!r}")
     return CliSettings(
         url=resolved_url.rstrip("/"),
         api_key=str(key),
         timeout=timeout or DEFAULT_TIMEOUT,
+        idle_timeout=idle_seconds,
         watch_dir=cache / "sandlot" / "watch",
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import secrets
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,11 @@ class LocalTree:
     files: list[TreeFile] = field(default_factory=list)
     dirs: list[str] = field(default_factory=list)
     symlinks: list[tuple[str, str]] = field(default_factory=list)
+    #: Links not sent: they point out of the tree (the sandbox refuses those).
+    links_out: list[tuple[str, str]] = field(default_factory=list)
+    #: What the walk could not read, with why: what it holds is unknown, so a
+    #: ``--delete`` must not take it as gone.
+    errors: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:
@@ -53,12 +59,34 @@ class LocalTree:
 Entry = str | tuple[str, str] | TreeFile
 
 
-def scan(root: Path) -> LocalTree:
-    """Walk ``root``, skipping ignored paths; symlinks are kept as links, never followed."""
+def scan(root: Path, *, check_readable: bool = False) -> LocalTree:
+    """Walk ``root``, skipping ignored paths; symlinks are kept as links, never followed.
+
+    ``check_readable`` also counts, in ``tree.errors``, the files this user cannot read
+    (a ``--delete`` sync must know them before it starts)."""
     tree = LocalTree(root)
     for _ in walk(root, tree):
         pass
+    if check_readable:
+        unreadable = [f.rel for f in tree.files if not os.access(f.path, os.R_OK)]
+        tree.errors += [(rel, "not readable") for rel in unreadable]
     return tree
+
+
+def points_out(rel: str, link: str) -> bool:
+    """Whether the link ``rel`` → ``link`` leads out of the tree (absolute, or climbing
+    above its root): the sandbox refuses such links, as it must."""
+    if link.startswith("/") or "\0" in link:
+        return True
+    level = rel.count("/")
+    for part in link.split("/"):
+        if part == "..":
+            level -= 1
+            if level < 0:
+                return True
+        elif part and part != ".":
+            level += 1
+    return False
 
 
 def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
@@ -82,8 +110,12 @@ def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
     def visit(directory: str | Path, rel_dir: str) -> Iterator[Entry]:
         try:
             entries = sorted(os.scandir(directory), key=lambda e: e.name)
-        except OSError:
+        except OSError as exc:
             entries = []
+            if tree is not None and rel_dir:
+                tree.errors.append((rel_dir, exc.strerror or str(exc)))
+            elif tree is not None:
+                raise
         has_ignore = any(e.name == ".gitignore" for e in entries)
         spec = IgnoreFile.load(directory) if has_ignore else None
         if spec is not None:
@@ -91,11 +123,21 @@ def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
         for entry in entries:
             rel = f"{rel_dir}/{entry.name}" if rel_dir else entry.name
             if entry.is_symlink():
-                if not ignored(rel, False):
+                if ignored(rel, False):
+                    continue
+                try:
                     link = (rel, os.readlink(entry.path))
+                except OSError as exc:
                     if tree is not None:
-                        tree.symlinks.append(link)
-                    yield link
+                        tree.errors.append((rel, exc.strerror or str(exc)))
+                    continue
+                if points_out(*link):
+                    if tree is not None:
+                        tree.links_out.append(link)
+                    continue
+                if tree is not None:
+                    tree.symlinks.append(link)
+                yield link
                 continue
             if entry.is_dir():
                 if ignored(rel, True):
@@ -107,7 +149,12 @@ def walk(root: Path, tree: LocalTree | None = None) -> Iterator[Entry]:
             elif entry.is_file():
                 if ignored(rel, False):
                     continue
-                st = entry.stat()
+                try:
+                    st = entry.stat()
+                except OSError as exc:
+                    if tree is not None:
+                        tree.errors.append((rel, exc.strerror or str(exc)))
+                    continue
                 f = TreeFile(rel, entry.path, st.st_size, st.st_mode, st.st_mtime)
                 if tree is not None:
                     tree.files.append(f)
@@ -280,17 +327,6 @@ def tar_stream(
     yield take()
 
 
-def file_hash(path: Path) -> str | None:
-    h = hashlib.sha256()
-    try:
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                h.update(block)
-    except OSError:
-        return None
-    return h.hexdigest()
-
-
 def load_manifest(root: Path) -> dict[str, str]:
     try:
         data = json.loads((root / MANIFEST).read_text())
@@ -301,32 +337,14 @@ def load_manifest(root: Path) -> dict[str, str]:
 
 
 def save_manifest(root: Path, files: dict[str, str]) -> None:
-    tmp = root / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"version": 1, "files": files}, sort_keys=True))
-    os.replace(tmp, root / MANIFEST)
-
-
-@dataclass
-class PullPlan:
-    write: list[str] = field(default_factory=list)
-    conflicts: list[str] = field(default_factory=list)
-    unchanged: list[str] = field(default_factory=list)
-
-
-def plan_pull(
-    root: Path, remote: dict[str, bytes], manifest: dict[str, str], *, force: bool = False
-) -> PullPlan:
-    """Decide, per remote file, whether pulling it would lose a local change."""
-    plan = PullPlan()
-    for rel, data in sorted(remote.items()):
-        remote_hash = hashlib.sha256(data).hexdigest()
-        local = root / rel
-        local_hash = file_hash(local) if local.exists() else None
-        base = manifest.get(rel)
-        if local_hash == remote_hash:
-            plan.unchanged.append(rel)
-        elif force or (local_hash is None and base is None) or local_hash == base:
-            plan.write.append(rel)
-        else:
-            plan.conflicts.append(rel)
-    return plan
+    """Write the manifest through a new temporary file (never through a link left there)."""
+    data = json.dumps({"version": 1, "files": files}, sort_keys=True).encode()
+    tmp = root / f"{MANIFEST}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with open(fd, "wb", closefd=True) as f:
+            f.write(data)
+        os.replace(tmp, root / MANIFEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
