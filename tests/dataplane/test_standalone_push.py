@@ -1,5 +1,6 @@
 """Revocations pushed to the in-sandbox dataplane (``POST /__control/revoke``): only with
-the trust directory's control key, held at once, never undone by a stale trust file."""
+the trust directory's control key, held at once, never undone by a stale trust file; and
+the other control routes and ``/metrics`` behind that key once there is one."""
 
 from __future__ import annotations
 
@@ -80,7 +81,37 @@ def test_a_pushed_revocation_holds_at_once_and_needs_the_key(
     # The very next request is refused.
     assert httpx.post(exec_, json={"command": "true"}, headers=auth).status_code == 401
     # Re-reading a trust file the kubelet has not updated yet undoes nothing.
-    assert httpx.post(f"{base}/__control/reload").status_code == 200
+    assert httpx.post(f"{base}/__control/reload", headers=keyed).status_code == 200
     assert httpx.post(exec_, json={"command": "true"}, headers=auth).status_code == 401
     fresh = {"Authorization": f"Bearer {keys.token('sb_box')}"}
     assert httpx.post(exec_, json={"command": "true"}, headers=fresh).status_code == 200
+
+
+def test_with_a_control_key_only_readiness_answers_without_it(
+    served: tuple[str, Keys, Path],
+) -> None:
+    """A pod's address is reachable from the cluster's network: with a control key in the
+    trust directory, what the sandbox is doing (its status, its figures) and a reload are
+    for the key's holder; whether it is ready is for anyone (a kubelet's probe)."""
+    base, keys, trust = served
+    guarded = [
+        ("GET", "/__control/status"),
+        ("POST", "/__control/reload"),
+        ("GET", "/metrics"),
+    ]
+    # No key in the trust directory (docker: reached only through the host's socket).
+    for method, path in [*guarded, ("GET", "/__control/ready")]:
+        assert httpx.request(method, base + path).status_code == 200, path
+    (trust / "control.key").write_text(KEY + "\n")
+    for method, path in guarded:
+        for forged in ({}, {"X-Sandlot-Control": ""}, {"X-Sandlot-Control": KEY[:-1]}):
+            r = httpx.request(method, base + path, headers=forged)
+            assert r.status_code == 403, (path, forged, r.text)
+            assert "running_execs" not in r.text and "sandlot_" not in r.text
+        r = httpx.request(method, base + path, headers={"X-Sandlot-Control": KEY})
+        assert r.status_code == 200, (path, r.text)
+    r = httpx.get(f"{base}/__control/ready")
+    assert r.status_code == 200 and r.json() == {"ready": True}
+    # The sandbox's API is the token's business, as ever.
+    auth = {"Authorization": f"Bearer {keys.token('sb_box')}"}
+    assert httpx.post(f"{base}/v1/exec", json={"command": "true"}, headers=auth).status_code == 200

@@ -436,6 +436,16 @@ async def test_revocation_and_a_rotated_key_reach_the_pod(
             assert (await c.post(url, json=body, headers=auth)).status_code == 200
             relayed = h.url("sb_tok").rsplit("/v1", 1)[0] + "/__control/revoke"
             assert (await c.post(relayed, json=doc)).status_code == 404
+            # Nor does anyone else on the cluster's network learn what the sandbox does:
+            # only its readiness answers without the key (the kubelet's probe).
+            pod = f"http://{pod_ip}:{h.provider.settings.port}"
+            for method, path in (("GET", "/__control/status"), ("POST", "/__control/reload"),
+                                 ("GET", "/metrics")):  # fmt: skip
+                assert (await c.request(method, pod + path)).status_code == 403, path
+            assert (await c.get(pod + "/__control/ready")).status_code == 200
+            assert h.pod("sb_tok").spec.containers[0].readiness_probe.http_get.path == (
+                "/__control/ready"
+            )
             # The protocol's bound: a revoked token is refused within 1 s (not on the
             # kubelet's next sync of the ConfigMap, tens of seconds later).
             t0 = time.monotonic()

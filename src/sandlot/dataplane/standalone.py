@@ -20,13 +20,17 @@ date and mounts read-only (the sandbox cannot change it):
 Alternatively ``--jwks-url`` fetches the keys from the broker (a sandbox with network).
 
 Control routes answer on the socket beside the sandbox's ``/v1/…`` and
-``/{sandbox_id}/v1/…``: ``GET /__control/status`` (state and last event sequence, read
-together, and the activity the idle reaper weighs: running commands, attached clients,
-last operation), ``POST /__control/reload`` (re-read the trust directory) and
-``POST /__control/revoke`` (a ``revoked.json`` document in the body, added to the revoked
-tokens at once; ``X-Sandlot-Control`` must carry ``control.key``, else 403). None says
-anything secret, revocations only ever add to the set, and the provider's relay forwards
-none of them.
+``/{sandbox_id}/v1/…``: ``GET /__control/ready`` (200 once it serves, else 503: nothing
+more, for a kubelet's readiness probe), ``GET /__control/status`` (state and last event
+sequence, read together, and the activity the idle reaper weighs: running commands,
+attached clients, last operation), ``POST /__control/reload`` (re-read the trust
+directory) and ``POST /__control/revoke`` (a ``revoked.json`` document in the body, added
+to the revoked tokens at once). ``X-Sandlot-Control`` must carry ``control.key`` (else
+403) for a revocation always, and for the status, a reload and ``/metrics`` whenever the
+trust directory holds a key: a pod's address is reachable from the cluster's network,
+where what the sandbox is doing and how often it is reloaded is nobody else's business.
+None says anything secret, revocations only ever add to the set, and the provider's relay
+forwards none of them.
 
 Started as its container's first process (PID 1, no init before it), the dataplane is
 the one process of the sandbox its commands cannot stop, though they run as its user:
@@ -86,6 +90,7 @@ JWKS_FILE = "jwks.json"
 REVOKED_FILE = "revoked.json"
 CONTROL_KEY_FILE = "control.key"
 CONTROL_HEADER = b"x-sandlot-control"
+METRICS = "/metrics"
 #: A pushed revocation list is small: a few hundred tokens at most.
 MAX_PUSH_BYTES = 1 << 20
 COMMAND_OOM_SCORE_ADJ = 800
@@ -242,6 +247,9 @@ class StandaloneDataplane:
         if scope["type"] == "http" and scope["path"].startswith(CONTROL_PREFIX):
             await self._control(scope, receive, send)
             return
+        if scope["type"] == "http" and scope["path"] == METRICS and not await self._keyed(scope):
+            await _answer(send, 403, {"error": "the control key does not match"})
+            return
         await self.inner(scope, receive, send)
 
     def _starting(self, receive: Any) -> Any:
@@ -272,11 +280,19 @@ class StandaloneDataplane:
             return None
         return key or None
 
+    async def _keyed(self, scope: Any, *, required: bool = False) -> bool:
+        """Whether the request carries the trust directory's control key — or, unless
+        ``required``, the directory holds none (the dataplane is then reachable only
+        through its provider: docker's socket in a host directory)."""
+        key = await asyncio.to_thread(self._control_key)
+        if key is None:
+            return not required
+        given = dict(scope.get("headers") or []).get(CONTROL_HEADER, b"")
+        return hmac.compare_digest(given, key)
+
     async def _push(self, scope: Any, receive: Any) -> tuple[int, dict[str, Any]]:
         """``POST /__control/revoke``: the pushed revocations, if the key matches."""
-        key = await asyncio.to_thread(self._control_key)
-        given = dict(scope.get("headers") or []).get(CONTROL_HEADER, b"")
-        if key is None or not hmac.compare_digest(given, key):
+        if not await self._keyed(scope, required=True):
             return 403, {"error": "the control key does not match"}
         body = bytearray()
         while True:
@@ -298,8 +314,18 @@ class StandaloneDataplane:
 
     async def _control(self, scope: Any, receive: Any, send: Any) -> None:
         action = scope["path"][len(CONTROL_PREFIX) :]
-        status, body = 404, {"error": "no such control route"}
-        if action == "status" and scope["method"] == "GET":
+        status = 404
+        body: dict[str, Any] = {"error": "no such control route"}
+        if action == "ready" and scope["method"] == "GET":
+            try:
+                self.host.status(self.options.sandbox_id)
+            except Exception:
+                status, body = 503, {"ready": False}
+            else:
+                status, body = 200, {"ready": True}
+        elif action in ("status", "reload") and not await self._keyed(scope):
+            status, body = 403, {"error": "the control key does not match"}
+        elif action == "status" and scope["method"] == "GET":
             sandbox_id = self.options.sandbox_id
             try:
                 state, seq = self.host.status(sandbox_id)
@@ -322,10 +348,14 @@ class StandaloneDataplane:
             status, body = 200, {}
         elif action == "revoke" and scope["method"] == "POST":
             status, body = await self._push(scope, receive)
-        data = json.dumps(body).encode()
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": data})
+        await _answer(send, status, body)
+
+
+async def _answer(send: Any, status: int, body: Mapping[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": data})
 
 
 def parse_args(argv: Sequence[str] | None = None) -> StandaloneOptions:

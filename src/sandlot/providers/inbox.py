@@ -126,6 +126,10 @@ class InboxProvider(Provider, Generic[BoxT]):
     def _forget(self, box: BoxT) -> None:
         """The sandbox is deleted or the provider closes: its own pending work ends."""
 
+    async def _control_headers(self, box: BoxT) -> Mapping[str, str]:
+        """What a call to the dataplane's control routes carries (its control key)."""
+        return {}
+
     # --- shared -----------------------------------------------------------------------------
 
     async def _notify(self, sandbox_id: str) -> None:
@@ -215,7 +219,8 @@ class InboxProvider(Provider, Generic[BoxT]):
                 # The whole answer within the deadline, not each read: a dataplane that
                 # answered a byte at a time held the caller (the reaper, a resume).
                 async with asyncio.timeout(self.status_timeout or STATUS_SECONDS):
-                    resp = await box.upstream.client.get(STATUS, timeout=timeout)
+                    headers = await self._control_headers(box)
+                    resp = await box.upstream.client.get(STATUS, headers=headers, timeout=timeout)
                     if resp.status_code == 200:
                         box.last_event_sequence = _sequence(resp.json())
             except self.status_errors:
@@ -250,7 +255,10 @@ class InboxProvider(Provider, Generic[BoxT]):
             return SandboxActivity()
         try:
             async with asyncio.timeout(ACTIVITY_SECONDS):
-                resp = await box.upstream.client.get(STATUS, timeout=ACTIVITY_SECONDS)
+                headers = await self._control_headers(box)
+                resp = await box.upstream.client.get(
+                    STATUS, headers=headers, timeout=ACTIVITY_SECONDS
+                )
                 doc = resp.json() if resp.status_code == 200 else {}
             if not isinstance(doc, dict):
                 raise ValueError("the status is not an object")

@@ -115,6 +115,8 @@ from sandlot.providers.podspec import (
 from sandlot.providers.socketrelay import TcpUpstream
 
 log = logging.getLogger("sandlot.providers.kubernetes")
+#: The header that carries a sandbox's control key to its dataplane's control routes.
+CONTROL_HEADER = "X-Sandlot-Control"
 
 # The client is only partly annotated: its objects are handled as ``Any``.
 k8s: Any = kubernetes.client
@@ -133,6 +135,9 @@ class _Sandbox(InboxSandbox):
         self.stale_uids: set[str] = set()
         #: The secret its dataplane wants on pushed revocations (in its trust ConfigMap).
         self.control_key = ""
+        #: The read of ``control_key`` from the ConfigMap, for a pod adopted from another
+        #: replica (control calls wait for it).
+        self.trust_read: asyncio.Task[None] | None = None
         self.probing: asyncio.Task[None] | None = None
         self.reloading: asyncio.Task[None] | None = None
         #: Its pod as the watch last saw it (a pool claim names its resourceVersion).
@@ -412,7 +417,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         delay = 0.01
         while box.state is SandboxState.PROVISIONING:
             try:
-                resp = await upstream.client.get("/__control/status", timeout=2.0)
+                resp = await upstream.client.get(
+                    "/__control/status", headers=await self._control_headers(box), timeout=2.0
+                )
                 if resp.status_code == 200:
                     box.last_event_sequence = int(resp.json()["last_event_sequence"])
                     break
@@ -592,10 +599,17 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         self._peers.forget(sandbox_id)
         # Its control key and revocations, for pushes (until then a push falls back).
         task = self._loop.create_task(self._read_trust(sandbox_id, box))
+        box.trust_read = task
         self._adoptions.add(task)
         task.add_done_callback(self._adoptions.discard)
         log.info("adopted sandbox %s, a pod of another replica", sandbox_id)
         return box
+
+    async def _control_headers(self, box: _Sandbox) -> Mapping[str, str]:
+        if box.trust_read is not None and not box.trust_read.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(box.trust_read)
+        return {CONTROL_HEADER: box.control_key} if box.control_key else {}
 
     def _check_serving(self, box: _Sandbox) -> None:
         if box.state is SandboxState.FAILED:
@@ -689,7 +703,7 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
         upstream = box.upstream
         if upstream is None or box.state is not SandboxState.ACTIVE or not box.control_key:
             return False
-        headers = {"X-Sandlot-Control": box.control_key}
+        headers = {CONTROL_HEADER: box.control_key}
         try:
             resp = await upstream.client.post(
                 "/__control/revoke", json=doc, headers=headers, timeout=0.5
@@ -727,7 +741,9 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             if upstream is None or box.state is not SandboxState.ACTIVE:
                 return
             with contextlib.suppress(httpx.TransportError):
-                await upstream.client.post("/__control/reload", timeout=5.0)
+                await upstream.client.post(
+                    "/__control/reload", headers=await self._control_headers(box), timeout=5.0
+                )
             await asyncio.sleep(1.0)
 
     async def _instance_pods(self) -> list[Any]:
@@ -765,9 +781,14 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
             ):
                 lost.append(rec.sandbox_id)
                 continue
+            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template, pool=rec.pool)
+            box = _Sandbox(spec, SandboxState.ACTIVE)
+            await self._read_trust(rec.sandbox_id, box)
             upstream = TcpUpstream(ip, self.settings.port)
             try:
-                resp = await upstream.client.get("/__control/status", timeout=5.0)
+                resp = await upstream.client.get(
+                    "/__control/status", headers=await self._control_headers(box), timeout=5.0
+                )
                 ok = resp.status_code == 200
                 seq = int(resp.json()["last_event_sequence"]) if ok else 0
             except (httpx.TransportError, ValueError, KeyError):
@@ -776,15 +797,12 @@ class KubernetesProvider(InboxProvider[_Sandbox]):
                 await upstream.close()
                 lost.append(rec.sandbox_id)
                 continue
-            spec = SandboxSpec(rec.sandbox_id, rec.generation, rec.template, pool=rec.pool)
-            box = _Sandbox(spec, SandboxState.ACTIVE)
             box.reason, box.upstream, box.pod_ip = "re-adopted after restart", upstream, ip
             box.pod_uid = pod.metadata.uid
             box.last_event_sequence = seq
             box.settled.set()
             self._sandboxes[rec.sandbox_id] = box
             await self._claims.reconcile(pod, rec.pool)
-            await self._read_trust(rec.sandbox_id, box)
             # The broker's keys may have changed while nobody watched.
             with contextlib.suppress(ApiException, ProviderUnavailable):
                 await self._patch_trust(rec.sandbox_id, {"jwks.json": self._jwks_text})

@@ -259,7 +259,7 @@ def pod_manifest(settings: PodSettings, spec: SandboxSpec) -> dict[str, Any]:
                     "runAsNonRoot": True,
                 },
                 "readinessProbe": {
-                    "httpGet": {"path": "/__control/status", "port": settings.port},
+                    "httpGet": {"path": "/__control/ready", "port": settings.port},
                     "periodSeconds": 2,
                     "timeoutSeconds": 2,
                 },
