@@ -5,12 +5,14 @@ relay, against a real dataplane and against upstreams that misbehave on purpose.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import socket
 from collections.abc import Sequence
 from typing import Any
 
+import anyio
 import pytest
 from starlette.applications import Starlette
 from starlette.routing import WebSocketRoute
@@ -553,3 +555,50 @@ async def test_websocket_relay_round_trip_to_the_real_dataplane(
     assert frames[-1]["exit_code"] == 0
     assert "relay-42" in "".join(f.get("data", "") for f in frames if f["type"] == "stdout")
     assert ends and ends[0].closed_by in ("browser", "upstream")
+
+
+async def test_long_lived_streams_have_connections_of_their_own(
+    dataplane: tuple[SandlotServer, Grant],
+) -> None:
+    """Event streams stay open as long as their browsers: each has a connection of its
+    own, at most ``max_streams`` (one more is refused), so the short calls keep their
+    pool (one connection here); a closed stream frees its slot."""
+    server, grant = dataplane
+    events = f"{grant.http_base_url}/events?after=0&tail=0"
+    settings = {"max_connections": 1, "pool_timeout": 2.0, "max_streams": 2}
+    async with dataplane_gateway(server, **settings) as gw, contextlib.AsyncExitStack() as stack:
+        for _ in range(2):
+            answer = await stack.enter_async_context(
+                gw.stream("GET", events, token=grant.token, long_lived=True)
+            )
+            assert await anext(answer.aiter_bytes())
+        assert gw.streams_open == 2
+        with pytest.raises(ProviderUnavailable) as caught:
+            async with gw.stream("GET", events, token=grant.token, long_lived=True):
+                pass
+        assert caught.value.metadata["reason"] == "streams"
+        read = await gw.request(
+            "GET", f"{grant.http_base_url}/fs/list?path=/workspace", token=grant.token
+        )
+        assert read.status_code == 200
+        # A short call's stream left half-read (its request cancelled) drops its
+        # connection: the pool's one connection is free for the next call.
+        async with anyio.create_task_group() as tasks:
+            first = anyio.Event()
+
+            async def read_on() -> None:
+                async with gw.stream("GET", events, token=grant.token) as answer:
+                    async for _ in answer.aiter_bytes():
+                        first.set()
+
+            tasks.start_soon(read_on)
+            await first.wait()
+            tasks.cancel_scope.cancel()
+        read = await gw.request(
+            "GET", f"{grant.http_base_url}/fs/list?path=/workspace", token=grant.token
+        )
+        assert read.status_code == 200
+        await stack.aclose()
+        assert gw.streams_open == 0
+        async with gw.stream("GET", events, token=grant.token, long_lived=True) as answer:
+            assert await anext(answer.aiter_bytes())

@@ -17,13 +17,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
 from sandlot.protocol.errors import InvalidRequest, SandlotError, SequenceExpired
 from sandlot.web import paths
 from sandlot.web.calls import DataplaneCalls
+
+log = logging.getLogger("sandlot.web.activity")
 
 #: The most events of the backlog a stream opened with ``tail`` sends.
 MAX_TAIL = 10_000
@@ -170,6 +178,8 @@ class WorkspaceActivity:
 #: The most bytes one live stream relays before it ends (the browser then reconnects
 #: from its last event id).
 STREAM_BYTES = 256 << 20
+#: Upstream chunks read ahead of the browser's writes.
+READ_AHEAD = 16
 
 
 def sse_frame(event: str, data: str, event_id: int | None = None) -> bytes:
@@ -183,7 +193,11 @@ class ActivityStream:
     Server-Sent Events (each event a ``message`` with its sequence as ``id``; one
     ``ready`` once what the log held has been sent; ``expired`` then the end when the
     cursor is older than the log keeps). The dataplane's keep-alive comments pass
-    through, so a quiet stream stays open."""
+    through, so a quiet stream stays open.
+
+    The upstream stream is long-lived: it has a connection of its own, outside the pool
+    the short calls share (:meth:`~sandlot.web.gateway.Gateway.stream`), closed by
+    :meth:`aclose` however the stream ends (:class:`ActivityResponse` calls it)."""
 
     def __init__(self, calls: DataplaneCalls, after: int, tail: int | None = None) -> None:
         if after < 0:
@@ -196,8 +210,10 @@ class ActivityStream:
         #: dataplane skips the rest, so a long log costs nothing to a page opening.
         self.tail = tail
         self._stack = contextlib.AsyncExitStack()
-        self._chunks: AsyncIterator[bytes] | None = None
+        self._chunks: AsyncGenerator[bytes] | None = None
         self._expired = False
+        #: Set to end the stream from elsewhere (its user opened one too many).
+        self.closing = asyncio.Event()
 
     async def open(self) -> None:
         """Opens the upstream stream (its failures are the request's errors).
@@ -215,6 +231,9 @@ class ActivityStream:
                 await self._open(oldest - 1)
             else:
                 self._expired = True
+        except BaseException:
+            await self.aclose()
+            raise
 
     async def _open(self, after: int) -> None:
         params = {"after": after} if self.tail is None else {"after": after, "tail": self.tail}
@@ -224,9 +243,31 @@ class ActivityStream:
                 params=params,
                 accept="text/event-stream",
                 max_bytes=STREAM_BYTES,
+                long_lived=True,
             )
         )
         self._chunks = answer.aiter_bytes()
+
+    async def aclose(self) -> None:
+        """Closes the upstream stream and drops its connection (shielded: it runs while
+        the request whose browser left is being cancelled)."""
+        with anyio.CancelScope(shield=True):
+            try:
+                if self._chunks is not None:
+                    await self._chunks.aclose()
+            finally:
+                await self._stack.aclose()
+
+    async def read_upstream(self, sink: MemoryObjectSendStream[bytes]) -> None:
+        """Passes the upstream's chunks to ``sink`` until it ends (or ends badly: over
+        its byte cap, the sandbox gone; the browser then reconnects from its last event
+        id)."""
+        async with sink:
+            if self._chunks is None:
+                return
+            with contextlib.suppress(SandlotError):
+                async for chunk in self._chunks:
+                    await sink.send(chunk)
 
     @staticmethod
     def _message(data: str, encode: Callable[[Any], str]) -> bytes:
@@ -239,63 +280,137 @@ class ActivityStream:
             return b""
         return sse_frame("message", encode(browser_event(event)), event.get("sequence"))
 
-    async def frames(self, encode: Callable[[Any], str]) -> AsyncGenerator[bytes]:
-        """The browser's frames (``encode`` writes an event as escaped JSON), those of
-        one upstream chunk in one piece: the log's backlog, which the dataplane sends at
-        once, reaches the browser in a few writes rather than one per event."""
+    async def frames(
+        self, chunks: MemoryObjectReceiveStream[bytes], encode: Callable[[Any], str]
+    ) -> AsyncGenerator[bytes]:
+        """The browser's frames of the upstream's ``chunks`` (``encode`` writes an event
+        as escaped JSON), those of one chunk in one piece: the log's backlog, which the
+        dataplane sends at once, reaches the browser in a few writes rather than one
+        per event."""
         if self._expired:
             yield sse_frame("expired", "{}")
             return
-        assert self._chunks is not None, "open() first"
-        chunks = self._chunks
         splitter = _FrameSplitter()
         ready = False
-        next_chunk: asyncio.Future[bytes] | None = None
-        try:
-            while True:
-                if next_chunk is None:
-                    next_chunk = asyncio.ensure_future(anext(chunks))
-                if not ready:
-                    # The dataplane says when its backlog is through (``: live``); one that
-                    # does not is taken as through after a pause.
-                    done, _ = await asyncio.wait({next_chunk}, timeout=SETTLE_SECONDS)
-                    if not done:
+        while True:
+            try:
+                if ready:
+                    chunk = await chunks.receive()
+                else:
+                    # The dataplane says when its backlog is through (``: live``); one
+                    # that does not is taken as through after a pause.
+                    with anyio.move_on_after(SETTLE_SECONDS) as settle:
+                        chunk = await chunks.receive()
+                    if settle.cancelled_caught:
                         ready = True
                         yield sse_frame("ready", "{}")
                         continue
-                try:
-                    chunk = await next_chunk
-                except StopAsyncIteration:
-                    return
-                finally:
-                    next_chunk = None
-                out: list[bytes] = []
-                for name, data in splitter.feed(chunk):
-                    if name == "error":
-                        out.append(sse_frame("expired", "{}"))
-                        yield b"".join(out)
-                        return
-                    if name == "comment":
-                        if data == LIVE:
-                            # The dataplane caught up with its log: what follows is live.
-                            if not ready:
-                                ready = True
-                                out.append(sse_frame("ready", "{}"))
-                            continue
-                        out.append(b": keep-alive\n\n")
-                        continue
-                    frame = self._message(data, encode)
-                    if frame:
-                        out.append(frame)
-                if out:
+            except anyio.EndOfStream:
+                return
+            out: list[bytes] = []
+            for name, data in splitter.feed(chunk):
+                if name == "error":
+                    out.append(sse_frame("expired", "{}"))
                     yield b"".join(out)
-        except SandlotError:
-            # The upstream ended badly (over its byte cap, the sandbox gone): the browser
-            # reconnects from its last event id.
-            return
+                    return
+                if name == "comment":
+                    if data == LIVE:
+                        # The dataplane caught up with its log: what follows is live.
+                        if not ready:
+                            ready = True
+                            out.append(sse_frame("ready", "{}"))
+                        continue
+                    out.append(b": keep-alive\n\n")
+                    continue
+                frame = self._message(data, encode)
+                if frame:
+                    out.append(frame)
+            if out:
+                yield b"".join(out)
+
+
+class ActivityResponse(Response):
+    """The answer of ``GET /api/v1/activity/stream``: ``stream``'s frames as Server-Sent
+    Events until the upstream ends, the browser leaves, or the stream is closed
+    (``stream.closing``: its user opened too many); then its upstream connection is
+    dropped at once. One task reads the upstream, one listens for the browser leaving,
+    and this one writes, in one task group: the cleanup runs in this request's own
+    task, not in a generator's ``finally`` that a cancelled response never gets past."""
+
+    media_type = "text/event-stream"
+
+    def __init__(
+        self,
+        stream: ActivityStream,
+        encode: Callable[[Any], str],
+        *,
+        streams: UserStreams,
+        user: str,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        self.stream = stream
+        self.encode = encode
+        self.streams = streams
+        self.user = user
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.streams.admit(self.user, self.stream)
+        left = False
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            sink, source = anyio.create_memory_object_stream[bytes](READ_AHEAD)
+            async with anyio.create_task_group() as tasks, source:
+
+                async def until_left() -> None:
+                    nonlocal left
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    left = True
+                    tasks.cancel_scope.cancel()
+
+                async def until_closed() -> None:
+                    await self.stream.closing.wait()
+                    tasks.cancel_scope.cancel()
+
+                tasks.start_soon(until_left)
+                tasks.start_soon(until_closed)
+                tasks.start_soon(self.stream.read_upstream, sink)
+                async for frame in self.stream.frames(source, self.encode):
+                    await send({"type": "http.response.body", "body": frame, "more_body": True})
+                tasks.cancel_scope.cancel()
+            if not left:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            if next_chunk is not None:
-                next_chunk.cancel()
-                with contextlib.suppress(BaseException):
-                    await next_chunk
-            await self._stack.aclose()
+            self.streams.leave(self.user, self.stream)
+            await self.stream.aclose()
+
+
+class UserStreams:
+    """The activity streams each user has open, at most ``per_user``: one more closes
+    the user's oldest (its page reconnects a moment later; the page in front of the
+    user is the one that gets its stream)."""
+
+    def __init__(self, per_user: int) -> None:
+        self.per_user = per_user
+        self._open: dict[str, list[ActivityStream]] = {}
+
+    def admit(self, user: str, stream: ActivityStream) -> None:
+        streams = self._open.setdefault(user, [])
+        streams.append(stream)
+        while len(streams) > self.per_user:
+            oldest = streams.pop(0)
+            oldest.closing.set()
+            log.info("closed the oldest activity stream of %s (%d open)", user, self.per_user)
+
+    def leave(self, user: str, stream: ActivityStream) -> None:
+        streams = self._open.get(user, [])
+        with contextlib.suppress(ValueError):
+            streams.remove(stream)
+        if not streams:
+            self._open.pop(user, None)
+
+    def count(self, user: str) -> int:
+        return len(self._open.get(user, ()))

@@ -86,9 +86,10 @@ class DataplaneCalls:
         params: Mapping[str, Any] | None = None,
         accept: str | None = None,
         max_bytes: int | None = None,
+        long_lived: bool = False,
     ) -> AsyncIterator[UpstreamStream]:
         """A ``GET`` whose answer's body is read as it arrives (token renewed as in
-        :meth:`call`, before the body starts)."""
+        :meth:`call`, before the body starts; ``long_lived`` as the gateway's)."""
         headers = {"X-Request-Id": self.request_id}
         if accept:
             headers["Accept"] = accept
@@ -103,6 +104,7 @@ class DataplaneCalls:
                             token=dataplane.token,
                             headers=headers,
                             max_bytes=max_bytes,
+                            long_lived=long_lived,
                         )
                     )
                     break

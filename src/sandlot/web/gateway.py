@@ -20,6 +20,14 @@ Every HTTP call and WebSocket the web server makes for a browser goes through a
   ``X-Api-Key``, ``Origin``); the gateway sets ``Authorization: Bearer <token>`` from
   the token its caller holds and ``X-Request-Id`` (the browser's, or a new one). Of the
   answer only ``return_response_headers`` come back (never ``Set-Cookie``).
+- **Connections**: the short calls share one pool (``max_connections``). A long-lived
+  stream (:meth:`Gateway.stream` with ``long_lived``: an event stream, open as long as
+  its browser stays) gets a connection of its own, outside that pool, at most
+  ``max_streams`` at once (beyond, ``PROVIDER_UNAVAILABLE``, reason ``streams``), closed
+  with the stream: however many streams are open, the short calls keep their pool. An
+  answer closed before its body was read to the end drops its connection at once, the
+  close shielded from the cancellation of a request whose client left (it was left open
+  for good, the pool's slot with it).
 - **Sizes**: an answer larger than its cap (``max_json_bytes`` for :meth:`Gateway.request`,
   ``max_file_bytes`` for :meth:`Gateway.stream`) is ``PayloadTooLarge``, checked
   against ``Content-Length`` first and while it streams; a body shorter or longer than
@@ -63,6 +71,7 @@ import socket
 import ssl
 import time
 from collections.abc import (
+    AsyncGenerator,
     AsyncIterable,
     AsyncIterator,
     Awaitable,
@@ -74,6 +83,7 @@ from collections.abc import (
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+import anyio
 import httpcore
 import httpx
 from prometheus_client import CollectorRegistry
@@ -146,6 +156,7 @@ _FAILURES = {
     "dns": "the sandbox host's name does not resolve",
     "timeout": "the sandbox host did not answer in time",
     "busy": "too many calls to the sandbox host are waiting",
+    "streams": "too many event streams to sandbox hosts are open",
     "connection_lost": "the connection to the sandbox host broke",
     "length_mismatch": "the sandbox host's answer did not match its Content-Length",
     "upstream_status": "the sandbox host failed to answer",
@@ -172,6 +183,8 @@ class GatewaySettings:
     #: Seconds a call may wait for a free connection.
     pool_timeout: float = 10.0
     max_connections: int = 100
+    #: Long-lived streams open at once, each on a connection of its own (not the pool's).
+    max_streams: int = 1000
     keepalive_expiry: float = 5.0
     #: Answers of :meth:`Gateway.request` (JSON) and :meth:`Gateway.stream` (files).
     max_json_bytes: int = 8 * MiB
@@ -281,6 +294,7 @@ class UpstreamStream:
         method: str,
         request_id: str,
         limit: int,
+        connection: httpcore.AsyncHTTPConnection | None = None,
     ) -> None:
         self.status_code = response.status
         self.request_id = request_id
@@ -294,8 +308,12 @@ class UpstreamStream:
         self._declared = _content_length(response.headers)
         self._has_body = method != "HEAD" and response.status not in (204, 304)
         self._used = False
+        self._complete = False
+        #: A long-lived stream's own connection (``None``: the pool's).
+        self._connection = connection
+        self._closed = False
 
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+    async def aiter_bytes(self) -> AsyncGenerator[bytes]:
         """The body, chunk by chunk, as it arrives (once)."""
         if self._used:
             raise RuntimeError("an upstream answer is read once")
@@ -320,13 +338,33 @@ class UpstreamStream:
                     net.poisoned = True
                     await net.aclose()
                     self._fail(_Failed("length_mismatch"))
+        self._complete = True
 
     async def aread(self) -> bytes:
         """The whole body."""
         return b"".join([chunk async for chunk in self.aiter_bytes()])
 
     async def aclose(self) -> None:
-        await self._response.aclose()
+        """Ends the answer. One not read to its end drops its connection (the rest of its
+        body is not waited for, nor is the connection given back to the pool); a
+        long-lived stream's own connection is closed whatever was read. Shielded: a
+        request whose client left is being cancelled when it closes its answer."""
+        if self._closed:
+            return
+        self._closed = True
+        with anyio.CancelScope(shield=True):
+            try:
+                if self._has_body and not self._complete:
+                    net = self._response.extensions.get("network_stream")
+                    if isinstance(net, CountingStream):
+                        # Looks readable while idle: the pool drops it rather than reuse it.
+                        net.poisoned = True
+                        await net.aclose()
+                await self._response.aclose()
+            finally:
+                if self._connection is not None:
+                    await self._connection.aclose()
+                    self._gateway.stream_closed()
 
     def _fail(self, failed: _Failed) -> NoReturn:
         self._route.breaker.record(self._ticket, ok=False)
@@ -417,14 +455,18 @@ class Gateway:
             "write": s.write_timeout,
             "pool": s.pool_timeout,
         }
+        self._backend = PinnedBackend(pins)
+        self._socket_options = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=self._tls,
             max_connections=s.max_connections,
             keepalive_expiry=s.keepalive_expiry,
             retries=0,
-            network_backend=PinnedBackend(pins),
-            socket_options=[(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)],
+            network_backend=self._backend,
+            socket_options=self._socket_options,
         )
+        #: Long-lived streams open now (each on its own connection).
+        self.streams_open = 0
         self.registry = registry if registry is not None else CollectorRegistry()
         self.metrics = GatewayMetrics(self.registry, self.states)
 
@@ -471,15 +513,22 @@ class Gateway:
         content: Body = None,
         idempotent: bool = False,
         max_bytes: int | None = None,
+        long_lived: bool = False,
     ) -> AsyncIterator[UpstreamStream]:
         """Send a call; its answer's body streams (capped at ``max_file_bytes``).
 
         ``idempotent`` marks a ``POST`` that may be sent twice (a ``command_id`` in it);
-        an ``Idempotency-Key`` header does the same.
+        an ``Idempotency-Key`` header does the same. ``long_lived``: an answer that may
+        stream for as long as its browser stays (an event stream) gets a connection of
+        its own, outside the short calls' pool (at most ``max_streams`` at once).
         """
         method = method.upper()
         rid = request_id_of(headers)
         limit = self.settings.max_file_bytes if max_bytes is None else max_bytes
+        connection: httpcore.AsyncHTTPConnection | None = None
+        response: httpcore.Response | None = None
+        if long_lived:
+            self._stream_opened(rid)
         try:
             route, target = await self._target(method, url)
             _check_token(token)
@@ -491,17 +540,33 @@ class Gateway:
             elif content is not None and len(content) > self.settings.max_upload_bytes:
                 raise _upload_too_large(self.settings.max_upload_bytes)
             sent = self._request_headers(target, rid, token, headers, content)
-            response, ticket = await self._call(route, method, target, sent, content, retry)
+            response, ticket, connection = await self._call(
+                route, method, target, sent, content, retry, own=long_lived
+            )
             declared = _content_length(response.headers)
             if declared is not None and declared > limit and method != "HEAD":
-                await response.aclose()
                 raise _too_large(limit)
-        except SandlotError as exc:
-            exc.request_id = rid
+            answer = UpstreamStream(
+                self,
+                route,
+                ticket,
+                response,
+                method=method,
+                request_id=rid,
+                limit=limit,
+                connection=connection,
+            )
+        except BaseException as exc:
+            if isinstance(exc, SandlotError):
+                exc.request_id = rid
+            if connection is not None:
+                await _close(connection)
+            elif response is not None:
+                with anyio.CancelScope(shield=True):
+                    await response.aclose()
+            if long_lived:
+                self.stream_closed()
             raise
-        answer = UpstreamStream(
-            self, route, ticket, response, method=method, request_id=rid, limit=limit
-        )
         try:
             yield answer
         finally:
@@ -539,6 +604,18 @@ class Gateway:
             for name, r in self._routes.items()
             if discovered or name in self._static
         }
+
+    def _stream_opened(self, request_id: str) -> None:
+        if self.streams_open >= self.settings.max_streams:
+            log.info("gateway: %d long-lived streams are open: one more refused", self.streams_open)
+            error = _Failed("streams", counts=False).error
+            error.request_id = request_id
+            raise error
+        self.streams_open += 1
+
+    def stream_closed(self) -> None:
+        """A long-lived stream's connection was closed (its slot is free)."""
+        self.streams_open -= 1
 
     async def aclose(self) -> None:
         await self._pool.aclose()
@@ -667,13 +744,16 @@ class Gateway:
         headers: list[tuple[bytes, bytes]],
         content: Body,
         retry: bool,
-    ) -> tuple[httpcore.Response, Ticket]:
-        """The version check and one exchange, tried again within the rules."""
+        *,
+        own: bool = False,
+    ) -> tuple[httpcore.Response, Ticket, httpcore.AsyncHTTPConnection | None]:
+        """The version check and one exchange, tried again within the rules (``own``: on
+        a connection of its own, returned with the answer)."""
         attempt = 0
         while True:
             try:
                 await self._verify(route)
-                return await self._exchange(route, method, target, headers, content)
+                return await self._exchange(route, method, target, headers, content, own=own)
             except _Failed as failed:
                 if not (retry and failed.retry and attempt < self.settings.retries):
                     raise failed.error from None
@@ -696,12 +776,16 @@ class Gateway:
         content: Body,
         *,
         raw: bool = False,
-    ) -> tuple[httpcore.Response, Ticket]:
+        own: bool = False,
+    ) -> tuple[httpcore.Response, Ticket, httpcore.AsyncHTTPConnection | None]:
         """One exchange through the breaker: the answer's head (2xx or 304; any status
-        below 500 with ``raw``) or the reason it failed."""
+        below 500 with ``raw``) or the reason it failed. ``own``: on a new connection,
+        outside the pool, returned with the answer (the caller closes it); closed here if
+        the exchange fails."""
         ticket = route.breaker.admit()
         name = route.upstream.name
         started = time.perf_counter()
+        connection: httpcore.AsyncHTTPConnection | None = None
         try:
             await self._pinned(route)
             request = httpcore.Request(
@@ -716,8 +800,16 @@ class Gateway:
                 content=content,
                 extensions={"timeout": self._timeouts},
             )
+            sender: httpcore.AsyncConnectionInterface | httpcore.AsyncConnectionPool = self._pool
+            if own:
+                sender = connection = httpcore.AsyncHTTPConnection(
+                    request.url.origin,
+                    ssl_context=self._tls,
+                    network_backend=self._backend,
+                    socket_options=self._socket_options,
+                )
             try:
-                response = await self._pool.handle_async_request(request)
+                response = await sender.handle_async_request(request)
             except httpcore.LocalProtocolError:
                 raise InvalidRequest("the call cannot be sent as it is") from None
             except _TRANSPORT_ERRORS as exc:
@@ -745,8 +837,9 @@ class Gateway:
                 body = await _read_at_most(response, _ENVELOPE_LIMIT)
                 retry_after = retry_after_seconds(_header(response.headers, b"retry-after"))
                 raise upstream_error(status, body, retry_after)
-            return response, ticket
+            return response, ticket, connection
         except _Failed as failed:
+            await _close(connection)
             if failed.counts:
                 route.breaker.record(ticket, ok=False)
             else:
@@ -756,6 +849,7 @@ class Gateway:
             log.info("gateway: upstream %s %s failed: %s", name, method, failed.reason)
             raise
         except BaseException:
+            await _close(connection)
             route.breaker.abandon(ticket)
             raise
 
@@ -777,7 +871,7 @@ class Gateway:
                 (b"Accept", b"application/json"),
                 (b"Accept-Encoding", b"identity"),
             ]
-            response, _ = await self._exchange(route, "GET", target, headers, None, raw=True)
+            response, _, _ = await self._exchange(route, "GET", target, headers, None, raw=True)
             body = await _read_at_most(response, _ENVELOPE_LIMIT)
             version = _api_version(body) if response.status == 200 else None
             ours = major_of(API_VERSION)
@@ -887,6 +981,13 @@ class Gateway:
         raise upstream_error(
             status, body, retry_after_seconds(exc.response.headers.get("Retry-After"))
         )
+
+
+async def _close(connection: httpcore.AsyncHTTPConnection | None) -> None:
+    """Closes a connection of its own (shielded: its request may be being cancelled)."""
+    if connection is not None:
+        with anyio.CancelScope(shield=True):
+            await connection.aclose()
 
 
 def _check_token(token: str) -> None:

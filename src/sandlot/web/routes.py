@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from sandlot import __version__
@@ -38,7 +38,7 @@ from sandlot.protocol.errors import (
     RateLimited,
     SandlotError,
 )
-from sandlot.web.activity import ActivityStream, WorkspaceActivity
+from sandlot.web.activity import ActivityResponse, ActivityStream, UserStreams, WorkspaceActivity
 from sandlot.web.auth import current_user, read_capped
 from sandlot.web.calls import DataplaneCalls
 from sandlot.web.errors import error_answer
@@ -184,6 +184,8 @@ class WorkspaceRoutes:
         self.features = features or {}
         self.walks = walks or RouteGate(settings.route_limits)
         self.metrics = metrics or WebMetrics.of(gateway.registry)
+        #: The activity streams each user has open (at most ``max_activity_streams``).
+        self.streams = UserStreams(settings.max_activity_streams)
 
     def routes(self) -> list[BaseRoute]:
         h = self._handler
@@ -377,9 +379,11 @@ class WorkspaceRoutes:
             after, tail = int(last_id), None
         stream = ActivityStream(calls, after, tail)
         await stream.open()
-        return StreamingResponse(
-            stream.frames(lambda event: json_text(event).decode("ascii")),
-            media_type="text/event-stream",
+        return ActivityResponse(
+            stream,
+            lambda event: json_text(event).decode("ascii"),
+            streams=self.streams,
+            user=current_user(request).user_id,
             headers={"X-Accel-Buffering": "no"},
         )
 

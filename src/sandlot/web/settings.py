@@ -50,6 +50,9 @@ Environment variables:
   ``…_OUTPUT_QUEUE_FRAMES``, ``…_OUTPUT_QUEUE_BYTES``, ``…_INPUT_QUEUE_FRAMES``,
   ``…_INPUT_QUEUE_BYTES``, ``…_MAX_BUCKETS``, ``…_CLOSE_TIMEOUT`` (seconds). Every limit
   is a positive number (a whole one where its default is).
+- ``SANDLOT_WEB_MAX_ACTIVITY_STREAMS``: the live activity streams
+  (``GET /api/v1/activity/stream``, one per open page) a user may have at once (default
+  16); one more closes the user's oldest, whose page reconnects.
 - ``SANDLOT_WEB_ALLOWED_ORIGINS``: other origins (``scheme://host[:port]``, comma
   separated) whose pages may make state-changing requests and open WebSockets.
 - ``SANDLOT_WEB_CHAT_TEMPLATES``: a TOML file of the agent programs ``/ws/claude-stream``
@@ -135,6 +138,8 @@ class WebSettings:
     route_limits: RouteLimits = dataclasses.field(default_factory=RouteLimits)
     #: The terminal and chat sockets' limits.
     socket_limits: SocketLimits = dataclasses.field(default_factory=SocketLimits)
+    #: Live activity streams of one user at once (one more closes the user's oldest).
+    max_activity_streams: int = 16
     #: Largest JSON body a workspace route reads (a file written through ``PUT``).
     max_body_bytes: int = 16 * 1024 * 1024
     #: The chat's command templates (``None``: the built-in set).
@@ -157,7 +162,13 @@ class WebSettings:
             raise ConfigError("session_idle_seconds cannot exceed session_max_seconds")
         if self.max_sessions <= 0:
             raise ConfigError("max_sessions must be positive")
-        for name in ("tree_max_depth", "tree_max_nodes", "max_search_results", "max_body_bytes"):
+        for name in (
+            "tree_max_depth",
+            "tree_max_nodes",
+            "max_search_results",
+            "max_body_bytes",
+            "max_activity_streams",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         if self.tree_seconds <= 0:
@@ -192,6 +203,7 @@ _INT_VARS = {
     "login_link_ttl_seconds": "SANDLOT_WEB_LOGIN_LINK_TTL",
     "tree_max_depth": "SANDLOT_WEB_TREE_MAX_DEPTH",
     "tree_max_nodes": "SANDLOT_WEB_TREE_MAX_NODES",
+    "max_activity_streams": "SANDLOT_WEB_MAX_ACTIVITY_STREAMS",
 }
 
 
