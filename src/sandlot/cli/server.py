@@ -39,6 +39,7 @@ from sandlot.dataplane.http.connections import guarded_http, raise_open_files_li
 from sandlot.dataplane.http.host import DataplaneHost
 from sandlot.web.allowlist import Upstream
 from sandlot.web.app import create_web_app
+from sandlot.web.handshakes import WebSocketProtocol
 from sandlot.web.live import live_routes
 from sandlot.web.settings import load_web_settings
 from sandlot.web.workspaces import dataplane_upstream
@@ -276,6 +277,8 @@ def uvicorn_config(app: Any) -> uvicorn.Config:
         # terminal's output was half of this process's CPU time for each byte of it
         # (docs/BENCHMARKS.md, the workspace page). The SDK's sockets never ask for it.
         ws_per_message_deflate=False,
+        # A refused handshake's answer completes it (uvicorn logged an ERROR for each).
+        ws=WebSocketProtocol,
         timeout_graceful_shutdown=int(GRACEFUL_SHUTDOWN_SECONDS),
         lifespan="on",
         # A connection that sends no request head in time is closed (one that sends
