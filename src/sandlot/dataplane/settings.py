@@ -16,6 +16,8 @@
 - ``keepalive_seconds``: SSE comment / idle interval.
 - ``max_read_bytes`` / ``max_write_bytes``: JSON file reads/writes (``/fs/read``, ``/fs/write``).
 - ``max_upload_bytes`` / ``max_archive_bytes`` / ``max_archive_members``: streamed transfers.
+- ``max_archive_transfers``: archives (up or down) of one sandbox running at once, each on
+  a thread of the sandbox's own; one more is 429 RATE_LIMITED.
 - ``max_list_entries`` / ``max_glob_results`` / ``max_grep_matches``: result caps (``truncated``).
 - ``glob_deadline_seconds`` / ``max_glob_visits``: a glob stops (``truncated``) after this
   long or this many directory entries.
@@ -65,6 +67,7 @@ class DataplaneSettings:
     max_upload_bytes: int = 16 * 1024 * MiB
     max_archive_bytes: int = 16 * 1024 * MiB
     max_archive_members: int = 200_000
+    max_archive_transfers: int = 4
     max_list_entries: int = 10_000
     max_glob_results: int = 10_000
     glob_deadline_seconds: float = 10.0

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import stat
 from collections.abc import AsyncIterator
 from email.utils import formatdate
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from sandlot.dataplane.http.multipart import file_chunks
@@ -28,7 +29,7 @@ from sandlot.dataplane.http.web import (
     query_bool,
     query_path,
 )
-from sandlot.dataplane.services.archives import ChunkQueue, TarWriter, extract_as, make_tar
+from sandlot.dataplane.services.archives import ChunkQueue, TarWriter, extract, make_tar
 from sandlot.dataplane.services.fsops import (
     abort_temp,
     commit_temp,
@@ -39,6 +40,8 @@ from sandlot.dataplane.services.paths import normalize, os_error
 from sandlot.protocol.common import Capability
 from sandlot.protocol.dataplane import ArchiveResponse, UploadResponse
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge
+
+log = logging.getLogger("sandlot.dataplane")
 
 #: Downloads up to this size go out as one body (fewer loop turns); larger ones stream.
 SINGLE_BODY = 256 * 1024
@@ -237,36 +240,37 @@ async def archive_in(request: Request) -> Response:
     """Extract a tar (gzip allowed) into a directory."""
     entry, ctx = await authorize(request, Capability.FS_WRITE)
     sandbox = entry.ready()
-    resolver, executor = sandbox.resolver, sandbox.executor
+    resolver = sandbox.resolver
     settings = host_of(request).settings
     limits = (settings.max_archive_bytes, settings.max_archive_members)
     path = query_path(request, default="/workspace")
     delete_missing = query_bool(request, "delete_missing", False)
     loop = asyncio.get_running_loop()
     chunks = ChunkQueue(loop)
+    job = sandbox.transfers.start(extract, resolver, path, chunks, delete_missing, limits)
     if entry.watcher is not None:
         # One summary event for the archive, not one per member from the watcher.
         entry.watcher.api_tree(normalize(path))
-    job = loop.run_in_executor(
-        None,
-        lambda: extract_as(executor, resolver, path, chunks, delete_missing, limits),
-    )
-    received = 0
     try:
-        async for chunk in request.stream():
-            received += len(chunk)
-            if received > settings.max_archive_bytes:
-                raise PayloadTooLarge("archive too large")
-            if not await chunks.put(chunk, job):
-                break  # the extractor stopped (an error): its answer is the request's
-    except BaseException:
-        chunks.abort()
-        with contextlib.suppress(BaseException):
-            await job
-        raise
-    await chunks.put(None, job)
-    try:
+        received = 0
+        try:
+            async for chunk in request.stream():
+                received += len(chunk)
+                if received > settings.max_archive_bytes:
+                    raise PayloadTooLarge("archive too large")
+                if not await chunks.put(chunk, job):
+                    break  # the extractor stopped (an error): its answer is the request's
+        except BaseException:
+            chunks.abort()
+            with contextlib.suppress(BaseException):
+                await job
+            raise
+        await chunks.put(None, job)
         result = await job
+    except ClientDisconnect:
+        # The client went away mid-body: nobody to answer, nothing wrong here.
+        log.debug("archive upload to %s: the client went away", path)
+        raise InvalidRequest("the request body ended early") from None
     finally:
         if entry.watcher is not None:
             entry.watcher.api_tree(normalize(path), done=True)
@@ -287,30 +291,36 @@ async def archive_out(request: Request) -> Response:
 
     def open_dir() -> int:
         with resolver.resolve(path) as root:
-            return root.open(os.O_RDONLY | os.O_DIRECTORY)
+            return root.open(os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
 
     top = await executor.light(open_dir)
-    out = TarWriter()
-    task = asyncio.ensure_future(executor.heavy(make_tar, top, out))
-    loop = asyncio.get_running_loop()
+    out = TarWriter(asyncio.get_running_loop())
+    try:
+        task = sandbox.transfers.start(make_tar, top, out)
+    except BaseException:
+        os.close(top)
+        raise
 
     async def body() -> AsyncIterator[bytes]:
         try:
             while True:
-                item = await loop.run_in_executor(None, out.q.get)
+                item = await out.get()
                 if item is None:
                     break
                 if isinstance(item, BaseException):
-                    # Headers are gone already: end the stream early (the tar is
-                    # then visibly truncated for the client).
-                    break
+                    # The headers are gone already: the body ends without its last chunk,
+                    # so the client sees the tar cut short, never a shorter whole one.
+                    log.warning("archive of %s ended early: %r", path, item)
+                    raise ArchiveCutShort(str(item))
                 yield item
         finally:
             out.cancelled = True
-            # Wake a getter thread still waiting on the queue.
-            with contextlib.suppress(Exception):
-                out.q.put_nowait(None)
             with contextlib.suppress(BaseException):
                 await task
 
+    # Started now, the writer ends on its own if the body is never asked for.
     return StreamingResponse(body(), media_type="application/x-tar")
+
+
+class ArchiveCutShort(Exception):
+    """A tar being sent could not be finished (the walk failed)."""

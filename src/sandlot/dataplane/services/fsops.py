@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 import stat
 import threading
 import time
@@ -30,6 +29,7 @@ from typing import Any, Literal
 from sandlot.dataplane.services import globworker, native
 from sandlot.dataplane.services.globbing import split_base
 from sandlot.dataplane.services.paths import PathResolver, Resolved, normalize, os_error
+from sandlot.dataplane.services.treewalk import remove_tree
 from sandlot.protocol.dataplane import EditResponse, ReadResponse, StatResponse, WriteResponse
 from sandlot.protocol.errors import (
     InvalidRequest,
@@ -457,7 +457,7 @@ class FileOps:
                 st = res.lstat()
                 if stat.S_ISDIR(st.st_mode):
                     if recursive:
-                        shutil.rmtree(res.name, dir_fd=res.dir_fd)
+                        remove_tree(res.dir_fd, res.name)
                     else:
                         os.rmdir(res.name, dir_fd=res.dir_fd)
                 else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sandlot.dataplane.services import native
+from sandlot.dataplane.services.archives import TransferPool
 from sandlot.dataplane.services.diskfull import DiskMonitor
 from sandlot.dataplane.services.events import EventLog, WorkspaceWatcher
 from sandlot.dataplane.services.execs import ExecManager
@@ -63,6 +64,8 @@ class SandboxServices:
     #: Threads acting as the sandbox user (``light``: quick calls, ``heavy``: walks).
     executor: FsExecutor
     files: FileOps
+    #: Threads of the sandbox's archive transfers (a few at once).
+    transfers: TransferPool
 
 
 class SandboxEntry:
@@ -117,10 +120,13 @@ class SandboxEntry:
             charge=(as_server(charge.enter), as_server(charge.leave)) if charge else None,
             max_glob_visits=s.max_glob_visits,
         )
-        self.services = SandboxServices(runtime, resolver, FsExecutor(runtime.fs_ids), files)
+        transfers = TransferPool(runtime.fs_ids, s.max_archive_transfers)
+        executor = FsExecutor(runtime.fs_ids)
+        self.services = SandboxServices(runtime, resolver, executor, files, transfers)
         if old is not None:
             old.resolver.close()
             old.executor.shutdown()
+            old.transfers.shutdown()
         if s.watch_fs and self.watcher is None:
             with contextlib.suppress(LookupError):
                 self.watcher = WorkspaceWatcher(
@@ -205,3 +211,4 @@ class SandboxEntry:
         if self.services is not None:
             self.services.resolver.close()
             self.services.executor.shutdown()
+            self.services.transfers.shutdown()
