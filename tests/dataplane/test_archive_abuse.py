@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from sandlot.dataplane.services.fsops import FileOps
 from sandlot.dataplane.services.treewalk import remove_tree
 from sandlot.protocol.sessions import Template
 from sandlot.protocol.states import SandboxState
@@ -324,3 +325,29 @@ def test_stalled_uploads_of_one_sandbox_leave_others_alone(local: Server) -> Non
                 break
             threading.Event().wait(0.1)
         assert r.status_code == 200, r.text
+
+
+# --- reads --------------------------------------------------------------------------
+
+
+@pytest.mark.local_only
+def test_a_large_json_read_runs_off_the_event_loop(
+    local: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (local.workspace / "big.bin").write_bytes(os.urandom(4 << 20))
+    (local.workspace / "small.txt").write_text("hello\n")
+    loop_thread = local.call(threading.get_ident)
+    threads: dict[str, int] = {}
+    read = FileOps.read
+
+    def spy(self: FileOps, path: str, offset: int, limit: int) -> Any:
+        threads[path] = threading.get_ident()
+        return read(self, path, offset, limit)
+
+    monkeypatch.setattr(FileOps, "read", spy)
+    with httpx.Client(headers=local.headers(), timeout=DEADLINE) as c:
+        for name in ("big.bin", "small.txt"):
+            r = c.get(local.url("/fs/read"), params={"path": name})
+            assert r.status_code == 200, r.text
+    assert threads["big.bin"] != loop_thread
+    assert threads["small.txt"] == loop_thread  # a small read stays inline

@@ -60,6 +60,10 @@ from sandlot.protocol.openapi import event_stream
 
 VERSION = VersionResponse(api_version=API_VERSION, server=f"sandlot/{_version}")
 
+#: ``/fs/read`` of a file up to this size runs inline on the event loop (a thread hop
+#: would cost more); a larger one on a thread.
+INLINE_READ_BYTES = 256 * 1024
+
 #: Parameters several endpoints read.
 PATH = Param("path", {"type": "string", "minLength": 1}, required=True)
 DIR = Param("path", {"type": "string", "default": "/workspace"})
@@ -208,7 +212,16 @@ async def fs_read(request: Request) -> Response:
     path = query_path(request)
     offset = query_int(request, "offset", 0)
     limit = query_int(request, "limit", 2000, 1, 1 << 30)
-    return json_response(await sandbox.executor.light(sandbox.files.read, path, offset, limit))
+    files, executor = sandbox.files, sandbox.executor
+    if await executor.light(files.size_hint, path) <= INLINE_READ_BYTES:
+        return json_response(await executor.light(files.read, path, offset, limit))
+
+    def read() -> Response:
+        # Reading, hashing, encoding and serialising a large file would hold the event
+        # loop (tenths of a second for 16 MiB): all of it runs on a thread.
+        return json_response(files.read(path, offset, limit))
+
+    return await executor.heavy(read)
 
 
 @endpoint(

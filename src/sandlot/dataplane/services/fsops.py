@@ -38,6 +38,7 @@ from sandlot.protocol.errors import (
     ProviderUnavailable,
     RateLimited,
     ResourceConflict,
+    SandlotError,
     exception_for,
 )
 
@@ -218,6 +219,15 @@ class FileOps:
                 return res.sandbox_path, data
         except OSError as exc:
             raise os_error(exc) from None
+
+    def size_hint(self, path: str) -> int:
+        """The size of the file a read of ``path`` would read; 0 when the read would fail
+        (it then says why)."""
+        try:
+            with self.resolver.resolve(path) as res:
+                return 0 if res.name is None else res.lstat().st_size
+        except (OSError, SandlotError):
+            return 0
 
     def read(self, path: str, offset: int, limit: int) -> ReadResponse:
         spath, data = self.read_bytes(path)
