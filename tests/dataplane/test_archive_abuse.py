@@ -351,3 +351,23 @@ def test_a_large_json_read_runs_off_the_event_loop(
             assert r.status_code == 200, r.text
     assert threads["big.bin"] != loop_thread
     assert threads["small.txt"] == loop_thread  # a small read stays inline
+
+
+# --- ranges -------------------------------------------------------------------------
+
+
+def test_ranges_are_read_strictly(server: Server, client: httpx.Client) -> None:
+    (server.workspace / "empty").write_bytes(b"")
+    (server.workspace / "ten").write_bytes(b"0123456789")
+    u = server.url("/files/download")
+    r = client.get(u, params={"path": "empty"}, headers={"Range": "bytes=-1"})
+    assert r.status_code == 416 and r.headers["content-range"] == "bytes */0"
+    r = client.head(u, params={"path": "empty"}, headers={"Range": "bytes=-1"})
+    assert r.status_code == 416
+    for bad in ("bytes=1_0-", "bytes=+1-2", "bytes=1-_2", "bytes=-_3"):
+        r = client.get(u, params={"path": "ten"}, headers={"Range": bad})
+        assert r.status_code == 400, (bad, r.status_code)
+    r = client.get(u, params={"path": "ten"}, headers={"Range": "bytes=-3"})
+    assert r.status_code == 206 and r.content == b"789"
+    r = client.get(u, params={"path": "ten"}, headers={"Range": "bytes=8-"})
+    assert r.status_code == 206 and r.content == b"89"

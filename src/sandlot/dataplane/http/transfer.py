@@ -127,24 +127,28 @@ def _write(fd: int, data: bytes) -> None:
 
 
 def _parse_range(header: str, size: int) -> tuple[int, int] | None:
-    """``bytes=a-b`` → inclusive ``(a, b)``; ``None`` when unsatisfiable."""
+    """``bytes=a-b`` → inclusive ``(a, b)``; ``None`` when unsatisfiable (RFC 9110 14.1.2)."""
     unit, _, spec = header.partition("=")
     if unit.strip().lower() != "bytes" or "," in spec:
         raise InvalidRequest("only a single byte range is supported")
-    first, _, last = spec.strip().partition("-")
-    try:
-        if first == "":
-            n = int(last)
-            if n <= 0:
-                return None
-            return max(0, size - n), size - 1
-        a = int(first)
-        b = int(last) if last else size - 1
-    except ValueError:
-        raise InvalidRequest("bad Range header") from None
+    first, dash, last = spec.strip(" \t").partition("-")
+    if not dash or not _digits(first or last) or (first and last and not _digits(last)):
+        raise InvalidRequest("bad Range header")
+    if first == "":
+        n = int(last)
+        if n <= 0 or size == 0:
+            return None  # a suffix of nothing, or of an empty file
+        return max(0, size - n), size - 1
+    a = int(first)
+    b = int(last) if last else size - 1
     if a >= size or b < a:
         return None
     return a, min(b, size - 1)
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only (``int`` also takes ``1_0``, ``+1``, spaces and other scripts')."""
+    return bool(text) and text.isascii() and text.isdigit()
 
 
 @endpoint(responses=DOWNLOAD_ANSWERS, params=DOWNLOAD_PARAMS, head=True)
