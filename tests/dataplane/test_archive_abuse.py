@@ -10,6 +10,7 @@ import resource
 import socket
 import tarfile
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -372,3 +373,67 @@ def test_ranges_are_read_strictly(server: Server, client: httpx.Client) -> None:
     assert r.status_code == 206 and r.content == b"789"
     r = client.get(u, params={"path": "ten"}, headers={"Range": "bytes=8-"})
     assert r.status_code == 206 and r.content == b"89"
+
+
+# --- an archive that ends early deletes nothing ---------------------------------------------
+
+
+def _unmarked(body: bytes) -> bytes:
+    """``body`` (an uncompressed tar) cut right after its last member: whole members, no
+    end-of-archive marker."""
+    with tarfile.open(fileobj=io.BytesIO(body), mode="r:") as tar:
+        last = tar.getmembers()[-1]
+    return body[: last.offset_data + -(-last.size // 512) * 512]
+
+
+def test_an_archive_without_its_end_marker_deletes_nothing(
+    server: Server, client: httpx.Client
+) -> None:
+    run(client, server, "mkdir -p dm && echo keep > dm/kept && echo old > dm/a")
+    body = tar_of(("a", "f", b"new"), ("b", "f", b"b"))
+    cut = _unmarked(body)
+    assert list(members(cut)) == ["a", "b"]
+    url = server.url("/files/archive")
+    r = client.post(url, params={"path": "/workspace/dm", "delete_missing": "true"}, content=cut)
+    assert r.status_code == 400 and "end-of-archive" in r.json()["error"]["message"], r.text
+    assert (server.workspace / "dm" / "kept").read_text() == "keep\n"
+    # Without deletions, whole members are all an extraction needs.
+    r = client.post(url, params={"path": "/workspace/dm"}, content=cut)
+    assert r.status_code == 200, r.text
+    assert (server.workspace / "dm" / "a").read_text() == "new"
+    r = client.post(url, params={"path": "/workspace/dm", "delete_missing": "true"}, content=body)
+    assert r.status_code == 200 and r.json()["deleted"] == 1, r.text
+    assert not (server.workspace / "dm" / "kept").exists()
+
+
+def test_an_upload_cut_off_deletes_nothing(server: Server, client: httpx.Client) -> None:
+    """A client that leaves mid-upload, at a member boundary: the archive's request ended,
+    which the extraction never takes for the archive's end."""
+    run(client, server, "mkdir -p cut && echo keep > cut/kept")
+    body = _unmarked(tar_of(*((f"f{i}", "f", b"x" * 600) for i in range(64))))
+    url = httpx.URL(server.url("/files/archive"))
+    head = (
+        f"POST {url.raw_path.decode()}?path=/workspace/cut&delete_missing=true "
+        f"HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.token()}\r\n"
+        "Content-Type: application/x-tar\r\nTransfer-Encoding: chunked\r\n\r\n"
+    ).encode()
+    with socket.create_connection((url.host, url.port or 80)) as s:
+        s.sendall(head + b"%x\r\n%s\r\n" % (len(body), body))
+        deadline = time.monotonic() + DEADLINE
+        while not (server.workspace / "cut" / "f63").exists():  # every member written
+            assert time.monotonic() < deadline, "the members never arrived"
+            time.sleep(0.05)
+    # The connection is gone without the body's last chunk. The upload ends as an error;
+    # a later one is served (the transfer's place freed), and nothing was deleted.
+    deadline = time.monotonic() + DEADLINE
+    while True:
+        r = client.post(
+            server.url("/files/archive"),
+            params={"path": "/workspace/other"},
+            content=tar_of(("x", "f", b"x")),
+        )
+        if r.status_code == 200:
+            break
+        assert r.status_code == 429 and time.monotonic() < deadline, r.text
+        time.sleep(0.1)
+    assert (server.workspace / "cut" / "kept").read_text() == "keep\n"

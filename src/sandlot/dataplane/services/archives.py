@@ -118,6 +118,12 @@ def extract(
             raise InvalidRequest(
                 "body is not a tar archive" if str(exc) in _NOT_TAR else f"corrupt archive: {exc}"
             ) from None
+        if delete_missing and not tar.marked_end:
+            # Cut at a member boundary, the rest may never have come: what it held would
+            # be deleted as missing.
+            raise InvalidRequest(
+                "the archive ended without its end-of-archive marker: nothing was deleted"
+            )
     deleted = _delete_missing(resolver, top or "/", seen) if delete_missing else 0
     with resolver.resolve(base) as root:
         sync_filesystem(root.dir_fd)
@@ -388,6 +394,9 @@ class ChunkQueue:
         with contextlib.suppress(queue.Full):
             self._q.put_nowait(None)
 
+    def aborted(self) -> bool:
+        return self._aborted
+
     def __iter__(self) -> Iterator[bytes]:
         waited = 0.0
         while not self._aborted:
@@ -401,6 +410,8 @@ class ChunkQueue:
             waited = 0.0
             self._loop.call_soon_threadsafe(self._room.set)
             if item is None:
+                if self.aborted():
+                    break  # the request failed: never taken for the archive's end
                 return
             yield item
         raise InvalidRequest("the archive's request ended")

@@ -163,6 +163,9 @@ class TarStream:
         self._pos = 0
         self._left = 0  # data bytes of the current member not handed out yet
         self._pad = 0  # then the padding to the next block
+        #: The archive's end-of-archive marker was read (a stream may also end without
+        #: one, at a member boundary: whole members, but perhaps not all of them).
+        self.marked_end = False
 
     # --- buffer ---
 
@@ -231,6 +234,7 @@ class TarStream:
                 raise TarError("not a tar archive" if first else "truncated tar archive")
             block = self._take(BLOCK)
             if block == _ZERO_BLOCK:
+                self.marked_end = True
                 return  # the end-of-archive marker
             if not _checksum_ok(block):
                 raise TarError("not a tar archive" if first else "corrupt tar header")
