@@ -7,6 +7,15 @@ on instances (128 by default). So every workspace of this dataplane shares
 one inotify file descriptor, read by the event loop when it is readable, and
 each directory gets a watch (the per-user limit on watches is large).
 Changes are coalesced per path over a short debounce window.
+
+Everything here runs on the event loop that serves every sandbox of the process, so no
+step of it does unbounded work: new directories are queued and watched (and listed) at
+most :data:`WALK_STEP` directories or entries per loop step, a directory already watched
+at the same path is not walked again, and a flush hands at most :data:`FLUSH_STEP`
+changes to its sink per step. A tree watches at most :data:`MAX_DIRS_PER_TREE`
+directories; when a directory cannot be watched (that bound, or the per-user inotify
+limit every sandbox of the host shares) the tree reports it once, as an ``unwatched``
+change of that directory.
 """
 
 from __future__ import annotations
@@ -14,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import ctypes.util
+import errno
+import itertools
 import logging
 import os
 import struct
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -57,7 +69,14 @@ _HEADER = struct.Struct("iIII")
 #: A sandbox may have at most this many watched directories (the rest is not reported).
 MAX_DIRS_PER_TREE = 20_000
 
-#: ``(host path, op)`` with op ``created`` | ``modified`` | ``deleted``.
+#: Directories watched or entries listed per event loop step of a tree's walk.
+WALK_STEP = 64
+
+#: Changes handed to a tree's sink per event loop step.
+FLUSH_STEP = 512
+
+#: ``(host path, op)`` with op ``created`` | ``modified`` | ``deleted``, or ``unwatched``
+#: for a directory that could not be watched (nor what is below it).
 ChangeSink = Callable[[list[tuple[str, str]]], None]
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -106,12 +125,20 @@ class Tree:
     debounce: float
     wds: set[int] = field(default_factory=set)
     pending: dict[str, str] = field(default_factory=dict)
-    flush: asyncio.TimerHandle | None = None
+    flush: asyncio.Handle | None = None
     #: Host directories being written through the API, which reports them itself: events
     #: under them are dropped as they are read (new directories get their watches when
     #: the directory is unmuted: see :meth:`Inotify.unmute`).
     muted: set[str] = field(default_factory=set)
     _muted_prefixes: tuple[str, ...] = ()
+    #: Directories to watch and list: whether to report what they hold as created, and
+    #: whether to list them even when they are watched already (after an unmute).
+    todo: deque[tuple[str, bool, bool]] = field(default_factory=deque)
+    #: The directory being listed: what is left of its listing, and its two flags.
+    listing: tuple[Iterator[os.DirEntry[str]], bool, bool] | None = None
+    walk: asyncio.Handle | None = None
+    #: A directory could not be watched (reported once, until watches are free again).
+    full: bool = False
 
     def mute(self, host_dir: str) -> None:
         self.muted.add(host_dir)
@@ -165,6 +192,8 @@ class Inotify:
     def unwatch(self, tree: Tree) -> None:
         if tree.flush is not None:
             tree.flush.cancel()
+            tree.flush = None
+        self._stop_walk(tree)
         for wd in list(tree.wds):
             self._wds.pop(wd, None)
             remove_watch(self._fd, wd)
@@ -182,34 +211,86 @@ class Inotify:
         """Report changes under ``host_dir`` again, watching what was made there meanwhile."""
         tree.unmute(host_dir)
         if self._fd >= 0 and tree.wds:
-            self._add_tree(tree, host_dir)
+            self._add_tree(tree, host_dir, again=True)
 
-    def _add_dir(self, tree: Tree, path: str) -> bool:
+    def _add_dir(self, tree: Tree, path: str, again: bool = False) -> bool:
+        """Watch directory ``path``; False when it needs no listing (it cannot be watched,
+        or, unless ``again``, it already is, at this path)."""
         if len(tree.wds) >= MAX_DIRS_PER_TREE:
+            self._full(tree, path)
             return False
         wd = _libc.inotify_add_watch(self._fd, os.fsencode(path), _MASK)
         if wd < 0:
+            if ctypes.get_errno() == errno.ENOSPC:
+                self._full(tree, path)  # the per-user limit, shared by the host's sandboxes
             return False
+        known = self._wds.get(wd)
+        if not again and known is not None and known[0] is tree and known[1] == path:
+            return False  # listed when it was first watched: later entries are events
         tree.wds.add(wd)
         self._wds[wd] = (tree, path)
         return True
 
-    def _add_tree(self, tree: Tree, top: str, *, report: bool = False) -> None:
-        """Watch ``top`` and every directory below it (never following symlinks)."""
-        stack = [top]
-        while stack:
-            path = stack.pop()
-            if not self._add_dir(tree, path):
-                continue
+    def _full(self, tree: Tree, path: str) -> None:
+        if not tree.full:
+            tree.full = True
+            log.warning("%s: %s is not watched (no watch left for it)", tree.root, path)
+            self._queue(tree, path, "unwatched")
+
+    def _add_tree(self, tree: Tree, top: str, *, report: bool = False, again: bool = False) -> None:
+        """Watch ``top`` and every directory below it (never following symlinks), in
+        bounded steps on the event loop (the first one now); ``again`` lists directories
+        that are watched already too (new ones may be below them)."""
+        tree.todo.append((top, report, again))
+        if tree.walk is None and tree.listing is None and len(tree.todo) == 1:
+            if self._loop is not None and report:
+                # From an event: its own loop step, not this read's.
+                tree.walk = self._loop.call_soon(self._walk, tree)
+            else:
+                self._walk(tree)
+
+    def _walk(self, tree: Tree) -> None:
+        """One step of ``tree``'s walk: at most :data:`WALK_STEP` directories watched or
+        entries listed; the next step is scheduled while there is more."""
+        tree.walk = None
+        budget = WALK_STEP
+        while budget > 0:
+            if tree.listing is None:
+                if not tree.todo:
+                    return
+                path, report, again = tree.todo.pop()
+                budget -= 1
+                if not self._add_dir(tree, path, again):
+                    continue
+                try:
+                    tree.listing = (os.scandir(path), report, again)
+                except OSError:
+                    continue
+            it, report, again = tree.listing
             try:
-                with os.scandir(path) as it:
-                    for entry in it:
-                        if entry.is_dir(follow_symlinks=False):
-                            stack.append(entry.path)
-                        if report:
-                            self._queue(tree, entry.path, "created")
+                entry = next(it, None)
             except OSError:
+                entry = None
+            if entry is None:
+                it.close()  # type: ignore[attr-defined]
+                tree.listing = None
                 continue
+            budget -= 1
+            if entry.is_dir(follow_symlinks=False):
+                tree.todo.append((entry.path, report, again))
+            if report:
+                self._queue(tree, entry.path, "created")
+        if self._loop is not None:
+            tree.walk = self._loop.call_soon(self._walk, tree)
+
+    def _stop_walk(self, tree: Tree) -> None:
+        if tree.walk is not None:
+            tree.walk.cancel()
+            tree.walk = None
+        if tree.listing is not None:
+            tree.listing[0].close()  # type: ignore[attr-defined]
+            tree.listing = None
+        tree.todo.clear()
 
     def _queue(self, tree: Tree, path: str, op: str) -> None:
         merged = _coalesce(tree.pending.pop(path, None), op)
@@ -220,8 +301,16 @@ class Inotify:
 
     def _flush(self, tree: Tree) -> None:
         tree.flush = None
-        changes = sorted(tree.pending.items())
-        tree.pending.clear()
+        if len(tree.pending) <= FLUSH_STEP:
+            changes = sorted(tree.pending.items())
+            tree.pending.clear()
+        else:
+            # A storm: the oldest changes now, the rest in the next steps.
+            changes = sorted(itertools.islice(tree.pending.items(), FLUSH_STEP))
+            for path, _op in changes:
+                del tree.pending[path]
+            if self._loop is not None:
+                tree.flush = self._loop.call_soon(self._flush, tree)
         if changes:
             try:
                 tree.sink(changes)
@@ -240,6 +329,8 @@ class Inotify:
             if mask & IN_IGNORED:
                 self._wds.pop(wd, None)
                 tree.wds.discard(wd)
+                if tree.full and len(tree.wds) < MAX_DIRS_PER_TREE * 9 // 10:
+                    tree.full = False  # watches are free again: the next shortfall is news
                 continue
             if mask & IN_DELETE_SELF or not name:
                 continue
