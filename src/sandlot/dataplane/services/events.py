@@ -8,7 +8,8 @@ that outlives the server (an isolated sandbox's spool), each event is also appen
 to a journal there, one line per event, so a restarted server carries on the same
 sequence with the same retained events: a client's cursor stays valid across a crash.
 
-Changes made by commands are picked up with ``watchfiles`` (coalesced over
+Changes made by commands are picked up by the workspace's watcher
+(:mod:`sandlot.dataplane.services.watch`: inotify, coalesced over
 ``watch_debounce_ms``); a change the API itself just made (reported with its
 actor) is not reported a second time by the watcher.
 """
