@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from sandlot.cli.ignore import IgnoreFile
-from sandlot.cli.tarreader import ArchiveError, ArchiveReader
+from sandlot.cli.tarreader import ArchiveReader
 from sandlot.cli.trees import MANIFEST, load_manifest, save_manifest
+from sandlot.dataplane.services.tarstream import TarError
 from sandlot.protocol.errors import ConnectionLost, SandlotError
 
 #: What the CLI writes beside a destination while a pull runs.
@@ -323,7 +324,7 @@ async def pull_tree(
             else:
                 decided[rel] = "conflict"
                 staged[rel] = _Staged(rel_dir, temp, parts[-1] + CONFLICT_SUFFIX, remote_hash)
-    except ArchiveError as exc:
+    except TarError as exc:
         staging.rollback()
         staging.close()
         raise PullError(f"{exc}; nothing was written") from None

@@ -9,84 +9,32 @@ stream when a file cannot be read mid-walk) reads as a complete, smaller tree.
 Here every header is checked and the archive must end with its two zero blocks;
 anything else is an :class:`ArchiveError`.
 
-Only what a pull uses is decoded: name, type, mode, size, link target, with
-ustar prefixes, PAX records and GNU long names.
+Headers are decoded as the dataplane's own reader of uploads decodes them
+(:mod:`sandlot.dataplane.services.tarstream`); only the reading differs (async here).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
-BLOCK = 512
+from sandlot.dataplane.services.tarstream import (
+    BLOCK,
+    ZERO_BLOCK,
+    Member,
+    TarError,
+    checksum_ok,
+    member_of,
+    number,
+    pax_records,
+    text_of,
+)
+
 #: The most a PAX header or a GNU long name may hold.
 MAX_HEADER_DATA = 1 << 20
 
-_ZERO_BLOCK = bytes(BLOCK)
-_FILE_TYPES = frozenset((b"0", b"\0", b"7"))
 
-
-class ArchiveError(Exception):
+class ArchiveError(TarError):
     """The archive is damaged, or ended before its end-of-archive marker."""
-
-
-@dataclass(slots=True)
-class Member:
-    name: str
-    #: ``file``, ``dir``, ``symlink``, ``hardlink`` or ``other`` (devices, FIFOs, sparse files…).
-    kind: str
-    size: int
-    mode: int
-    linkname: str
-
-
-def _text(raw: bytes) -> str:
-    return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
-
-
-def _number(field: bytes) -> int:
-    """An octal header field, or GNU's base-256 form for values octal cannot hold."""
-    if field[:1] == b"\x80":
-        return int.from_bytes(field[1:], "big")
-    if field[:1] == b"\xff":
-        raise ArchiveError("corrupt archive: a negative number in a header")
-    digits = field.split(b"\0", 1)[0].strip(b" ")
-    try:
-        return int(digits, 8) if digits else 0
-    except ValueError:
-        raise ArchiveError("corrupt archive: a header field is not a number") from None
-
-
-def _checksum_ok(block: bytes) -> bool:
-    try:
-        stored = _number(block[148:156])
-    except ArchiveError:
-        return False
-    # Computed with the checksum field read as 8 spaces; some old writers summed signed bytes.
-    unsigned = sum(block[:148]) + sum(block[156:]) + 256
-    signed = unsigned - 256 * sum(1 for b in block[:148] + block[156:] if b > 127)
-    return stored in (unsigned, signed)
-
-
-def _pax_records(data: bytes) -> dict[str, str]:
-    """The ``"%d key=value\\n"`` records of a PAX extended header."""
-    out: dict[str, str] = {}
-    pos = 0
-    while pos < len(data) and data[pos] != 0:
-        space = data.find(b" ", pos)
-        try:
-            length = int(data[pos:space]) if space > pos else 0
-        except ValueError:
-            length = 0
-        end = pos + length
-        if length <= 0 or end > len(data) or data[end - 1 : end] != b"\n":
-            raise ArchiveError("corrupt archive: a bad PAX header")
-        key, eq, value = data[space + 1 : end - 1].partition(b"=")
-        if not eq:
-            raise ArchiveError("corrupt archive: a bad PAX header")
-        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
-        pos = end
-    return out
 
 
 class ArchiveReader:
@@ -156,58 +104,30 @@ class ArchiveReader:
             await self._skip(self._left + self._pad)
             self._left = self._pad = 0
             block = await self._take(BLOCK)
-            if block == _ZERO_BLOCK:
-                if await self._take(BLOCK) != _ZERO_BLOCK:
+            if block == ZERO_BLOCK:
+                if await self._take(BLOCK) != ZERO_BLOCK:
                     raise ArchiveError("corrupt archive: a lone zero block")
                 return
-            if not _checksum_ok(block):
+            if not checksum_ok(block):
                 raise ArchiveError("corrupt archive: a header's checksum does not match")
             kind = block[156:157]
-            size = _number(block[124:136])
+            size = number(block[124:136])
             if kind in (b"x", b"X"):
-                pax = _pax_records(await self._header_data(size))
+                pax = pax_records(await self._header_data(size))
                 continue
             if kind == b"g":
                 await self._skip(size + (-size % BLOCK))  # global defaults: nothing used here
                 continue
             if kind == b"L":
-                long_name = _text(await self._header_data(size))
+                long_name = text_of(await self._header_data(size))
                 continue
             if kind == b"K":
-                long_link = _text(await self._header_data(size))
+                long_link = text_of(await self._header_data(size))
                 continue
-            name = pax.get("path") or long_name
-            if name is None:
-                name = _text(block[0:100])
-                if block[257:263] == b"ustar\0":  # POSIX ustar: a prefix field
-                    prefix = _text(block[345:500])
-                    if prefix:
-                        name = f"{prefix}/{name}"
-            link = ""
-            if kind in (b"1", b"2"):
-                link = pax.get("linkpath") or long_link or _text(block[157:257])
-            if "size" in pax:
-                try:
-                    size = int(pax["size"])
-                except ValueError:
-                    size = -1
-                if size < 0:
-                    raise ArchiveError("corrupt archive: a bad PAX size")
-            if kind in _FILE_TYPES:
-                what = "dir" if kind == b"\0" and name.endswith("/") else "file"
-            elif kind == b"5":
-                what = "dir"
-            elif kind == b"2":
-                what = "symlink"
-            elif kind == b"1":
-                what = "hardlink"
-            else:
-                what = "other"
-            if any(k.startswith("GNU.sparse.") for k in pax):
-                what = "other"
+            member = member_of(block, size, pax, long_name, long_link)
             pax, long_name, long_link = {}, None, None
             # Data follows regular files and types not known here (as in tarfile);
             # a directory or link header carries none.
-            if what in ("file", "other"):
-                self._left, self._pad = size, -size % BLOCK
-            yield Member(name, what, size, _number(block[100:108]), link)
+            if member.kind in ("file", "other"):
+                self._left, self._pad = member.size, -member.size % BLOCK
+            yield member

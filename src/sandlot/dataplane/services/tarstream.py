@@ -18,7 +18,7 @@ from __future__ import annotations
 import bz2
 import lzma
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -27,7 +27,7 @@ BLOCK = 512
 #: Decompressed output is produced in pieces of at most this size (bounded memory).
 CHUNK = 1 << 20
 
-_ZERO_BLOCK = bytes(BLOCK)
+ZERO_BLOCK = bytes(BLOCK)
 _FILE_TYPES = frozenset((b"0", b"\0", b"7"))
 
 
@@ -45,11 +45,11 @@ class Member:
     linkname: str
 
 
-def _text(raw: bytes) -> str:
+def text_of(raw: bytes) -> str:
     return raw.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
-def _number(field: bytes) -> int:
+def number(field: bytes) -> int:
     """An octal header field, or GNU's base-256 form for values octal cannot hold."""
     if field[:1] == b"\x80":
         return int.from_bytes(field[1:], "big")
@@ -71,9 +71,9 @@ def _byte_sum(block: bytes) -> int:
     return (zlib.adler32(view[:256]) & 0xFFFF) + (zlib.adler32(view[256:]) & 0xFFFF) - 2
 
 
-def _checksum_ok(block: bytes) -> bool:
+def checksum_ok(block: bytes) -> bool:
     try:
-        stored = _number(block[148:156])
+        stored = number(block[148:156])
     except TarError:
         return False
     # The checksum is computed with its own field read as spaces (8 spaces sum to 256);
@@ -85,7 +85,7 @@ def _checksum_ok(block: bytes) -> bool:
     return stored == signed
 
 
-def _pax_records(data: bytes) -> dict[str, str]:
+def pax_records(data: bytes) -> dict[str, str]:
     """``"%d key=value\\n"`` records of a PAX extended header."""
     out: dict[str, str] = {}
     pos = 0
@@ -104,6 +104,48 @@ def _pax_records(data: bytes) -> dict[str, str]:
         out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
         pos = end
     return out
+
+
+def member_of(
+    block: bytes,
+    size: int,
+    pax: Mapping[str, str],
+    long_name: str | None,
+    long_link: str | None,
+) -> Member:
+    """The member a header ``block`` (of data ``size``) describes, with the PAX records
+    and GNU long names that came before it."""
+    kind = block[156:157]
+    name = pax.get("path") or long_name
+    if name is None:
+        name = text_of(block[0:100])
+        if block[257:263] == b"ustar\0":  # POSIX ustar: a prefix field
+            prefix = text_of(block[345:500])
+            if prefix:
+                name = f"{prefix}/{name}"
+    link = ""
+    if kind in (b"1", b"2"):  # only links carry a target
+        link = pax.get("linkpath") or long_link or text_of(block[157:257])
+    if "size" in pax:
+        try:
+            size = int(pax["size"])
+        except ValueError:
+            size = -1
+        if size < 0:  # a negative size would also pass the server's size cap
+            raise TarError("corrupt PAX header")
+    if kind in _FILE_TYPES:
+        what = "dir" if kind == b"\0" and name.endswith("/") else "file"
+    elif kind == b"5":
+        what = "dir"
+    elif kind == b"2":
+        what = "symlink"
+    elif kind == b"1":
+        what = "hardlink"
+    else:
+        what = "other"
+    if any(k.startswith("GNU.sparse.") for k in pax):
+        what = "other"
+    return Member(name, what, size, number(block[100:108]), link)
 
 
 def _sniff(head: bytes) -> Any:
@@ -233,60 +275,31 @@ class TarStream:
             if got < BLOCK:
                 raise TarError("not a tar archive" if first else "truncated tar archive")
             block = self._take(BLOCK)
-            if block == _ZERO_BLOCK:
+            if block == ZERO_BLOCK:
                 self.marked_end = True
                 return  # the end-of-archive marker
-            if not _checksum_ok(block):
+            if not checksum_ok(block):
                 raise TarError("not a tar archive" if first else "corrupt tar header")
             first = False
             kind = block[156:157]
-            size = _number(block[124:136])
+            size = number(block[124:136])
             if kind in (b"x", b"X"):
-                pax = _pax_records(self._body(size))
+                pax = pax_records(self._body(size))
                 continue
             if kind == b"g":
                 self._skip(size + (-size % BLOCK))  # global defaults: nothing used here
                 continue
             if kind == b"L":
-                long_name = _text(self._body(size))
+                long_name = text_of(self._body(size))
                 continue
             if kind == b"K":
-                long_link = _text(self._body(size))
+                long_link = text_of(self._body(size))
                 continue
-            name = pax.get("path") or long_name
-            if name is None:
-                name = _text(block[0:100])
-                if block[257:263] == b"ustar\0":  # POSIX ustar: a prefix field
-                    prefix = _text(block[345:500])
-                    if prefix:
-                        name = f"{prefix}/{name}"
-            link = ""
-            if kind in (b"1", b"2"):  # only links carry a target
-                link = pax.get("linkpath") or long_link or _text(block[157:257])
-            if "size" in pax:
-                try:
-                    size = int(pax["size"])
-                except ValueError:
-                    size = -1
-                if size < 0:  # a negative size would also pass the server's size cap
-                    raise TarError("corrupt PAX header")
-            if kind in _FILE_TYPES:
-                what = "dir" if kind == b"\0" and name.endswith("/") else "file"
-            elif kind == b"5":
-                what = "dir"
-            elif kind == b"2":
-                what = "symlink"
-            elif kind == b"1":
-                what = "hardlink"
-            else:
-                what = "other"
-            if pax:
-                if any(k.startswith("GNU.sparse.") for k in pax):
-                    what = "other"
-                pax = {}
+            member = member_of(block, size, pax, long_name, long_link)
+            pax = {}
             long_name = long_link = None
             # Data follows regular files and types this reader does not know
             # (as in tarfile); a directory or link header carries none.
-            if what in ("file", "other"):
-                self._left, self._pad = size, -size % BLOCK
-            yield Member(name, what, size, _number(block[100:108]), link)
+            if member.kind in ("file", "other"):
+                self._left, self._pad = member.size, -member.size % BLOCK
+            yield member
