@@ -1,6 +1,6 @@
 // The workspace page: sign-in, then the workspace's panes wired to its live events.
 
-import { login, logout, me, setCsrf, workspace } from "./api";
+import { call, login, logout, me, setCsrf, workspace } from "./api";
 import { Chat } from "./chat";
 import { Connection } from "./connection";
 import { h } from "./dom";
@@ -91,6 +91,55 @@ function choose(user: string, spaces: Workspaces): void {
   root.replaceChildren(header, main);
 }
 
+/** A thread with no sandbox yet: the page makes one only when its user asks (opening a
+ * link never does, so no other site can make sandboxes in the user's account). */
+function offerToCreate(user: string, spaces: Workspaces, thread: string): void {
+  const message = h("p", { class: "error", role: "alert" });
+  const create = h("button", { type: "button", "data-testid": "workspace-create", text: "Create its sandbox" });
+  create.addEventListener("click", () => {
+    create.setAttribute("disabled", "");
+    message.textContent = "Creating the sandbox…";
+    call("/api/v1/workspace", {}, { method: "POST" })
+      .then(() => boot())
+      .catch((err: unknown) => {
+        create.removeAttribute("disabled");
+        message.textContent = err instanceof Error ? err.message : "could not create the sandbox";
+      });
+  });
+  const header = h(
+    "header",
+    { class: "topbar" },
+    h("h1", { text: "sandlot" }),
+    h("span", { class: "spacer" }),
+    h("span", { class: "user", text: user }),
+    signOutButton(),
+  );
+  const main = h(
+    "main",
+    { class: "chooser", "data-testid": "workspace-absent", "aria-label": "Create a workspace" },
+    h("p", {}, "The thread ", h("strong", { text: thread }), " has no sandbox yet."),
+    create,
+    message,
+    spaces.el,
+  );
+  root.className = "app signed-in choosing";
+  root.replaceChildren(header, main);
+  void spaces.refresh();
+  create.focus();
+}
+
+/** Whether the thread the page names has a sandbox (``false``: it has none yet). Other
+ * failures are left to the panes, which say what they are. */
+async function exists(): Promise<boolean> {
+  if (!workspace.thread) return true;
+  try {
+    const answer = await call<{ workspace: unknown }>("/api/v1/workspace");
+    return answer.workspace !== null;
+  } catch {
+    return true;
+  }
+}
+
 async function boot(): Promise<void> {
   let who;
   try {
@@ -109,6 +158,10 @@ async function boot(): Promise<void> {
   if (!workspace.thread && !workspace.sandbox && (await spaces.refresh()) !== "local") {
     // A server of sandboxes, and no workspace named: the user picks one.
     choose(user, spaces);
+    return;
+  }
+  if (workspace.thread && !(await exists())) {
+    offerToCreate(user, spaces, workspace.thread);
     return;
   }
 

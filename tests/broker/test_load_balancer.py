@@ -340,6 +340,12 @@ async def test_a_browser_signs_in_and_works_whichever_replica_answers(cluster: C
         name: ReplicaBrowser(url, None, cookie, token, public=cluster.lb)
         for name, url in urls.items()
     }
+    # The thread's sandbox, made at one replica (the page's "Create" button), is the one
+    # the other opens.
+    made = await browsers[maker].request("POST", "/api/v1/workspace", params={"thread": thread})
+    assert made.status_code == 200, made.text
+    seen = await browsers[other].request("GET", "/api/v1/workspace", params={"thread": thread})
+    assert seen.json()["workspace"] == made.json()["workspace"], seen.text
     # A terminal opened at one replica is attached to at the other (its signed id).
     created = await browsers[maker].request(
         "POST", "/api/sessions", params={"thread": thread}, json={"shell": "shared"}

@@ -46,6 +46,18 @@ def sign_in_with(link: str) -> httpx.Client:
     return client
 
 
+def create_workspace(browser: httpx.Client, thread: str) -> None:
+    """What the page's "Create its sandbox" does for a thread that has none."""
+    csrf = browser.get("/api/auth/me").json()["csrf_token"]
+    origin = str(browser.base_url).rstrip("/")
+    made = browser.post(
+        "/api/v1/workspace",
+        params={"thread": thread},
+        headers={"X-CSRF-Token": csrf, "Origin": origin},
+    )
+    assert made.status_code == 200, made.text
+
+
 def test_serve_serves_the_web_app_beside_the_broker_and_the_dataplane(
     server: SandlotServer,
 ) -> None:
@@ -101,6 +113,10 @@ def test_open_prints_a_link_that_signs_in_once(server: SandlotServer, tmp_path: 
     link = done.stdout.strip()
     assert LINK.fullmatch(link), link
     with contextlib.closing(sign_in_with(link)) as browser:
+        # Opening the link made no sandbox: the page offers to.
+        absent = browser.get("/api/v1/workspace", params={"thread": "thr_open"})
+        assert absent.json()["workspace"] is None, absent.text
+        create_workspace(browser, "thr_open")
         r = browser.get("/api/tree", params={"path": ".", "thread": "thr_open"})
         assert r.status_code == 200, r.text
         assert r.json() == {"entries": [], "path": "."}
@@ -177,6 +193,7 @@ async def test_serve_with_workers_serves_the_workspace_on_its_port_from_every_wo
         assert link.startswith(f"{srv.url}/login?token="), link
         with contextlib.closing(sign_in_with(link)) as signed_in:
             cookie = signed_in.cookies["sandlot_session"]
+            await asyncio.to_thread(create_workspace, signed_in, "thr_workers")
         headers = {"Cookie": f"sandlot_session={cookie}"}
         # A connection of its own each time: any of the workers may answer, and each
         # knows the session.

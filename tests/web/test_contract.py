@@ -627,6 +627,50 @@ def test_workspaces_list_the_users_threads_and_sandboxes(browser: Browser) -> No
         envelope(anonymous.get("/api/v1/workspaces"), 401, "UNAUTHENTICATED")
 
 
+def test_only_a_creating_post_makes_a_threads_sandbox(browser: Browser) -> None:
+    """Opening a workspace never creates one (a link, or another site sending the browser
+    to one, would make sandboxes in the visitor's account): a thread with no sandbox is
+    ``null`` on ``GET /api/v1/workspace`` and 404 on every other route until ``POST
+    /api/v1/workspace`` (origin and CSRF token checked) makes it."""
+    opened = browser.ok("GET", "/api/v1/workspace")
+    assert opened["mode"] == browser.mode
+    if browser.mode == "local":
+        # One folder: ``?thread=`` is ignored, and there is nothing to create.
+        assert opened["workspace"] == {"id": "local", "thread": None, "sandbox": None}
+        fresh = {"thread": "thr_never_made"}
+        assert browser.ok("GET", "/api/v1/workspace", fresh) == opened
+        assert browser.ok("POST", "/api/v1/workspace", fresh) == opened
+        return
+    assert opened["workspace"]["thread"] == THREAD
+    assert opened["workspace"]["sandbox"].startswith("sb_")
+    thread = f"thr_fresh_{os.urandom(3).hex()}"
+    fresh = {"thread": thread}
+
+    def listed() -> set[str | None]:
+        return {e["thread"] for e in browser.ok("GET", "/api/v1/workspaces")["workspaces"]}
+
+    assert browser.ok("GET", "/api/v1/workspace", fresh) == {"workspace": None, "mode": "sandbox"}
+    for route in ("/api/tree", "/api/v1/activity", "/api/git/status"):
+        error = envelope(browser.request("GET", route, {**fresh, "path": "."}), 404, "NOT_FOUND")
+        assert error["metadata"] == {"workspace": thread, "creatable": True}
+    envelope(browser.request("POST", "/api/v1/workspace", fresh, csrf=False), 403, "FORBIDDEN")
+    foreign = {"Origin": "https://elsewhere.example"}
+    r = browser.request("POST", "/api/v1/workspace", fresh, headers=foreign)
+    envelope(r, 403, "FORBIDDEN")
+    assert thread not in listed()
+    made = browser.ok("POST", "/api/v1/workspace", fresh)["workspace"]
+    assert made["thread"] == thread and made["sandbox"].startswith("sb_")
+    assert thread in listed()
+    # Made once: the next POST, and every route, open the same sandbox.
+    assert browser.ok("POST", "/api/v1/workspace", fresh)["workspace"] == made
+    assert browser.ok("GET", "/api/v1/workspace", fresh)["workspace"] == made
+    assert "entries" in browser.ok("GET", "/api/tree", {**fresh, "path": "."})
+    # Another user's thread is theirs: neither opened nor made for someone else.
+    bob = browser.sign_in("bob")
+    for method in ("GET", "POST"):
+        envelope(bob.request(method, "/api/v1/workspace", fresh), 403, "FORBIDDEN")
+
+
 def test_download_archive_and_upload(browser: Browser) -> None:
     import io
     import tarfile

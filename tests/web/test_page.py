@@ -26,6 +26,7 @@ import pytest
 from axe_playwright_python.sync_playwright import Axe
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from sandlot.sdk import Sandlot
 from tests import faultproxy
 from tests.web.pages import (
     CHROMIUM,
@@ -167,6 +168,34 @@ def test_opening_a_thread_shows_its_workspace(chromium: Browser, site: Site) -> 
         folder.click()
         expect(node(page, f"{name}/inside.txt")).to_be_visible(timeout=SOON)
         expect(node(page, f"{name}/inside.txt")).to_have_attribute("data-kind", "file")
+
+
+def test_a_link_to_a_thread_without_a_sandbox_makes_none_until_asked(
+    chromium: Browser, site: Site
+) -> None:
+    """A link (from anyone: another site can send the browser to it) opens what exists;
+    a thread with no sandbox gets one only from the user's click."""
+    thread = unique("thr-fresh")
+    with watched(chromium) as t:
+        page = t.page
+        sign_in(page, site.link(to=f"/?thread={thread}"), connected=False)
+        if site.mode == "local":
+            # One folder, whatever the link names.
+            expect_connected(page)
+            expect(page.get_by_test_id("workspace-absent")).to_have_count(0)
+            return
+        absent = page.get_by_test_id("workspace-absent")
+        expect(absent).to_be_visible(timeout=SOON)
+        expect(absent).to_contain_text(thread)
+        with Sandlot(site.url, site.key, auto_refresh=False) as broker:
+            assert f"thread:{thread}" not in {b.scope for b in broker.list_sandboxes()}
+            page.get_by_test_id("workspace-create").click()
+            expect_connected(page)
+            expect(page.get_by_test_id("tree")).to_be_visible(timeout=SOON)
+            assert f"thread:{thread}" in {b.scope for b in broker.list_sandboxes()}
+        # Opened again, it is there at once.
+        page.goto(f"{site.url}/?thread={thread}")
+        expect_connected(page)
 
 
 # --- the agent's work, live ------------------------------------------------------------------

@@ -81,6 +81,12 @@ def test_the_workspace_reaches_the_sandbox_on_its_registered_host(
     bodies: list[str] = []
     browser, csrf, _cookie = login_with_key(srv.url, key, bodies)
     with contextlib.closing(browser):
+        made = browser.post(
+            "/api/v1/workspace",
+            params={"thread": "thr_web"},
+            headers={"X-CSRF-Token": csrf, "Origin": srv.url},
+        )
+        assert made.status_code == 200, made.text
         r = browser.get("/api/tree", params={"path": ".", "thread": "thr_web"})
         assert r.status_code == 200, r.text
         assert r.json() == {"entries": [], "path": "."}

@@ -298,6 +298,12 @@ async def test_the_routes_plugged_into_the_web_app_use_its_gateway_auth_and_work
             assert first["subtype"] == "error" and "not installed" in first["message"]
         else:
             assert first["subtype"] == "connected"
+        # A thread with no sandbox has no shell: none is made for a socket.
+        async with browser.socket(thread="thr_other") as sock:
+            refused = await sock.frame()
+        assert refused["type"] == "error" and refused["error"]["code"] == "NOT_FOUND", refused
+        made = await browser.request("POST", "/api/v1/workspace", params={"thread": "thr_other"})
+        assert made.status_code == 200, made.text
         # Another thread's id does not open this one's shell.
         async with browser.socket(thread="thr_other") as sock:
             other = await opened(sock)

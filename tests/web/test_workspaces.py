@@ -14,8 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from sandlot.protocol.errors import Forbidden, InvalidRequest, NotFound, Unauthenticated
-from sandlot.sdk import Grant
+from sandlot.protocol.errors import (
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    ResourceNotFound,
+    Unauthenticated,
+)
+from sandlot.sdk import Grant, Sandlot
 from sandlot.web.auth import BrowserSession
 from sandlot.web.gateway import Gateway
 from sandlot.web.localplane import LocalDataplane, LocalSigner, LocalState
@@ -60,9 +66,19 @@ async def test_the_grant_is_the_users_and_refreshed_before_it_expires(
 ) -> None:
     server, _ = dataplane
     ada = session("ada", server.key("ada"))
+    # Opening a thread that has no sandbox does not make one: only a creating open does.
+    absent = await workspaces.open(ada, thread="thr_ws_refresh", sandbox=None)
+    with pytest.raises(ResourceNotFound) as none_yet:
+        await absent.dataplane()
+    assert none_yet.value.metadata == {"workspace": "thr_ws_refresh", "creatable": True}
+    with Sandlot(server.url, server.key("ada")) as broker:
+        assert "thread:thr_ws_refresh" not in {b.scope for b in broker.list_sandboxes()}
+    created = await workspaces.open(ada, thread="thr_ws_refresh", sandbox=None, create=True)
+    made = await created.dataplane()
     workspace = await workspaces.open(ada, thread="thr_ws_refresh", sandbox=None)
     assert isinstance(workspace, SandboxWorkspace) and workspace.id == "thr_ws_refresh"
     first = await workspace.dataplane()
+    assert first.sandbox_id == made.sandbox_id
     assert first.sandbox_id.startswith("sb_") and "shell" in first.capabilities
     assert (await workspace.dataplane()).token == first.token  # cached, not negotiated again
     async with Gateway(workspaces.upstreams()) as gateway:
@@ -85,11 +101,14 @@ async def test_the_brokers_refusals_in_the_browsers_terms(
 ) -> None:
     server, _ = dataplane
     ada = session("ada", server.key("ada"))
-    await (await workspaces.open(ada, thread="thr_ws_ada", sandbox=None)).dataplane()
+    await (await workspaces.open(ada, thread="thr_ws_ada", sandbox=None, create=True)).dataplane()
     bob = session("bob", server.key("bob"))
-    with pytest.raises(Forbidden) as refused:
-        await (await workspaces.open(bob, thread="thr_ws_ada", sandbox=None)).dataplane()
-    assert refused.value.metadata == {"workspace": "thr_ws_ada"}
+    for create in (False, True):
+        with pytest.raises(Forbidden) as refused:
+            await (
+                await workspaces.open(bob, thread="thr_ws_ada", sandbox=None, create=create)
+            ).dataplane()
+        assert refused.value.metadata == {"workspace": "thr_ws_ada"}
     with pytest.raises(NotFound):
         await (await workspaces.open(ada, thread=None, sandbox="sb_nonesuch")).dataplane()
     with pytest.raises(Unauthenticated):
@@ -105,14 +124,16 @@ async def test_the_brokers_refusals_in_the_browsers_terms(
     )  # fmt: skip
     created = json.loads(out.stdout)
     cy = session("cy", created["key"])
-    await (await workspaces.open(cy, thread="thr_ws_cy", sandbox=None)).dataplane()
+    await (await workspaces.open(cy, thread="thr_ws_cy", sandbox=None, create=True)).dataplane()
     subprocess.run(
         [sys.executable, "-m", "sandlot.cli.main", "keys", "revoke", created["id"],
          "--data-dir", str(server.data_dir)],
         capture_output=True, check=True, timeout=60,
     )  # fmt: skip
     with pytest.raises(Unauthenticated) as gone:
-        await (await workspaces.open(cy, thread="thr_ws_cy2", sandbox=None)).dataplane()
+        await (
+            await workspaces.open(cy, thread="thr_ws_cy2", sandbox=None, create=True)
+        ).dataplane()
     assert "sign in again" in gone.value.message
     assert workspaces.readiness()["ready"] is True
 

@@ -36,6 +36,7 @@ from sandlot.protocol.errors import (
     InvalidRequest,
     ProviderUnavailable,
     RateLimited,
+    ResourceNotFound,
     SandlotError,
 )
 from sandlot.web.activity import ActivityResponse, ActivityStream, UserStreams, WorkspaceActivity
@@ -47,7 +48,7 @@ from sandlot.web.gateway import Gateway, request_id_of
 from sandlot.web.git import WorkspaceGit
 from sandlot.web.limits import RouteGate, Walk
 from sandlot.web.metrics import WebMetrics
-from sandlot.web.settings import WebSettings
+from sandlot.web.settings import WebSettings, WorkspaceMode
 from sandlot.web.transfer import WorkspaceTransfer
 from sandlot.web.workspaces import Workspaces, open_workspace
 
@@ -211,6 +212,7 @@ class WorkspaceRoutes:
             Route("/api/v1/archive", h(self.archive), methods=["GET"]),
             Route("/api/v1/upload", h(self.upload), methods=["POST"]),
             Route("/api/v1/workspaces", self.workspace_list, methods=["GET"]),
+            Route("/api/v1/workspace", self.workspace_open, methods=["GET", "POST"]),
         ]
 
     def _handler(
@@ -412,6 +414,35 @@ class WorkspaceRoutes:
             log.exception("unexpected error listing workspaces")
             return error_json(InternalError("internal error"), rid)
         return json_answer({"workspaces": entries, "mode": self.workspaces.mode.value}, rid)
+
+    async def workspace_open(self, request: Request) -> Response:
+        """``GET /api/v1/workspace?thread=|?sandbox=``: the workspace named, once its
+        sandbox is active, ``{"workspace": {"id", "thread", "sandbox"}, "mode"}``; never
+        creates one (a thread without a sandbox: ``"workspace": null``, where every other
+        route answers 404 with ``metadata.creatable``). ``POST`` (CSRF token required)
+        creates a thread's sandbox when it has none."""
+        rid = request_id_of(request.headers)
+        create = request.method == "POST"
+        mode = self.workspaces.mode.value
+        try:
+            workspace = await open_workspace(request, self.workspaces, create=create)
+            plane = await workspace.dataplane()
+        except ResourceNotFound as exc:
+            if create or not exc.metadata.get("creatable"):
+                return error_json(exc, rid)
+            return json_answer({"workspace": None, "mode": mode}, rid)
+        except SandlotError as exc:
+            return error_json(exc, rid)
+        except Exception:
+            log.exception("unexpected error opening a workspace")
+            return error_json(InternalError("internal error"), rid)
+        local = self.workspaces.mode is WorkspaceMode.LOCAL
+        entry = {
+            "id": workspace.id,
+            "thread": None if local else request.query_params.get("thread") or None,
+            "sandbox": None if local else plane.sandbox_id,
+        }
+        return json_answer({"workspace": entry, "mode": mode}, rid)
 
     async def agent_diff(self, request: Request, calls: DataplaneCalls) -> Any:
         """``GET /api/v1/file/diff``: the file against ``HEAD``, and the agent's last

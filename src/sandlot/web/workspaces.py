@@ -3,8 +3,11 @@
 - :class:`SandboxWorkspaces` (``sandbox`` mode): a workspace is a thread's sandbox
   (``?thread=thr_1``) or a sandbox by id (``?sandbox=sb_1``). The server negotiates the
   grant with the broker *for* the user, with the credential held in the user's browser
-  session (the SDK's :class:`~sandlot.sdk.AsyncSandlot`: ``ensure`` for a thread,
-  ``attach_sandbox`` for a sandbox). One client per (user, credential), its grants cached
+  session (the SDK's :class:`~sandlot.sdk.AsyncSandlot`: ``get`` for a thread, ``ensure``
+  when it is created, ``attach_sandbox`` for a sandbox). Opening a workspace never creates
+  one: only ``POST /api/v1/workspace?thread=`` does (``create=True``), a state-changing
+  request the CSRF check guards, so that no link or cross-site navigation can make
+  sandboxes in a visitor's account. One client per (user, credential), its grants cached
   per workspace by the SDK; a token is refreshed once less than a third of its lifetime
   is left, before it is handed out. The broker decides who may open what (a user's own
   threads and sandboxes, and scopes shared with them); its refusals reach the browser as
@@ -42,6 +45,7 @@ from sandlot.protocol.errors import (
     ResourceNotFound,
     SandboxStarting,
     SandlotError,
+    SessionNotFound,
     Unauthenticated,
 )
 from sandlot.sdk import AsyncSandbox, AsyncSandlot
@@ -76,30 +80,46 @@ class Workspaces(Protocol):
         ...
 
     async def open(
-        self, session: BrowserSession, *, thread: str | None, sandbox: str | None
-    ) -> Workspace: ...
+        self,
+        session: BrowserSession,
+        *,
+        thread: str | None,
+        sandbox: str | None,
+        create: bool = False,
+    ) -> Workspace:
+        """The workspace named; a thread's sandbox is created only with ``create``."""
+        ...
 
     async def listing(self, session: BrowserSession) -> list[dict[str, Any]]:
         """The workspaces the user may open (``GET /api/v1/workspaces``)."""
         ...
 
 
-async def open_workspace(conn: HTTPConnection, workspaces: Workspaces) -> Workspace:
+async def open_workspace(
+    conn: HTTPConnection, workspaces: Workspaces, *, create: bool = False
+) -> Workspace:
     """The workspace a request or WebSocket names (``?thread=`` or ``?sandbox=``), for its
-    signed-in user (401 without one)."""
+    signed-in user (401 without one); created only with ``create``."""
     session = current_user(conn)
     return await workspaces.open(
         session,
         thread=conn.query_params.get("thread") or None,
         sandbox=conn.query_params.get("sandbox") or None,
+        create=create,
     )
 
 
 # --- sandbox mode ---------------------------------------------------------------------
 
 
-def broker_error(exc: BaseException, workspace: str) -> SandlotError:
-    """What the browser is told when the broker refuses or fails to open a workspace."""
+def broker_error(exc: BaseException, workspace: str, *, thread: bool = False) -> SandlotError:
+    """What the browser is told when the broker refuses or fails to open a workspace
+    (``thread``: the workspace is a thread's, which ``POST /api/v1/workspace`` creates)."""
+    if thread and isinstance(exc, SessionNotFound):
+        return ResourceNotFound(
+            "this thread has no sandbox yet: create it (POST /api/v1/workspace?thread=…)",
+            metadata={"workspace": workspace, "creatable": True},
+        )
     if isinstance(exc, Unauthenticated):
         return Unauthenticated("the API key of this sign-in is no longer valid: sign in again")
     if isinstance(exc, Forbidden):
@@ -127,9 +147,16 @@ class _Client:
 class SandboxWorkspace:
     """A thread's sandbox, or a sandbox by id, opened for one user."""
 
-    def __init__(self, workspace_id: str, open_sandbox: Callable[[], Awaitable[AsyncSandbox]]):
+    def __init__(
+        self,
+        workspace_id: str,
+        open_sandbox: Callable[[], Awaitable[AsyncSandbox]],
+        *,
+        thread: bool = False,
+    ):
         self._id = workspace_id
         self._open = open_sandbox
+        self._thread = thread
 
     @property
     def id(self) -> str:
@@ -141,7 +168,7 @@ class SandboxWorkspace:
         except (SandlotError, OSError) as exc:
             if not isinstance(exc, SandlotError) or exc.status >= 500 or exc.status == 0:
                 log.warning("opening workspace %s failed: %r", self._id, exc)
-            raise broker_error(exc, self._id) from None
+            raise broker_error(exc, self._id, thread=self._thread) from None
 
     async def _renew(self, sandbox: AsyncSandbox) -> None:
         renew = sandbox.renew
@@ -276,7 +303,12 @@ class SandboxWorkspaces:
         task.add_done_callback(self._closing.discard)
 
     async def open(
-        self, session: BrowserSession, *, thread: str | None, sandbox: str | None
+        self,
+        session: BrowserSession,
+        *,
+        thread: str | None,
+        sandbox: str | None,
+        create: bool = False,
     ) -> Workspace:
         if (thread is None) == (sandbox is None):
             raise InvalidRequest(
@@ -285,7 +317,10 @@ class SandboxWorkspaces:
         client = self._client(session)
         if thread is not None:
             thread_id = _checked_id(thread, "thread")
-            return SandboxWorkspace(thread_id, lambda: client.ensure(thread_id))
+            # A thread's existing sandbox is attached to (``get``); ``ensure`` makes one.
+            # The grant is cached per thread by the SDK either way.
+            negotiate = client.ensure if create else client.get
+            return SandboxWorkspace(thread_id, lambda: negotiate(thread_id), thread=True)
         assert sandbox is not None
         sandbox_id = _checked_id(sandbox, "sandbox")
         return SandboxWorkspace(sandbox_id, lambda: client.attach_sandbox(sandbox_id))
@@ -375,9 +410,14 @@ class LocalWorkspaces:
         }
 
     async def open(
-        self, session: BrowserSession, *, thread: str | None, sandbox: str | None
+        self,
+        session: BrowserSession,
+        *,
+        thread: str | None,
+        sandbox: str | None,
+        create: bool = False,
     ) -> Workspace:
-        del thread, sandbox
+        del thread, sandbox, create
         if session.user_id not in self.users:
             raise Forbidden("this folder is not served to you")
         return LocalWorkspace(self.plane, session.user_id)
