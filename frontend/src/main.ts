@@ -85,10 +85,36 @@ function choose(user: string, spaces: Workspaces): void {
     "main",
     { class: "chooser", "aria-label": "Choose a workspace" },
     h("p", { text: "Open a thread or a sandbox below, or the link `sandlot open THREAD` prints." }),
+    newThread(),
     spaces.el,
   );
   root.className = "app signed-in choosing";
   root.replaceChildren(header, main);
+}
+
+/** A form that creates a thread's sandbox and opens it. */
+function newThread(): HTMLElement {
+  const name = h("input", { id: "new-thread", "data-testid": "new-thread", required: true, pattern: "[A-Za-z0-9][A-Za-z0-9_.:@\\-]{0,199}", placeholder: "thread id" });
+  const message = h("span", { class: "error", role: "alert" });
+  const form = h(
+    "form",
+    { class: "new-thread", "aria-label": "New thread" },
+    h("label", { for: "new-thread", text: "New thread" }),
+    name,
+    h("button", { type: "submit", "data-testid": "new-thread-create", text: "Create" }),
+    message,
+  );
+  form.addEventListener("submit", (e) => {
+    e.preventDefault();
+    const thread = name.value.trim();
+    message.textContent = "Creating the sandbox…";
+    call("/api/v1/workspace", { thread }, { method: "POST" })
+      .then(() => location.assign(`/?thread=${encodeURIComponent(thread)}`))
+      .catch((err: unknown) => {
+        message.textContent = err instanceof Error ? err.message : "could not create the sandbox";
+      });
+  });
+  return form;
 }
 
 /** A thread with no sandbox yet: the page makes one only when its user asks (opening a

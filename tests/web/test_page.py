@@ -196,6 +196,14 @@ def test_a_link_to_a_thread_without_a_sandbox_makes_none_until_asked(
         # Opened again, it is there at once.
         page.goto(f"{site.url}/?thread={thread}")
         expect_connected(page)
+        # The page without a workspace makes a new thread's sandbox and opens it.
+        other = unique("thr-new")
+        page.goto(f"{site.url}/")
+        page.get_by_test_id("new-thread").fill(other)
+        page.get_by_test_id("new-thread-create").click()
+        expect_connected(page)
+        expect(page.locator(".workspace-name")).to_have_text(other)
+        assert page.url.endswith(f"/?thread={other}")
 
 
 # --- the agent's work, live ------------------------------------------------------------------
