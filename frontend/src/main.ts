@@ -71,9 +71,9 @@ function signOutButton(): HTMLElement {
   return button;
 }
 
-/** The page without a workspace: the user's threads and sandboxes, to open one. */
-function choose(user: string, spaces: Workspaces): void {
-  const header = h(
+/** The top bar of a page without a workspace open. */
+function bareTopbar(user: string): HTMLElement {
+  return h(
     "header",
     { class: "topbar" },
     h("h1", { text: "sandlot" }),
@@ -81,6 +81,10 @@ function choose(user: string, spaces: Workspaces): void {
     h("span", { class: "user", text: user }),
     signOutButton(),
   );
+}
+
+/** The page without a workspace: the user's threads and sandboxes, to open one. */
+function choose(user: string, spaces: Workspaces): void {
   const main = h(
     "main",
     { class: "chooser", "aria-label": "Choose a workspace" },
@@ -89,7 +93,7 @@ function choose(user: string, spaces: Workspaces): void {
     spaces.el,
   );
   root.className = "app signed-in choosing";
-  root.replaceChildren(header, main);
+  root.replaceChildren(bareTopbar(user), main);
 }
 
 /** A form that creates a thread's sandbox and opens it. */
@@ -132,14 +136,6 @@ function offerToCreate(user: string, spaces: Workspaces, thread: string): void {
         message.textContent = err instanceof Error ? err.message : "could not create the sandbox";
       });
   });
-  const header = h(
-    "header",
-    { class: "topbar" },
-    h("h1", { text: "sandlot" }),
-    h("span", { class: "spacer" }),
-    h("span", { class: "user", text: user }),
-    signOutButton(),
-  );
   const main = h(
     "main",
     { class: "chooser", "data-testid": "workspace-absent", "aria-label": "Create a workspace" },
@@ -149,7 +145,7 @@ function offerToCreate(user: string, spaces: Workspaces, thread: string): void {
     spaces.el,
   );
   root.className = "app signed-in choosing";
-  root.replaceChildren(header, main);
+  root.replaceChildren(bareTopbar(user), main);
   void spaces.refresh();
   create.focus();
 }
