@@ -75,7 +75,7 @@ from sandlot.dataplane.http.host import create_standalone_app
 from sandlot.dataplane.services.auth import JwksSource, TokenVerifier
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import ProviderUnavailable
-from sandlot.protocol.templates import Template
+from sandlot.protocol.templates import Resources, Template
 from sandlot.protocol.tokens import RevokedToken
 from sandlot.runtime.direct import DirectRuntime, reap_orphans
 
@@ -203,7 +203,13 @@ class StandaloneDataplane:
             raise ValueError("the dataplane needs --trust-dir or --jwks-url")
         verifier = TokenVerifier(source, issuer=options.issuer, refetch_interval=refetch)
         self.verifier = verifier
-        template = Template(name="standalone", image="self")
+        # Constructed, not validated: the values are this file's constants (and the shells,
+        # which a copy with ``update`` never validated either). Validating (the default
+        # resources too) would build these models' validators before the dataplane serves
+        # (about 6 ms), for models it never validates anything with.
+        template = Template.model_construct(
+            name="standalone", image="self", resources=Resources.model_construct()
+        )
         if options.shells:
             template = template.model_copy(update={"shells": dict(options.shells)})
         # Out of memory, the kernel kills a command rather than the dataplane beside it.

@@ -58,8 +58,6 @@ from sandlot.protocol.dataplane import (
 from sandlot.protocol.errors import InvalidRequest, SequenceExpired
 from sandlot.protocol.openapi import event_stream
 
-VERSION = VersionResponse(api_version=API_VERSION, server=f"sandlot/{_version}")
-
 #: ``/fs/read`` of a file up to this size runs inline on the event loop (a thread hop
 #: would cost more); a larger one on a thread.
 INLINE_READ_BYTES = 256 * 1024
@@ -72,7 +70,9 @@ DIR = Param("path", {"type": "string", "default": "/workspace"})
 @endpoint(ok=VersionResponse, public=True)
 async def version(request: Request) -> Response:
     """Server version."""
-    return json_response(VERSION)
+    # Made here, not at import: an instance builds its model's validator, and none is
+    # built before the dataplane serves (see ``build_wire_models`` in ``standalone``).
+    return json_response(VersionResponse(api_version=API_VERSION, server=f"sandlot/{_version}"))
 
 
 # --- commands -----------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import functools
 import logging
 import os
@@ -37,7 +36,8 @@ _SYS_SETGROUPS = {"x86_64": 116, "aarch64": 159}
 
 @functools.cache
 def c_library() -> ctypes.CDLL:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    # The C library the interpreter has loaded (``find_library`` runs ``ldconfig``).
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def become(uid: int, gid: int) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import errno
 import itertools
 import logging
@@ -79,7 +78,9 @@ FLUSH_STEP = 512
 #: for a directory that could not be watched (nor what is below it).
 ChangeSink = Callable[[list[tuple[str, str]]], None]
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# The C library the interpreter has loaded (``find_library`` would run ``ldconfig`` to
+# find its name: a process started on every import of this module).
+_libc = ctypes.CDLL(None, use_errno=True)
 _libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
 _libc.inotify_rm_watch.argtypes = [ctypes.c_int, ctypes.c_int]
 
