@@ -284,3 +284,26 @@ def test_hostile_patterns_get_clear_answers(bounded: Server, route: str) -> None
         r = c.post(bounded.url(route), json={"pattern": "**/*.txt"})
         assert r.status_code == 200, r.text
         assert r.json()["truncated"] is True  # 500 files, 200 entries allowed
+
+
+def test_a_helper_starts_below_the_servers_priority_and_off_the_working_directory(
+    files: FileOps, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The server runs where a module the helper imports was written (a container's
+    # dataplane runs in /workspace): the helper does not import it.
+    (tmp_path / "json").mkdir()
+    (tmp_path / "json" / "__init__.py").write_text("raise SystemExit('planted')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = globworker._pool
+    with pool._cond:
+        idle = list(pool._idle)
+    for w in idle:  # the next glob starts a helper here
+        w.kill()
+    found = files.glob("*/*.py", "/workspace")["matches"]
+    assert [m["path"] for m in found] == ["/workspace/json/__init__.py"]
+    with pool._cond:
+        helpers = [w.proc.pid for w in pool._idle if w not in idle]
+    assert helpers
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    for pid in helpers:
+        assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + globworker.NICE)

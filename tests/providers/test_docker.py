@@ -133,7 +133,13 @@ async def test_no_command_can_put_code_on_the_dataplanes_import_path(
             await sb.write(f"{site}/planted.pth", PLANTED.replace("\n", "; ", 1))
             cmd = await sb.stream("echo streamed")
             assert (await cmd.wait()).stdout == "streamed\n"
+            # The glob helpers it starts (one more for each glob running at once) too.
+            await sb.write("/workspace/json/__init__.py", PLANTED)
+            globs = [sb.glob("*/__init__.py") for _ in range(4)]
+            for found in await asyncio.gather(*globs):
+                assert "json/__init__.py" in str(found)
             assert "planted" not in (await sb.run("ls /tmp")).stdout
+            await sb.run("rm -r /workspace/json")
             # What was planted works, for a Python started there by a command.
             await sb.run("cd /workspace && python3 -c 'import websockets'")
             planted = (await sb.run("ls /tmp")).stdout.split()

@@ -10,8 +10,9 @@ a helper process, and waits for the JSON answer without holding the lock.
 
 The helpers:
 
-- run at a lower priority (``nice`` 10), so the server and other tenants' work
-  come first on the CPU;
+- run at a lower priority (``nice`` 10 more than the server's, set as they start), so
+  the server (its own start too) and other tenants' work come first on the CPU;
+- import nothing from the working directory or a user site (``-s -P``);
 - work, for the time of a request, in the cgroup of the sandbox that asked (an
   isolated sandbox's): its CPU, memory and pid limits bound the walk as they bound
   its commands, then move back to the server's;
@@ -29,6 +30,7 @@ sandlot.dataplane.services.globworker FD``).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import select
@@ -48,6 +50,8 @@ from sandlot.dataplane.services.globbing import GlobPattern, States
 
 #: Helper processes at most, for the whole server.
 MAX_WORKERS = 8
+#: How much lower than the server's the helpers' priority is (``nice``).
+NICE = 10
 #: An idle helper beyond the first exits after this long.
 IDLE_SECONDS = 60.0
 #: How long past its deadline a helper may take to answer before it is killed.
@@ -123,10 +127,19 @@ class _Worker:
 
 
 def _spawn(fd: int) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "sandlot.dataplane.services.globworker", str(fd)]
+    # Nothing of the working directory (a container's dataplane runs in /workspace, where
+    # commands write) nor of a user site on the helper's import path: ``-m`` put the
+    # working directory first, and a command's /workspace/json/ ran in the helper.
+    argv = [sys.executable, "-s", "-P", "-m", "sandlot.dataplane.services.globworker", str(fd)]
 
     def start() -> subprocess.Popen[bytes]:
-        return subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, pass_fds=(fd,))
+        # At its lower priority from its first import on: a helper started with the
+        # dataplane must not slow the dataplane's own start (a container has one CPU).
+        nice = min(19, os.getpriority(os.PRIO_PROCESS, 0) + NICE)
+        with contextlib.suppress(ProcessLookupError):  # it ended already
+            os.setpriority(os.PRIO_PROCESS, proc.pid, nice)
+        return proc
 
     if os.geteuid() != 0:
         return start()
@@ -469,7 +482,6 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
 
 
 def main(fd: int) -> None:
-    os.nice(10)
     if os.geteuid() == 0:
         # Whatever identity the thread that started us had: each request sets its own.
         from sandlot.dataplane.services.fsids import become
