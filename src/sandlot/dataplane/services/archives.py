@@ -32,7 +32,7 @@ from sandlot.dataplane.services.paths import (
     normalize,
 )
 from sandlot.dataplane.services.tarstream import TarError, TarStream
-from sandlot.dataplane.services.treewalk import NOT_A_DIRECTORY, DirStack, list_dir, remove_tree
+from sandlot.dataplane.services.treewalk import NOT_A_DIRECTORY, TreeWalk, remove_tree
 from sandlot.protocol.dataplane import ArchiveResponse
 from sandlot.protocol.errors import InvalidRequest, PayloadTooLarge, RateLimited
 
@@ -306,29 +306,16 @@ def _delete_missing(resolver: PathResolver, top: str, seen: Names) -> int:
     deleted = 0
     with resolver.resolve(top) as root:
         first = root.open(os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
-    walk = DirStack(first)
+    walk = TreeWalk(first, seen)
     try:
-        todo = [(list_dir(first), seen)]
-        while todo:
-            entries, node = todo[-1]
-            if not entries:
-                todo.pop()
-                if todo:
-                    walk.pop()
-                continue
-            name, is_dir = entries.pop()
+        for name, is_dir, node in walk:
             kept = node.get(name)
             if kept is None:
                 _remove(walk.fd(), name, is_dir)
                 deleted += 1
             elif is_dir:
-                try:
-                    fd = walk.push(name)
-                except OSError as exc:
-                    if exc.errno not in NOT_A_DIRECTORY:
-                        raise
-                    continue  # not a directory any more: what the archive wrote is kept
-                todo.append((list_dir(fd), kept))
+                # Not a directory any more (``enter`` is false): what the archive wrote is kept.
+                walk.enter(name, kept)
     finally:
         walk.close()
         os.close(first)
@@ -477,34 +464,18 @@ def make_tar(top: int, out: TarWriter) -> None:
     and sockets are skipped; so is an entry that is gone by the time it is read.
     """
     error: BaseException | None = None
-    walk = DirStack(top)
+    walk = TreeWalk(top, "", listed_order=True)
     try:
         with tarfile.open(fileobj=out, mode="w|") as tar:
-            todo = [(_listing(top), "")]
-            while todo:
-                entries, rel = todo[-1]
-                if not entries:
-                    todo.pop()
-                    if todo:
-                        walk.pop()
-                    continue
-                name, is_dir = entries.pop()
+            for name, is_dir, rel in walk:
                 path = f"{rel}/{name}" if rel else name
-                if is_dir:
-                    try:
-                        fd = walk.push(name)
-                    except OSError as exc:
-                        if exc.errno not in NOT_A_DIRECTORY:
-                            raise
-                        # Not a directory any more (a link, a FIFO…): archived as what it is.
-                        _add_entry(tar, walk.fd(), name, path)
-                        continue
+                if is_dir and walk.enter(name, path):
                     info = tarfile.TarInfo(path)
                     info.type = tarfile.DIRTYPE
                     info.mode = 0o755
                     tar.addfile(info)
-                    todo.append((_listing(fd), path))
                 else:
+                    # Not a directory (any more: a link, a FIFO…): archived as what it is.
                     _add_entry(tar, walk.fd(), name, path)
     except BaseException as exc:
         error = exc
@@ -513,13 +484,6 @@ def make_tar(top: int, out: TarWriter) -> None:
         os.close(top)
     with contextlib.suppress(OSError):
         out.finish(error)
-
-
-def _listing(fd: int) -> list[tuple[str, bool]]:
-    """A directory's entries, in the order :meth:`list.pop` takes them: as listed."""
-    entries = list_dir(fd)
-    entries.reverse()
-    return entries
 
 
 def _add_entry(tar: tarfile.TarFile, dir_fd: int, name: str, path: str) -> None:

@@ -20,6 +20,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 _O_WALK = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
@@ -119,40 +123,95 @@ class DirStack:
         self._open = 0
 
 
-def remove_tree(dir_fd: int, name: str) -> None:
-    """Remove the directory ``name`` of ``dir_fd`` and everything in it (links are removed,
-    never followed); whatever the sandbox adds meanwhile may make it fail, never hang."""
-    top = open_dir(name, dir_fd)
-    stack = DirStack(top)
-    try:
-        todo = [list_dir(top)]
+class TreeWalk(Generic[T]):
+    """A depth-first walk of the directory ``top`` (a descriptor, borrowed) on a
+    :class:`DirStack`: iterating yields ``(name, is a directory, context)`` for each entry
+    of the directory being walked, whose descriptor :meth:`fd` is. A directory is walked
+    only when the caller :meth:`enter` s it (with the context its entries carry), at once,
+    before the rest of its parent; ``left(name, parent_fd)`` is called as the walk leaves
+    it. Entries come in the order listed with ``listed_order``, else the reverse."""
+
+    def __init__(
+        self,
+        top: int,
+        context: T,
+        *,
+        listed_order: bool = False,
+        left: Callable[[str, int], None] | None = None,
+    ) -> None:
+        self._stack = DirStack(top)
+        self._listed_order = listed_order
+        self._left = left
+        self._todo: list[tuple[list[tuple[str, bool]], T]] = [(self._listing(top), context)]
+
+    def _listing(self, fd: int) -> list[tuple[str, bool]]:
+        entries = list_dir(fd)
+        if self._listed_order:
+            entries.reverse()  # :meth:`list.pop` takes them from the end
+        return entries
+
+    def __iter__(self) -> Iterator[tuple[str, bool, T]]:
+        todo = self._todo
         while todo:
-            entries = todo[-1]
+            entries, context = todo[-1]
             if not entries:
                 todo.pop()
                 if todo:
-                    os.rmdir(stack.pop(), dir_fd=stack.fd())
+                    name = self._stack.pop()
+                    if self._left is not None:
+                        self._left(name, self._stack.fd())
                 continue
-            entry, is_dir = entries.pop()
+            name, is_dir = entries.pop()
+            yield name, is_dir, context
+
+    def fd(self) -> int:
+        """The directory holding the entry last yielded (until :meth:`enter`)."""
+        return self._stack.fd()
+
+    def enter(self, name: str, context: T) -> bool:
+        """Walk the subdirectory ``name`` next; ``False`` when it is no longer a directory
+        (a link, a FIFO, gone: never followed, never waited on)."""
+        try:
+            fd = self._stack.push(name)
+        except OSError as exc:
+            if exc.errno not in NOT_A_DIRECTORY:
+                raise
+            return False
+        self._todo.append((self._listing(fd), context))
+        return True
+
+    def again(self, name: str, is_dir: bool) -> None:
+        """Yield ``name`` once more, as the next entry (it changed kind meanwhile)."""
+        self._todo[-1][0].append((name, is_dir))
+
+    def close(self) -> None:
+        self._stack.close()
+
+
+def remove_tree(dir_fd: int, name: str) -> None:
+    """Remove the directory ``name`` of ``dir_fd`` and everything in it (links are removed,
+    never followed); whatever the sandbox adds meanwhile may make it fail, never hang."""
+
+    def rmdir(entry: str, parent: int) -> None:
+        os.rmdir(entry, dir_fd=parent)
+
+    top = open_dir(name, dir_fd)
+    walk: TreeWalk[None] = TreeWalk(top, None, left=rmdir)
+    try:
+        for entry, is_dir, _ in walk:
             if is_dir:
-                try:
-                    fd = stack.push(entry)
-                except OSError as exc:
-                    if exc.errno not in NOT_A_DIRECTORY:
-                        raise
+                if not walk.enter(entry, None):
                     # Not a directory any more: whatever it is now goes.
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry, dir_fd=stack.fd())
-                    continue
-                todo.append(list_dir(fd))
-            else:
-                try:
-                    os.unlink(entry, dir_fd=stack.fd())
-                except IsADirectoryError:
-                    todo[-1].append((entry, True))  # a directory made meanwhile
-                except FileNotFoundError:
-                    pass
+                        os.unlink(entry, dir_fd=walk.fd())
+                continue
+            try:
+                os.unlink(entry, dir_fd=walk.fd())
+            except IsADirectoryError:
+                walk.again(entry, True)  # a directory made meanwhile
+            except FileNotFoundError:
+                pass
     finally:
-        stack.close()
+        walk.close()
         os.close(top)
     os.rmdir(name, dir_fd=dir_fd)
