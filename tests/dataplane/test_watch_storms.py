@@ -106,3 +106,42 @@ def test_a_wide_tree_past_the_bound_is_reported_unwatched(
     # What was made in the watched directories is still reported.
     assert str(root / "w/0/0") in {path for path, op in changes if op == "created"}
     assert len(os.listdir(root / "w")) == 20
+
+
+def test_a_directory_swapped_for_a_link_mid_walk_is_not_watched_through_it(
+    tmp_path: Path,
+) -> None:
+    # A directory listed over several loop steps is swapped for a link to a directory
+    # outside the workspace (on the host, for the local runtime): its subdirectories,
+    # still to be watched by path, were watched and listed there, their names reported
+    # as the workspace's, and changes there reported for good.
+    root = tmp_path / "ws"
+    (root / "x" / "sub").mkdir(parents=True)
+    for i in range(4 * watch.WALK_STEP):
+        (root / "x" / f"f{i}").touch()
+    outside = tmp_path / "outside"
+    (outside / "sub").mkdir(parents=True)
+    (outside / "sub" / "host-secret").touch()
+    changes: list[tuple[str, str]] = []
+
+    async def run() -> watch.Tree:
+        inotify = watch.Inotify()
+        tree = inotify.watch(str(root), changes.extend, 0.01)
+        try:
+            assert tree.listing is not None  # x is being listed, over several steps
+            os.rename(root / "x", root / "x2")
+            os.symlink(outside, root / "x")
+            for _ in range(500):
+                if tree.walk is None and tree.listing is None and not tree.todo:
+                    break
+                await asyncio.sleep(0.01)
+            (outside / "sub" / "made-later").touch()
+            await asyncio.sleep(0.2)
+            watched = [path for t, path in inotify._wds.values() if t is tree]
+            assert not [p for p in watched if p.startswith(str(root / "x") + "/")], watched
+            return tree
+        finally:
+            inotify.unwatch(tree)
+
+    asyncio.run(run())
+    assert not [path for path, _ in changes if "host-secret" in path or "made-later" in path]

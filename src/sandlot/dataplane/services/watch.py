@@ -63,7 +63,10 @@ _MASK = (
     | IN_DONT_FOLLOW
     | IN_EXCL_UNLINK
 )
+#: A watch added through ``/proc/self/fd/N`` follows that link (to the directory opened).
+_MASK_BY_FD = _MASK & ~IN_DONT_FOLLOW
 _HEADER = struct.Struct("iIII")
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 #: A sandbox may have at most this many watched directories (the rest is not reported).
 MAX_DIRS_PER_TREE = 20_000
@@ -98,6 +101,26 @@ def remove_watch(fd: int, wd: int) -> None:
     _libc.inotify_rm_watch(fd, wd)
 
 
+def _open_exact(tree: Tree, path: str) -> int | None:
+    """The directory ``path`` of ``tree``, opened; ``None`` when it is not one, or is
+    reached through a link. A command may swap any directory of its workspace for a link
+    (to a directory of the host, for the local runtime) between the step that listed it
+    and the one that watches what was below it: watched and listed by path, that
+    directory's subdirectories were watched and listed wherever the link led."""
+    try:
+        fd = os.open(path, _O_DIR)
+    except OSError:
+        return None
+    try:
+        where = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        where = ""
+    if where != tree.real_path(path):
+        os.close(fd)
+        return None
+    return fd
+
+
 def read_events(fd: int) -> list[tuple[int, int, bytes]]:
     """``(watch, mask, name)`` of the events one ``read`` of instance ``fd`` returns (none
     when nothing is queued)."""
@@ -124,6 +147,9 @@ class Tree:
     root: str
     sink: ChangeSink
     debounce: float
+    #: ``root`` with no link in it: what a directory of the tree opened by its path must
+    #: turn out to be under (see :meth:`Inotify._open_exact`).
+    real_root: str = ""
     wds: set[int] = field(default_factory=set)
     pending: dict[str, str] = field(default_factory=dict)
     flush: asyncio.Handle | None = None
@@ -135,11 +161,16 @@ class Tree:
     #: Directories to watch and list: whether to report what they hold as created, and
     #: whether to list them even when they are watched already (after an unmute).
     todo: deque[tuple[str, bool, bool]] = field(default_factory=deque)
-    #: The directory being listed: what is left of its listing, and its two flags.
-    listing: tuple[Iterator[os.DirEntry[str]], bool, bool] | None = None
+    #: The directory being listed: what is left of its listing, its path, its two flags.
+    listing: tuple[Iterator[os.DirEntry[str]], str, bool, bool] | None = None
     walk: asyncio.Handle | None = None
     #: A directory could not be watched (reported once, until watches are free again).
     full: bool = False
+
+    def real_path(self, path: str) -> str:
+        """Where ``path`` (``root`` or below it) is with no link on the way."""
+        rest = path[len(self.root) :].lstrip("/")
+        return os.path.join(self.real_root, rest) if rest else self.real_root
 
     def mute(self, host_dir: str) -> None:
         self.muted.add(host_dir)
@@ -187,6 +218,7 @@ class Inotify:
         """Watch ``root`` recursively; changes go to ``sink`` (on the event loop)."""
         self._ensure()
         tree = Tree(root.rstrip("/") or "/", sink, debounce)
+        tree.real_root = os.path.realpath(tree.root)
         self._add_tree(tree, tree.root)
         return tree
 
@@ -214,23 +246,30 @@ class Inotify:
         if self._fd >= 0 and tree.wds:
             self._add_tree(tree, host_dir, again=True)
 
-    def _add_dir(self, tree: Tree, path: str, again: bool = False) -> bool:
-        """Watch directory ``path``; False when it needs no listing (it cannot be watched,
-        or, unless ``again``, it already is, at this path)."""
+    def _add_dir(self, tree: Tree, path: str, again: bool = False) -> int | None:
+        """Watch directory ``path``; it opened, to be listed, or ``None`` when it needs no
+        listing (it cannot be watched, or, unless ``again``, it already is, at this
+        path)."""
         if len(tree.wds) >= MAX_DIRS_PER_TREE:
             self._full(tree, path)
-            return False
-        wd = _libc.inotify_add_watch(self._fd, os.fsencode(path), _MASK)
+            return None
+        fd = _open_exact(tree, path)
+        if fd is None:
+            return None
+        # The watch is added on the directory opened, not on a path resolved again.
+        wd = _libc.inotify_add_watch(self._fd, b"/proc/self/fd/%d" % fd, _MASK_BY_FD)
         if wd < 0:
             if ctypes.get_errno() == errno.ENOSPC:
                 self._full(tree, path)  # the per-user limit, shared by the host's sandboxes
-            return False
+            os.close(fd)
+            return None
         known = self._wds.get(wd)
         if not again and known is not None and known[0] is tree and known[1] == path:
-            return False  # listed when it was first watched: later entries are events
+            os.close(fd)
+            return None  # listed when it was first watched: later entries are events
         tree.wds.add(wd)
         self._wds[wd] = (tree, path)
-        return True
+        return fd
 
     def _full(self, tree: Tree, path: str) -> None:
         if not tree.full:
@@ -261,13 +300,16 @@ class Inotify:
                     return
                 path, report, again = tree.todo.pop()
                 budget -= 1
-                if not self._add_dir(tree, path, again):
+                fd = self._add_dir(tree, path, again)
+                if fd is None:
                     continue
                 try:
-                    tree.listing = (os.scandir(path), report, again)
+                    tree.listing = (os.scandir(fd), path, report, again)
                 except OSError:
                     continue
-            it, report, again = tree.listing
+                finally:
+                    os.close(fd)  # the listing reads a copy of it
+            it, path, report, again = tree.listing
             try:
                 entry = next(it, None)
             except OSError:
@@ -277,10 +319,11 @@ class Inotify:
                 tree.listing = None
                 continue
             budget -= 1
+            child = os.path.join(path, entry.name)
             if entry.is_dir(follow_symlinks=False):
-                tree.todo.append((entry.path, report, again))
+                tree.todo.append((child, report, again))
             if report:
-                self._queue(tree, entry.path, "created")
+                self._queue(tree, child, "created")
         if self._loop is not None:
             tree.walk = self._loop.call_soon(self._walk, tree)
 
