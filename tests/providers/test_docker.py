@@ -7,7 +7,9 @@ leftovers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -393,6 +395,38 @@ async def test_readoption_after_a_restart_and_cleanup_of_leftovers(
             v.name.startswith(f"sandlot-{h.provider.instance[:8]}")
             for v in engine.client.volumes.list()
         )
+
+
+async def test_a_socket_put_in_the_dataplanes_place_is_not_readopted(
+    engine: Engine, image: str, tmp_path: Path
+) -> None:
+    # A server of the sandbox's own uid leaves the socket's directory to the sandbox: a
+    # command could move the dataplane's socket aside and listen in its place, and a
+    # restarted server sent it every client's requests (tokens included).
+    keys = Keys()
+    async with serving(engine, image, tmp_path, keys) as h:
+        await h.create("sb_mitm")
+    run = tmp_path / "docker" / "sb_mitm" / "run"
+    (sock_path,) = [p for p in run.iterdir() if p.is_socket()]
+    sock_path.rename(run / ".moved")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as impostor:
+        impostor.bind(str(sock_path))
+        impostor.listen(8)
+        impostor.settimeout(0.2)
+        record = AdoptionRecord("sb_mitm", 1, Template(name="t", image="host"), SandboxState.ACTIVE)
+        async with serving(engine, image, tmp_path, keys) as h:
+            assert await h.provider.load_state([record]) == ["sb_mitm"]
+            received = b""
+            while True:
+                try:
+                    conn, _ = impostor.accept()
+                except TimeoutError:
+                    break
+                with conn:
+                    conn.settimeout(1.0)
+                    with contextlib.suppress(TimeoutError):
+                        received += conn.recv(65536)
+            assert received == b""  # looked at, never sent a request
 
 
 async def test_a_sandbox_the_engine_cannot_start_fails_with_the_reason(

@@ -102,7 +102,7 @@ from sandlot.providers.base import (
 )
 from sandlot.providers.dockerdisk import WorkspaceDisks
 from sandlot.providers.inbox import InboxProvider, InboxSandbox, JwksSource
-from sandlot.providers.socketrelay import Upstream, open_socket
+from sandlot.providers.socketrelay import Upstream, listener_pid, open_socket
 
 log = logging.getLogger("sandlot.providers.docker")
 
@@ -713,6 +713,14 @@ class DockerProvider(InboxProvider[_Sandbox]):
             self._sandboxes[rec.sandbox_id] = box
             path = str(self._dir(rec.sandbox_id) / "run" / SOCKET_NAME)
             fd = open_socket(path)
+            if fd is not None and not await self._dataplanes_own(container, fd):
+                log.warning(
+                    "sandbox %s: the socket at %s is not its dataplane's: not re-adopted",
+                    rec.sandbox_id,
+                    path,
+                )
+                os.close(fd)
+                fd = None
             if fd is None:
                 self._sandboxes.pop(rec.sandbox_id)
                 lost.append(rec.sandbox_id)
@@ -728,6 +736,15 @@ class DockerProvider(InboxProvider[_Sandbox]):
                 await asyncio.to_thread(self._write_trust, rec.sandbox_id, "jwks.json", doc)
         await self.cleanup_leftovers(keep=set(self._sandboxes))
         return lost
+
+    async def _dataplanes_own(self, container: Any, fd: int) -> bool:
+        """Whether the socket ``fd`` is the one the container's PID 1 (its dataplane)
+        listens on. A server of the sandbox's own uid leaves the socket's directory to the
+        sandbox (see :meth:`_seal_run_dir`): a command could put a socket of its own in
+        its place, which a restarted server would then send every client's requests to."""
+        await self._docker(container.reload)
+        pid = int(container.attrs.get("State", {}).get("Pid") or 0)
+        return pid > 0 and await asyncio.to_thread(listener_pid, fd) == pid
 
     async def cleanup_leftovers(self, keep: set[str]) -> list[str]:
         """Remove this instance's containers, workspace volumes and run directories that

@@ -24,7 +24,9 @@ import contextlib
 import json
 import os
 import re
+import socket
 import stat
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +82,21 @@ def open_socket(path: str) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+def listener_pid(fd: int) -> int:
+    """The process that listens on the socket ``fd`` (an ``O_PATH`` descriptor from
+    :func:`open_socket`), as this process's pid namespace sees it (0: not visible, or
+    nobody listens)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(5.0)
+        try:
+            probe.connect(f"/proc/self/fd/{fd}")
+        except OSError:
+            return 0
+        creds = probe.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, _uid, _gid = struct.unpack("3i", creds)
+    return int(pid)
 
 
 @dataclass
