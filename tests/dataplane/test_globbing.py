@@ -20,6 +20,7 @@ from sandlot.dataplane.services import globworker
 from sandlot.dataplane.services.fsops import FileOps, iso
 from sandlot.dataplane.services.globbing import MAX_ALTERNATIVES, GlobPattern, expand_braces
 from sandlot.dataplane.services.paths import PathResolver
+from sandlot.protocol.errors import ProviderUnavailable
 from sandlot.runtime.base import Mount
 from tests.dataplane.conftest import Server, start_server
 
@@ -307,3 +308,14 @@ def test_a_helper_starts_below_the_servers_priority_and_off_the_working_director
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     for pid in helpers:
         assert os.getpriority(os.PRIO_PROCESS, pid) == min(19, ours + globworker.NICE)
+
+
+def test_an_answer_past_its_bound_is_refused_and_its_helper_replaced(
+    files: FileOps, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tree(tmp_path, 2, 3)
+    monkeypatch.setattr(globworker, "MAX_ANSWER_BYTES", 64)
+    with pytest.raises(ProviderUnavailable, match="too large"):
+        files.glob("**/*.txt", "/workspace")
+    monkeypatch.undo()
+    assert len(files.glob("**/*.txt", "/workspace")["matches"]) == 6

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import shlex
 import socket
 import time
 from collections.abc import Iterator
@@ -119,6 +120,25 @@ async def test_a_sandbox_is_a_locked_down_container(
 PLANTED = "import os\nopen('/tmp/planted-by-' + str(os.getpid()), 'w').close()\n"
 
 
+#: A command that tries to trace every glob helper of its sandbox's dataplane.
+TRACE_GLOB_HELPERS = """
+import ctypes, glob, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+helpers = []
+for d in glob.glob("/proc/[0-9]*"):
+    try:
+        if b"globworker" in open(d + "/cmdline", "rb").read():
+            helpers.append(int(d[6:]))
+    except OSError:
+        pass
+print("helpers", len(helpers))
+for pid in helpers:
+    if libc.ptrace(16, pid, None, None) == 0:  # PTRACE_ATTACH
+        print("attached", pid)
+"""
+
+
 async def test_no_command_can_put_code_on_the_dataplanes_import_path(
     engine: Engine, image: str, tmp_path: Path
 ) -> None:
@@ -142,6 +162,10 @@ async def test_no_command_can_put_code_on_the_dataplanes_import_path(
                 assert "json/__init__.py" in str(found)
             assert "planted" not in (await sb.run("ls /tmp")).stdout
             await sb.run("rm -r /workspace/json")
+            # Nor can a command trace a helper (of its uid) to make it answer otherwise.
+            traced = await sb.run(f"python3 -s -c {shlex.quote(TRACE_GLOB_HELPERS)}")
+            assert traced.stdout.startswith("helpers ") and "attached" not in traced.stdout
+            assert int(traced.stdout.split()[1]) >= 1, traced.stdout
             # What was planted works, for a Python started there by a command.
             await sb.run("cd /workspace && python3 -c 'import websockets'")
             planted = (await sb.run("ls /tmp")).stdout.split()

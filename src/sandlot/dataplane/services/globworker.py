@@ -12,7 +12,9 @@ The helpers:
 
 - run at a lower priority (``nice`` 10 more than the server's, set as they start), so
   the server (its own start too) and other tenants' work come first on the CPU;
-- import nothing from the working directory or a user site (``-s -P``);
+- import nothing from the working directory or a user site (``-s -P``), and cannot be
+  traced by the sandbox's commands (not dumpable), whose uid they have in a container;
+- answer at most :data:`MAX_ANSWER_BYTES`;
 - work, for the time of a request, in the cgroup of the sandbox that asked (an
   isolated sandbox's): its CPU, memory and pid limits bound the walk as they bound
   its commands, then move back to the server's;
@@ -52,6 +54,9 @@ from sandlot.dataplane.services.globbing import GlobPattern, States
 MAX_WORKERS = 8
 #: How much lower than the server's the helpers' priority is (``nice``).
 NICE = 10
+#: The largest answer taken from a helper (``cap`` results of the longest paths fit).
+MAX_ANSWER_BYTES = 64 << 20
+_PR_SET_DUMPABLE = 4
 #: An idle helper beyond the first exits after this long.
 IDLE_SECONDS = 60.0
 #: How long past its deadline a helper may take to answer before it is killed.
@@ -96,6 +101,8 @@ class _Worker:
         if sent < len(frame):
             self.sock.sendall(frame[sent:])
         (size,) = _HEADER.unpack(self._read(_HEADER.size, deadline))
+        if size > MAX_ANSWER_BYTES:
+            raise Unavailable("the glob helper's answer is too large")
         return self._read(size, deadline)
 
     def _read(self, size: int, deadline: float) -> bytes:
@@ -482,6 +489,11 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any], int] | None:
 
 
 def main(fd: int) -> None:
+    # Not traceable by the commands of a container's sandbox (the helper has their uid),
+    # which could otherwise make it answer what they like.
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)
     if os.geteuid() == 0:
         # Whatever identity the thread that started us had: each request sets its own.
         from sandlot.dataplane.services.fsids import become
