@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from sqlalchemy import Connection, select
+from sqlalchemy import Connection, select, update
 
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
-from sandlot.broker.store.schema import scope_members, scopes
+from sandlot.broker.store.schema import bindings, leases, scope_members, scopes, tokens
 from sandlot.protocol.common import Scope
 from sandlot.protocol.errors import Forbidden, SessionNotFound
 from sandlot.protocol.sessions import MembersResponse
@@ -85,12 +85,50 @@ class MemberService:
         key = scope.key()
         with self.store.write() as conn:
             _check_owner(conn, principal, key, "only the scope's owner may change its members")
-            conn.execute(
+            removed = conn.execute(
                 scope_members.delete().where(
                     scope_members.c.scope_key == key, scope_members.c.user_id == user_id
                 )
+            ).rowcount
+            revoked = 0
+            if removed and user_id != scope_owner(conn, key):
+                revoked = self._cut_off(conn, key, user_id)
+            record(
+                conn,
+                ctx,
+                "scope.unshare",
+                scope_key=key,
+                details={"user_id": user_id, "revoked_tokens": revoked},
             )
-            record(conn, ctx, "scope.unshare", scope_key=key, details={"user_id": user_id})
+
+    def _cut_off(self, conn: Connection, key: str, user_id: str) -> int:
+        """A removed member's leases on the scope's bindings end and its live tokens on
+        them are revoked (the caller's transaction). The rows marked revoked reach the
+        dataplane like those of a revoked key: the :class:`RevocationWatcher` of the
+        process serving the sandbox pushes them (``sandlot.broker.revocations``)."""
+        now = self.clock()
+        of_scope = select(bindings.c.id).where(bindings.c.scope_key == key)
+        conn.execute(
+            update(leases)
+            .where(
+                leases.c.binding_id.in_(of_scope),
+                leases.c.user_id == user_id,
+                leases.c.released_at.is_(None),
+            )
+            .values(released_at=now)
+        )
+        return int(
+            conn.execute(
+                update(tokens)
+                .where(
+                    tokens.c.binding_id.in_(of_scope),
+                    tokens.c.user_id == user_id,
+                    tokens.c.revoked_at.is_(None),
+                    tokens.c.expires_at > now,
+                )
+                .values(revoked_at=now)
+            ).rowcount
+        )
 
     def members(self, principal: Principal, scope: Scope) -> MembersResponse:
         key = scope.key()

@@ -414,10 +414,12 @@ class SessionService:
                 conn.execute(
                     scopes.insert().values(scope_key=key, owner_user_id=user, created_at=now)
                 )
-            sandbox, provision = self._sandbox_for_new_binding(
-                conn, req, template, user, key, reserved
-            )
+            # The scope's owner owns its sandbox (and is charged for it), whoever of
+            # the users it is shared with asked for it.
             owner_id = owner.owner_user_id if owner else user
+            sandbox, provision = self._sandbox_for_new_binding(
+                conn, req, template, owner_id, key, reserved, requester=user
+            )
             binding = self._insert_binding(conn, key, sandbox, owner_id, actor, now)
             created = True
         # PostgreSQL: the lease is written with the token, in one statement (the lease's
@@ -556,20 +558,29 @@ class SessionService:
         user: str,
         key: str,
         reserved: Reservation | None = None,
+        *,
+        requester: str | None = None,
     ) -> tuple[SandboxRow, SandboxRow | None]:
         """The sandbox a new binding gets: the hinted one, a warm one (``reserved``, when
-        the provider records claims), or a new one."""
+        the provider records claims), or a new one.
+
+        ``user`` is the scope's owner: a new or pooled sandbox is theirs (and counts
+        against their quota), and a hint must name one of their sandboxes, whoever
+        (``requester``, a user the scope is shared with) asked."""
         if req.sandbox_hint:
             found = conn.execute(
                 select(sandboxes).where(
                     (sandboxes.c.id == req.sandbox_hint)
-                    | (
-                        (sandboxes.c.name == req.sandbox_hint)
-                        & (sandboxes.c.live_name.is_not(None))
-                    )
+                    | (sandboxes.c.live_name == f"{user}:{req.sandbox_hint}")
                 )
             ).first()
             if found is None or found.owner_user_id != user:
+                if requester is not None and requester != user:
+                    raise InvalidRequest(
+                        f"sandbox_hint {req.sandbox_hint!r} is not a sandbox of the scope's "
+                        "owner: a shared scope is served only by its owner's sandboxes",
+                        metadata={"sandbox_hint": req.sandbox_hint},
+                    )
                 raise InvalidRequest(
                     f"sandbox_hint {req.sandbox_hint!r} is not a sandbox of yours",
                     metadata={"sandbox_hint": req.sandbox_hint},
