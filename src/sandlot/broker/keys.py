@@ -53,16 +53,18 @@ _KEY_REVOKED = select(api_keys.c.revoked_at).where(api_keys.c.id == bindparam("i
 _KEY_REVOKED_LOCKED = _KEY_REVOKED.with_for_update(read=True)
 
 
-def check_key_live(conn: Connection, key_id: str | None) -> None:
+def check_key_live(conn: Connection, key_id: str | None, *, lock: bool = True) -> None:
     """Inside a transaction that mints a token: the caller's key is not revoked.
 
     A server trusts a looked-up key for up to a second; a key revoked meanwhile
     (by another process) must not mint a token its revocation did not see. A caller
     the hosting platform authenticated (``key_id`` ``None``) has no key to check.
+    ``lock=False`` only reads the row (in a read-only transaction).
     """
     if key_id is None:
         return
-    stmt = _KEY_REVOKED_LOCKED if conn.dialect.name == "postgresql" else _KEY_REVOKED
+    locked = lock and conn.dialect.name == "postgresql"
+    stmt = _KEY_REVOKED_LOCKED if locked else _KEY_REVOKED
     row = conn.execute(stmt, {"id": key_id}).first()
     if row is None or row.revoked_at is not None:
         raise Unauthenticated("invalid API key")
@@ -86,6 +88,8 @@ class KeyService:
         self.store = store
         self.admins = admins
         self._cache: dict[str, tuple[float, str, Principal | None]] = {}
+        #: key id -> (when read, whether live): what :meth:`key_live` read last.
+        self._live: dict[str, tuple[float, bool]] = {}
 
     def create(
         self,
@@ -151,6 +155,36 @@ class KeyService:
             return None
         return self._check(cached, digest)
 
+    def key_live_cached(self, key_id: str | None) -> bool | None:
+        """Whether the key that authenticated a caller still works, without the store:
+        ``None`` when that needs :meth:`key_live`. A caller the hosting platform
+        authenticated (``key_id`` ``None``) has no key to lose."""
+        if key_id is None:
+            return True
+        cached = self._live.get(key_id)
+        if cached is None or time.monotonic() - cached[0] > self.CACHE_SECONDS:
+            return None
+        return cached[1]
+
+    def key_live(self, key_id: str | None) -> bool:
+        """Whether the key still works (not revoked), read from the store at most once
+        per :attr:`CACHE_SECONDS` per key: what a long-lived stream a key opened checks
+        (call it off the event loop, or :meth:`key_live_cached` first)."""
+        live = self.key_live_cached(key_id)
+        if live is not None:
+            return live
+        assert key_id is not None
+        try:
+            with self.store.read() as conn:
+                check_key_live(conn, key_id, lock=False)
+            live = True
+        except Unauthenticated:
+            live = False
+        if len(self._live) > 10_000:
+            self._live.clear()
+        self._live[key_id] = (time.monotonic(), live)
+        return live
+
     @staticmethod
     def _parse(raw: str | None) -> tuple[str, str]:
         if not raw:
@@ -171,6 +205,9 @@ class KeyService:
     def _lookup(self, prefix: str) -> tuple[str, Principal | None]:
         with self.store.read() as conn:
             row = conn.execute(_BY_PREFIX, {"prefix": prefix}).first()
+        if row is not None:
+            # A key refused here is refused to the streams it opened from now on too.
+            self._live[row.id] = (time.monotonic(), row.revoked_at is None)
         if row is None or row.revoked_at is not None:
             return "", None
         return row.secret_hash, Principal(
@@ -212,6 +249,7 @@ class KeyService:
                 raise ResourceNotFound(f"no active key {key_id}")
             count = _revoke_tokens(conn, tokens.c.key_id == key_id, now)
         self._cache.clear()
+        self._live.clear()
         return count
 
     def revoke_user(self, user_id: str) -> tuple[int, int]:
@@ -233,6 +271,7 @@ class KeyService:
                 conn, or_(tokens.c.user_id == user_id, tokens.c.key_id.in_(ids)), now
             )
         self._cache.clear()
+        self._live.clear()
         return len(ids), count
 
 

@@ -11,21 +11,25 @@ from typing import Annotated, Any
 import anyio
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import Receive, Send
+from starlette.types import Scope as Scope_
 
 from sandlot.broker.events import EventHub
 from sandlot.broker.idempotency import MAX_KEY_LENGTH, Claim, fingerprint
+from sandlot.broker.keys import KeyService
 from sandlot.broker.principals import Principal
 from sandlot.broker.ratelimit import Charge, SharedRateLimiter
 from sandlot.broker.routes.deps import (
     BrokerDep,
     PrincipalDep,
     audit_context,
+    broker_of,
     parse_model,
     read_body,
 )
 from sandlot.broker.routes.errors import envelope_for
 from sandlot.protocol.common import Scope, ScopeType
-from sandlot.protocol.errors import InvalidRequest, SandlotError
+from sandlot.protocol.errors import InvalidRequest, SandlotError, Unauthenticated
 from sandlot.protocol.events import MAX_SEQUENCE
 from sandlot.protocol.openapi import event_stream, json_body
 from sandlot.protocol.sessions import (
@@ -46,6 +50,40 @@ KEEPALIVE_SECONDS = 15.0
 
 class EventStream(StreamingResponse):
     media_type = "text/event-stream"
+
+    #: Whether the API key that opened the stream still works (``None``: no key to
+    #: lose); set from the request when the response is sent, for :func:`sse_response`.
+    key_live: Callable[[], Awaitable[bool]] | None = None
+
+    async def __call__(self, scope: Scope_, receive: Receive, send: Send) -> None:
+        request = Request(scope)
+        principal = getattr(request.state, "principal", None)
+        if isinstance(principal, Principal) and principal.key_id is not None:
+            broker = broker_of(request)
+            self.key_live = partial(_key_live, broker.keys, broker.hub, principal.key_id)
+        await super().__call__(scope, receive, send)
+
+
+async def _key_live(keys: KeyService, hub: EventHub, key_id: str) -> bool:
+    """Whether the key still works: from the keys' cache or, once a second, the store
+    (one read for every stream of the key that asks meanwhile)."""
+    live = keys.key_live_cached(key_id)
+    if live is None:
+        live = await hub.shared(("key_live", key_id), partial(keys.key_live, key_id))
+    return live
+
+
+#: How often an open event stream checks that the key that opened it still works.
+KEY_CHECK_SECONDS = 1.0
+#: What ends a stream whose key was revoked (the SDK raises it as ``Unauthenticated``).
+_KEY_REVOKED = (
+    b"event: error\ndata: "
+    + json.dumps(
+        Unauthenticated("the API key that opened this stream was revoked").to_wire()["error"],
+        separators=(",", ":"),
+    ).encode()
+    + b"\n\n"
+)
 
 
 #: Where an event stream starts: after this sequence number (exclusive).
@@ -229,6 +267,10 @@ def sse_response(
     reads at one cursor are one read (:meth:`EventHub.shared`).
     """
 
+    async def key_revoked() -> bool:
+        # Read when the stream is sent: the response is made first.
+        return response.key_live is not None and not await response.key_live()
+
     async def stream() -> AsyncIterator[bytes]:
         nonlocal cursor
         last_sent = time.monotonic()
@@ -244,6 +286,9 @@ def sse_response(
                         # The last events may have been committed (with the final state)
                         # between the read above and this one: send them before ending.
                         items = await anyio.to_thread.run_sync(fetch, cursor)
+                if await key_revoked():
+                    yield _KEY_REVOKED
+                    return
                 for ev in items:
                     cursor = int(ev["sequence"])
                     data = json.dumps(ev, separators=(",", ":"))
@@ -253,15 +298,26 @@ def sse_response(
                     return
                 if not items:
                     # Woken by this process's events, other processes' notifications
-                    # and the process's reconciling read (events.EventReconciler).
-                    await hub.wait(stream_id, KEEPALIVE_SECONDS, seen)
+                    # and the process's reconciling read (events.EventReconciler); and
+                    # every second to see that the key was not revoked (from its cache:
+                    # the store is read at most once a second per key).
+                    until = time.monotonic() + KEEPALIVE_SECONDS
+                    while hub.version(stream_id) == seen and (left := until - time.monotonic()) > 0:
+                        wait = left if response.key_live is None else min(left, KEY_CHECK_SECONDS)
+                        await hub.wait(stream_id, wait, seen)
+                        if await key_revoked():
+                            yield _KEY_REVOKED
+                            return
                     if time.monotonic() - last_sent >= KEEPALIVE_SECONDS:
                         yield b": keep-alive\n\n"
                         last_sent = time.monotonic()
         finally:
             hub.forget(stream_id)
 
-    return EventStream(stream(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    response = EventStream(
+        stream(), headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
+    return response
 
 
 @router.get(
