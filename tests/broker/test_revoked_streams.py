@@ -138,3 +138,23 @@ def test_revoking_a_key_ends_the_event_streams_it_opened(tmp_path: Path) -> None
         # Told why, as the SDK reads it (it raises Unauthenticated).
         for stream in (binding, sandbox):
             assert stream.error is not None and stream.error["code"] == "UNAUTHENTICATED"
+
+
+def test_a_member_removed_from_a_scope_is_told_so_in_its_open_stream(tmp_path: Path) -> None:
+    # Its stream ended by an error raised once the response had started: the server
+    # logged "response already started" and the client read a cut chunked body.
+    with running(tmp_path / "data") as srv:
+        alice, carol = new_key(srv, "alice"), new_key(srv, "carol")
+        session = _ensure(srv, alice, "thr_unshared")["session_id"]
+        members = f"{srv.url}/v1/sandbox/scopes/thread/thr_unshared/members"
+        r = httpx.post(members, json={"user_id": "carol"}, headers=alice, timeout=30)
+        assert r.status_code in (200, 201), r.text
+        stream = Follower(f"{srv.url}/v1/sandbox/sessions/{session}/events?after=0", carol)
+        r = httpx.delete(f"{members}/carol", headers=alice, timeout=30)
+        assert r.status_code == 204, r.text
+        r = httpx.post(f"{srv.url}/v1/sandbox/sessions/{session}/refresh", headers=alice)
+        assert r.status_code == 200, r.text
+        assert stream.wait_ended(DEADLINE), "the stream stayed open"
+        assert stream.ended == "cleanly", stream.ended
+        assert stream.error is not None and stream.error["code"] == "FORBIDDEN", stream.error
+        assert "response already started" not in "".join(srv.output)

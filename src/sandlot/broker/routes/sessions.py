@@ -75,15 +75,16 @@ async def _key_live(keys: KeyService, hub: EventHub, key_id: str) -> bool:
 
 #: How often an open event stream checks that the key that opened it still works.
 KEY_CHECK_SECONDS = 1.0
+
+
+def _error_event(exc: SandlotError) -> bytes:
+    """An in-band error that ends a stream already under way (the SDK raises it)."""
+    error = json.dumps(exc.to_wire()["error"], separators=(",", ":"))
+    return b"event: error\ndata: " + error.encode() + b"\n\n"
+
+
 #: What ends a stream whose key was revoked (the SDK raises it as ``Unauthenticated``).
-_KEY_REVOKED = (
-    b"event: error\ndata: "
-    + json.dumps(
-        Unauthenticated("the API key that opened this stream was revoked").to_wire()["error"],
-        separators=(",", ":"),
-    ).encode()
-    + b"\n\n"
-)
+_KEY_REVOKED = _error_event(Unauthenticated("the API key that opened this stream was revoked"))
 
 
 #: Where an event stream starts: after this sequence number (exclusive).
@@ -278,14 +279,20 @@ def sse_response(
         try:
             while True:
                 seen = hub.version(stream_id)
-                items = await hub.shared((share, stream_id, cursor), partial(fetch, cursor))
-                finished = False
-                if not items:
-                    finished = await hub.shared((share, stream_id, "ended"), ended)
-                    if finished:
-                        # The last events may have been committed (with the final state)
-                        # between the read above and this one: send them before ending.
-                        items = await anyio.to_thread.run_sync(fetch, cursor)
+                try:
+                    items = await hub.shared((share, stream_id, cursor), partial(fetch, cursor))
+                    finished = False
+                    if not items:
+                        finished = await hub.shared((share, stream_id, "ended"), ended)
+                        if finished:
+                            # The last events may have been committed (with the final
+                            # state) between the read above and this one: send them.
+                            items = await anyio.to_thread.run_sync(fetch, cursor)
+                except SandlotError as exc:
+                    # Access lost meanwhile (the scope no longer shared with the caller):
+                    # said in the stream, which has started.
+                    yield _error_event(exc)
+                    return
                 if await key_revoked():
                     yield _KEY_REVOKED
                     return
