@@ -84,17 +84,23 @@ def refused_within(seconds: float, attempt: Any) -> httpx.Response:
         time.sleep(0.1)
 
 
-def shared_scope_without_sandbox(srv: SandlotServer) -> str:
-    """alice's scope, shared with bob, whose sandbox alice has terminated."""
+def shared_scope(srv: SandlotServer) -> tuple[str, dict[str, Any]]:
+    """A new scope of alice's, its sandbox active, shared with bob: (thread, her grant)."""
     thread = f"thr_{uuid.uuid4().hex[:8]}"
     r = ensure(srv, "alice", thread)
     assert r.status_code == 200, r.text
-    grant = r.json()
+    grant: dict[str, Any] = r.json()
     wait_active(grant)
     r = call(
         srv, "alice", "POST", f"/v1/sandbox/scopes/thread/{thread}/members", {"user_id": "bob"}
     )
     assert r.status_code == 200, r.text
+    return thread, grant
+
+
+def shared_scope_without_sandbox(srv: SandlotServer) -> str:
+    """alice's scope, shared with bob, whose sandbox alice has terminated."""
+    thread, grant = shared_scope(srv)
     r = call(srv, "alice", "DELETE", f"/v1/sandbox/sessions/{grant['session_id']}?terminate=true")
     assert r.status_code in (200, 202, 204), r.text
     return thread
@@ -149,15 +155,7 @@ def test_b_a_member_cannot_hint_his_own_sandbox_into_the_scope(srv: SandlotServe
 
 
 def test_c_removing_a_member_revokes_his_tokens(srv: SandlotServer) -> None:
-    thread = f"thr_{uuid.uuid4().hex[:8]}"
-    r = ensure(srv, "alice", thread)
-    assert r.status_code == 200, r.text
-    alices = r.json()
-    wait_active(alices)
-    r = call(
-        srv, "alice", "POST", f"/v1/sandbox/scopes/thread/{thread}/members", {"user_id": "bob"}
-    )
-    assert r.status_code == 200, r.text
+    thread, alices = shared_scope(srv)
     r = ensure(srv, "bob", thread)
     assert r.status_code == 200, r.text
     bobs = r.json()
