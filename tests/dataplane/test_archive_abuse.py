@@ -4,6 +4,7 @@ long names, deep trees, links, FIFOs swapped in mid-walk, stalled uploads."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import os
 import resource
@@ -437,3 +438,17 @@ def test_an_upload_cut_off_deletes_nothing(server: Server, client: httpx.Client)
         assert r.status_code == 429 and time.monotonic() < deadline, r.text
         time.sleep(0.1)
     assert (server.workspace / "cut" / "kept").read_text() == "keep\n"
+
+
+def test_a_refused_target_path_leaves_no_extraction_behind(
+    server: Server, client: httpx.Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Refused once the extraction had started: its error was never read ("Future
+    # exception was never retrieved" in the log).
+    for _ in range(3):
+        r = client.post(
+            server.url("/files/archive"), params={"path": "a\x00b"}, content=tar_of(("f", "f", "x"))
+        )
+        assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_REQUEST", r.text
+    gc.collect()
+    assert "never retrieved" not in caplog.text

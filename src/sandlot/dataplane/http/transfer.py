@@ -247,14 +247,16 @@ async def archive_in(request: Request) -> Response:
     resolver = sandbox.resolver
     settings = host_of(request).settings
     limits = (settings.max_archive_bytes, settings.max_archive_members)
-    path = query_path(request, default="/workspace")
+    # Checked before the extraction starts: a path refused after it did (a NUL byte)
+    # left its job's error unread.
+    path = normalize(query_path(request, default="/workspace"))
     delete_missing = query_bool(request, "delete_missing", False)
     loop = asyncio.get_running_loop()
     chunks = ChunkQueue(loop)
     job = sandbox.transfers.start(extract, resolver, path, chunks, delete_missing, limits)
     if entry.watcher is not None:
         # One summary event for the archive, not one per member from the watcher.
-        entry.watcher.api_tree(normalize(path))
+        entry.watcher.api_tree(path)
     try:
         received = 0
         try:
@@ -277,7 +279,7 @@ async def archive_in(request: Request) -> Response:
         raise InvalidRequest("the request body ended early") from None
     finally:
         if entry.watcher is not None:
-            entry.watcher.api_tree(normalize(path), done=True)
+            entry.watcher.api_tree(path, done=True)
     entry.changed((result.path, "modified", {"archive": True, **result.model_dump()}), ctx.actor)
     return json_response(result)
 
