@@ -74,6 +74,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -508,12 +509,20 @@ class DockerProvider(InboxProvider[_Sandbox]):
     def _seal_run_dir(self, sandbox_id: str) -> None:
         """Once the dataplane listens, its socket's directory becomes root's: no process of
         the sandbox (the dataplane's user) can remove the socket or put another in its
-        place, which a server that restarts would connect to."""
+        place, which a server that restarts would connect to. The socket becomes root's
+        too (``0600``): no command can connect to it — to the dataplane's control routes
+        (its status, figures and trust files' re-read), or with garbage for its log. Its
+        listener, bound already, goes on accepting the server's connections."""
         if os.geteuid() != 0:
             return  # a server of the sandbox's own uid: the directory stays its own
         run = self._dir(sandbox_id) / "run"
         os.chown(run, 0, 0)
         run.chmod(0o755)
+        # The directory is root's now: what is at the socket's name stays what it is.
+        sock = run / SOCKET_NAME
+        if stat.S_ISSOCK(os.lstat(sock).st_mode):
+            os.chown(sock, 0, 0, follow_symlinks=False)
+            sock.chmod(0o600)
 
     async def _start_container(self, spec: SandboxSpec) -> Any:
         """Create and start the container in one hop to a thread,
@@ -726,6 +735,9 @@ class DockerProvider(InboxProvider[_Sandbox]):
                 lost.append(rec.sandbox_id)
                 continue
             box.upstream = Upstream(fd)
+            # Sealed already, unless by a version that left the socket to the sandbox.
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self._seal_run_dir, rec.sandbox_id)
             if container.status == "paused":
                 box.state, box.reason = SandboxState.SUSPENDED, "re-adopted after restart"
             else:
