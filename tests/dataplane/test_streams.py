@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any
 
+import httpx
+import pytest
 import websockets
 
 from sandlot.dataplane.services.streams import Cursor, OutputStream, complete_utf8, decode
@@ -118,5 +121,58 @@ def test_pacing_follows_the_most_advanced_cursor() -> None:
         s.stop_pacing()  # the process exited
         assert not s.full
         paced.close()
+
+    asyncio.run(run())
+
+
+async def _closed_by_the_server(ws: Any) -> tuple[int, str]:
+    with pytest.raises(websockets.ConnectionClosed) as info:
+        while True:
+            await asyncio.wait_for(ws.recv(), 20)
+    assert info.value.rcvd is not None
+    return info.value.rcvd.code, info.value.rcvd.reason
+
+
+def test_sockets_close_when_their_token_expires_unless_refreshed(server: Server) -> None:
+    # A socket outlives no token: an exec's, a shell's and an event stream opened with a
+    # token near the end of its leeway are closed (4401) or ended at its expiry, whereas
+    # one given a fresh token in an ``auth`` frame goes on.
+    def ending() -> dict[str, str]:
+        # Expired 27 s ago: valid for the 30 s leeway's last 3 s.
+        t = int(time.time())
+        return {"Authorization": f"Bearer {server.token(exp=t - 27, iat=t - 100, nbf=t - 100)}"}
+
+    async def run() -> None:
+        async with websockets.connect(server.ws_url("/exec/ws"), additional_headers=ending()) as ws:
+            await ws.send(json.dumps({"type": "start", "command": "sleep 8"}))
+            code, reason = await _closed_by_the_server(ws)
+            assert (code, "expired" in reason) == (4401, True)
+        async with websockets.connect(
+            server.ws_url("/shell/ws?session=expiring&profile=sh"), additional_headers=ending()
+        ) as ws:
+            code, reason = await _closed_by_the_server(ws)
+            assert (code, "expired" in reason) == (4401, True)
+        async with (
+            httpx.AsyncClient(timeout=30) as http,
+            http.stream("GET", server.url("/events"), headers=ending()) as resp,
+        ):
+            assert resp.status_code == 200
+            async with asyncio.timeout(20):
+                async for _ in resp.aiter_lines():
+                    pass  # to its end
+        async with websockets.connect(
+            server.ws_url("/shell/ws?session=renewed&profile=sh"), additional_headers=ending()
+        ) as ws:
+            await ws.send(json.dumps({"type": "auth", "token": server.token()}))
+            async with asyncio.timeout(20):
+                while json.loads(await ws.recv())["type"] != "auth_ok":
+                    pass
+            await asyncio.sleep(4)  # past the first token's end
+            await ws.send(json.dumps({"type": "stdin", "data": "echo RENEWED$((40+2))\n"}))
+            out = ""
+            async with asyncio.timeout(20):
+                while "RENEWED42" not in out:
+                    frame = json.loads(await ws.recv())
+                    out += frame.get("data", "") if frame["type"] == "stdout" else ""
 
     asyncio.run(run())

@@ -8,7 +8,7 @@ import asyncio
 import secrets
 import shlex
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,18 +183,21 @@ class Hosted:
 
 #: Sandbox id → what the relay knows of it (raises ``SandboxNotFound``).
 HostedLookup = Callable[[str], Hosted]
-#: Socket registry: jti → callbacks that close that token's sockets.
-SocketCloser = Callable[[], Awaitable[None]]
+#: Closes one socket (or ends one stream) of the relay, saying why.
+SocketCloser = Callable[[str], Coroutine[Any, Any, None]]
+
+_background: set[asyncio.Task[None]] = set()
 
 
 class RelayCore:
     """What every route of the relay shares: the sandboxes, the token verifier, the
-    sockets open per token (closed when it is revoked)."""
+    sockets open per token (closed when it is revoked or expires)."""
 
     def __init__(self, lookup: HostedLookup, verifier: TokenVerifier) -> None:
         self.lookup = lookup
         self.verifier = verifier
-        self.sockets: dict[str, set[SocketCloser]] = {}
+        #: The sockets open per token id (closed when it is revoked).
+        self.sockets: dict[str, set[Tracked]] = {}
 
     async def authenticate(
         self, hosted: Hosted, bearer: str | None, capability: Capability
@@ -208,23 +211,64 @@ class RelayCore:
             capability=capability,
         )
 
-    def track(self, jti: str | None, closer: SocketCloser) -> None:
-        if jti is not None:
-            self.sockets.setdefault(jti, set()).add(closer)
-
-    def untrack(self, jti: str | None, closer: SocketCloser) -> None:
-        if jti is not None:
-            found = self.sockets.get(jti)
-            if found is not None:
-                found.discard(closer)
-                if not found:
-                    del self.sockets[jti]
+    def track(self, ctx: AuthContext, closer: SocketCloser) -> Tracked:
+        """Follow a socket (or stream) opened with ``ctx``: ``closer`` closes it when its
+        token is revoked or expires, as the dataplane closes its own; :meth:`Tracked.end`
+        once it is done."""
+        tracked = Tracked(self, closer)
+        tracked.switch(ctx)
+        return tracked
 
     async def revoked(self, jtis: list[str]) -> None:
         """Close the sockets of these (just revoked) tokens."""
         for jti in jtis:
-            for closer in list(self.sockets.pop(jti, ())):
-                await closer()
+            for tracked in list(self.sockets.pop(jti, ())):
+                tracked.end()
+                await tracked.closer("token revoked")
+
+
+class Tracked:
+    """One socket (or stream) of the relay under its token: in :attr:`RelayCore.sockets`
+    by the token's id, and timed to close at the token's expiry (plus the verifier's
+    leeway): a socket outlives no token, whether or not anybody revokes it."""
+
+    def __init__(self, relay: RelayCore, closer: SocketCloser) -> None:
+        self.relay = relay
+        self.closer = closer
+        self.ctx: AuthContext | None = None
+        self._jti: str | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def switch(self, ctx: AuthContext) -> None:
+        """Follow ``ctx``'s token: the first, or a refreshed one (an ``auth`` frame)."""
+        self.end()
+        self.ctx = ctx
+        if ctx.jti is not None:
+            self._jti = ctx.jti
+            self.relay.sockets.setdefault(ctx.jti, set()).add(self)
+        if ctx.expires_at is not None:
+            delay = max(0.0, ctx.expires_at + self.relay.verifier.leeway - time.time())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._expired)
+
+    def end(self) -> None:
+        """No longer followed (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._jti is not None:
+            found = self.relay.sockets.get(self._jti)
+            if found is not None:
+                found.discard(self)
+                if not found:
+                    del self.relay.sockets[self._jti]
+            self._jti = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        self.end()
+        task = asyncio.get_running_loop().create_task(self.closer("token expired"))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
 
 
 def relay_of(request: Any) -> RelayCore:
@@ -253,6 +297,7 @@ __all__ = [
     "HostedLookup",
     "RelayCore",
     "RelayExec",
+    "Tracked",
     "authorize",
     "command_text",
     "relay_of",

@@ -67,6 +67,7 @@ from sandlot.providers.hostedstate import (
     Hosted,
     RelayCore,
     RelayExec,
+    Tracked,
     authorize,
     command_text,
 )
@@ -295,11 +296,11 @@ async def exec_ws(ws: WebSocket) -> None:
     relay = _relay(ws)
     closed = asyncio.Event()
 
-    async def close_revoked() -> None:
+    async def close_socket(reason: str) -> None:
         closed.set()
-        await _fail(ws, Unauthenticated("token revoked"))
+        await _fail(ws, Unauthenticated(reason))
 
-    relay.track(ctx.jti, close_revoked)
+    tracked = relay.track(ctx, close_socket)
     hosted.clients += 1
     up: _Upstream | None = None
     attached: RelayExec | None = None
@@ -311,6 +312,7 @@ async def exec_ws(ws: WebSocket) -> None:
                 await _send(ws, F.PONG)
             elif isinstance(frame, F.AuthFrame):
                 ctx = await relay.authenticate(hosted, frame.token, Capability.EXEC)
+                tracked.switch(ctx)
                 await _send(ws, F.AUTH_OK)
             elif isinstance(frame, (F.StartFrame, F.AttachFrame)):
                 first = frame
@@ -350,7 +352,7 @@ async def exec_ws(ws: WebSocket) -> None:
         await _send(
             ws, {"type": "ready", "exec_id": ex.exec_id, "command_id": ex.command_id, "pid": ex.pid}
         )
-        await _bridge(ws, hosted, box, ex, up, closed)
+        await _bridge(ws, hosted, box, ex, up, closed, tracked)
     except (WebSocketDisconnect, RuntimeError):
         pass
     except (ValidationError, ValueError) as exc:
@@ -359,7 +361,7 @@ async def exec_ws(ws: WebSocket) -> None:
         await _fail(ws, exc)
     finally:
         hosted.clients -= 1
-        relay.untrack(ctx.jti, close_revoked)
+        tracked.end()
         if attached is not None:
             attached.clients -= 1
         if up is not None:
@@ -396,7 +398,13 @@ async def _watch(box: Box, hosted: Hosted, ex: RelayExec) -> None:
 
 
 async def _bridge(
-    ws: WebSocket, hosted: Hosted, box: Box, ex: RelayExec, up: _Upstream, closed: asyncio.Event
+    ws: WebSocket,
+    hosted: Hosted,
+    box: Box,
+    ex: RelayExec,
+    up: _Upstream,
+    closed: asyncio.Event,
+    tracked: Tracked,
 ) -> None:
     async def downstream() -> None:
         async for frame in up.frames():
@@ -445,7 +453,7 @@ async def _bridge(
             elif isinstance(frame, F.PingFrame):
                 await _send(ws, F.PONG)
             elif isinstance(frame, F.AuthFrame):
-                await _relay(ws).authenticate(hosted, frame.token, Capability.EXEC)
+                tracked.switch(await _relay(ws).authenticate(hosted, frame.token, Capability.EXEC))
                 await _send(ws, F.AUTH_OK)
             elif isinstance(frame, F.CloseFrame):
                 return
@@ -600,11 +608,11 @@ async def shell_ws(ws: WebSocket) -> None:
     relay = _relay(ws)
     closed = asyncio.Event()
 
-    async def close_revoked() -> None:
+    async def close_socket(reason: str) -> None:
         closed.set()
-        await _fail(ws, Unauthenticated("token revoked"))
+        await _fail(ws, Unauthenticated(reason))
 
-    relay.track(ctx.jti, close_revoked)
+    tracked = relay.track(ctx, close_socket)
     reader: _ShellReader | None = None
     shell: RelayShell | None = None
     try:
@@ -645,14 +653,16 @@ async def shell_ws(ws: WebSocket) -> None:
             await _send(ws, {"type": "exit", "exit_code": shell.exit_code})
             return
         await _until_first(
-            _shell_out(ws, shell, reader), _shell_in(ws, shell, reader, role, ctx), closed.wait()
+            _shell_out(ws, shell, reader),
+            _shell_in(ws, hosted, shell, reader, role, tracked),
+            closed.wait(),
         )
     except (WebSocketDisconnect, RuntimeError):
         pass
     except SandlotError as exc:
         await _fail(ws, exc)
     finally:
-        relay.untrack(ctx.jti, close_revoked)
+        tracked.end()
         if shell is not None and reader is not None and reader.wake in shell.clients:
             shell.clients.discard(reader.wake)
             hosted.clients -= 1
@@ -681,16 +691,23 @@ async def _shell_out(ws: WebSocket, shell: RelayShell, reader: _ShellReader) -> 
 
 
 async def _shell_in(
-    ws: WebSocket, shell: RelayShell, reader: _ShellReader, role: str, ctx: AuthContext
+    ws: WebSocket,
+    hosted: Hosted,
+    shell: RelayShell,
+    reader: _ShellReader,
+    role: str,
+    tracked: Tracked,
 ) -> None:
+    needs = Capability.SHELL if role == "driver" else Capability.SHELL_OBSERVE
     while True:
         try:
             frame = F.parse_client_frame(await receive_frame(ws))
         except ValidationError:
             await _send(ws, F.error_frame("INVALID_REQUEST", "invalid frame"))
             continue
+        ctx = tracked.ctx
         if isinstance(frame, F.StdinFrame):
-            if role != "driver" or Capability.SHELL not in ctx.caps:
+            if role != "driver" or ctx is None or Capability.SHELL not in ctx.caps:
                 denied = CapabilityDenied("observers cannot type", metadata={"capability": "shell"})
                 await _send(ws, F.error_frame(denied.wire_code, denied.message))
                 continue
@@ -701,6 +718,10 @@ async def _shell_in(
             reader.wake.set()
         elif isinstance(frame, F.PingFrame):
             await _send(ws, F.PONG)
+        elif isinstance(frame, F.AuthFrame):
+            # A refreshed token: the socket lives on to its expiry.
+            tracked.switch(await _relay(ws).authenticate(hosted, frame.token, needs))
+            await _send(ws, F.AUTH_OK)
         elif isinstance(frame, F.CloseFrame):
             return
         elif isinstance(frame, F.ResizeFrame):
@@ -767,13 +788,13 @@ async def events_sse(request: Request) -> Response:
         wake = asyncio.Event()
         revoked = asyncio.Event()
 
-        async def close_revoked() -> None:
+        async def close_revoked(reason: str) -> None:
             revoked.set()
             wake.set()
 
         # A stream is a socket of its token's like the WebSockets: revoking the token
-        # (its session released) ends it, and nothing more is delivered on it.
-        relay.track(ctx.jti, close_revoked)
+        # (its session released) or its expiry ends it, and nothing more is delivered.
+        tracked = relay.track(ctx, close_revoked)
         log.listen(wake)
         try:
             if relay.verifier.is_revoked(ctx.jti):
@@ -805,7 +826,7 @@ async def events_sse(request: Request) -> Response:
                     yield b": keep-alive\n\n"
         finally:
             log.unlisten(wake)
-            relay.untrack(ctx.jti, close_revoked)
+            tracked.end()
 
     return StreamingResponse(
         stream(),
