@@ -7,11 +7,14 @@ Against a real ``sandlot serve``: alice owns ``thread:…`` and shares it with b
   removed his API key no longer reaches its dataplane.
 - bob cannot make his own sandbox serve alice's scope with ``sandbox_hint``.
 - Removing bob revokes the tokens he holds on the scope: the dataplane refuses them
-  within a second or two, not at their expiry.
+  within a second or two, not at their expiry; the sockets and event streams he opened
+  there with his API key close as soon, those on his own sandboxes stay.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ from typing import Any
 
 import httpx
 import pytest
+import websockets
 
 from tests.servers import SandlotServer, running
 
@@ -170,3 +174,67 @@ def test_c_removing_a_member_revokes_his_tokens(srv: SandlotServer) -> None:
     assert dataplane_exec(alices, bearer(alices)).status_code == 200
     r = call(srv, "bob", "POST", f"/v1/sandbox/sessions/{bobs['session_id']}/refresh", {})
     assert r.status_code == 403, r.text
+
+
+async def _echoes(ws: Any, marker: str) -> bool:
+    """Whether the shell ``ws`` still runs what it is sent."""
+    await ws.send(json.dumps({"type": "stdin", "data": f"echo {marker}$((40+2))\n"}))
+    out = ""
+    async with asyncio.timeout(20):
+        while f"{marker}42" not in out:
+            frame = json.loads(await ws.recv())
+            out += frame.get("data", "") if frame["type"] == "stdout" else ""
+    return True
+
+
+def test_d_removing_a_member_closes_what_his_api_key_opened_on_the_scope(
+    srv: SandlotServer,
+) -> None:
+    thread, alices = shared_scope(srv)
+    r = ensure(srv, "bob", f"thr_{uuid.uuid4().hex[:8]}")
+    assert r.status_code == 200, r.text
+    own = r.json()
+    wait_active(own)
+    bob_key = {"X-Api-Key": key(srv, "bob")}
+
+    async def run() -> None:
+        scope_ws = alices["dataplane"]["ws_base_url"]
+        own_ws = own["dataplane"]["ws_base_url"]
+        async with (
+            websockets.connect(
+                f"{scope_ws}/shell/ws?session=bob", additional_headers=bob_key
+            ) as shared,
+            websockets.connect(
+                f"{own_ws}/shell/ws?session=bob", additional_headers=bob_key
+            ) as mine,
+            httpx.AsyncClient(timeout=30) as http,
+            http.stream(
+                "GET", f"{alices['dataplane']['http_base_url']}/events", headers=bob_key
+            ) as events,
+        ):
+            assert events.status_code == 200
+            assert await _echoes(shared, "BEFORE") and await _echoes(mine, "MINE")
+            r = await http.delete(
+                f"{srv.url}/v1/sandbox/scopes/thread/{thread}/members/bob",
+                headers={"Authorization": f"Bearer {key(srv, 'alice')}"},
+            )
+            assert r.status_code == 204, r.text
+            # Closed within seconds (API keys do not expire: nothing else would close it).
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                async with asyncio.timeout(5):
+                    while True:
+                        await shared.recv()
+            assert closed.value.rcvd is not None and closed.value.rcvd.code == 4401
+            async with asyncio.timeout(5):
+                async for _ in events.aiter_lines():
+                    pass  # the stream ends
+            # His key still reaches his own sandbox, its socket open all along.
+            assert await _echoes(mine, "STILL")
+            r = await http.post(
+                f"{own['dataplane']['http_base_url']}/exec",
+                json={"command": "true"},
+                headers=bob_key,
+            )
+            assert r.status_code == 200, r.text
+
+    asyncio.run(run())

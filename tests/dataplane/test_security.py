@@ -492,6 +492,48 @@ def test_api_key_resolver(tmp_path: Path) -> None:
         gen.close()
 
 
+def test_a_key_cut_off_one_sandbox_still_reaches_the_others(tmp_path: Path) -> None:
+    # A member removed from a shared scope: his key is revoked on the scope's sandbox
+    # alone, for a while, and the longer of two revocations of one id holds.
+    from sandlot.dataplane.services.auth import AuthContext
+    from sandlot.protocol.common import Actor, Capability
+    from sandlot.protocol.tokens import RevokedToken, on_sandbox
+
+    async def resolver(key: str, sandbox_id: str) -> AuthContext | None:
+        return AuthContext(
+            principal_id="prn_b",
+            actor=Actor(type="human", id="b"),  # type: ignore[arg-type]
+            caps=frozenset({Capability.FS_READ}),
+            sandbox_id=sandbox_id,
+            jti="key:k_bob",
+        )
+
+    gen = start_server(tmp_path, api_key_resolver=resolver)
+    srv = next(gen)
+    try:
+        rt = type(srv.runtime)("sb_two", 1, srv.runtime.template, srv.workspace)
+        srv.call(
+            srv.host.register, "sb_two", 1, __import__("sandlot").protocol.SandboxState.ACTIVE, rt
+        )
+        key = {"X-Api-Key": "sl_bob_secret"}
+
+        def status(sandbox_id: str) -> int:
+            return httpx.get(srv.url("/fs/list", sandbox_id), headers=key).status_code
+
+        assert (status("sb_test"), status("sb_two")) == (200, 200)
+        now = time.time()
+        srv.revoke([RevokedToken(on_sandbox("key:k_bob", "sb_test"), now + 30)])
+        assert (status("sb_test"), status("sb_two")) == (401, 200)
+        # A shorter revocation of the same id does not shorten it.
+        srv.revoke([RevokedToken(on_sandbox("key:k_bob", "sb_test"), now - 100)])
+        assert status("sb_test") == 401
+        # A cut over (past the leeway too) refuses nothing.
+        srv.revoke([RevokedToken(on_sandbox("key:k_bob", "sb_two"), now - 31)])
+        assert status("sb_two") == 200
+    finally:
+        gen.close()
+
+
 def test_socket_closed_when_token_expires(server: Server) -> None:
     now = int(time.time())
     # Expired 29.5 s ago: still within the 30 s leeway for half a second.

@@ -12,7 +12,11 @@ restarted server refuses them as before.
 An API key used on the dataplane itself (``X-Api-Key``, the LangSmith surface)
 stands for a token whose id is :func:`api_key_jti` of the key: a revoked key is
 pushed as that id, to every live sandbox, so the dataplane's cache of keys stops
-honouring it and the sockets opened with it close too.
+honouring it and the sockets opened with it close too. A member removed from a
+shared scope has his keys cut off the scope's sandboxes (``access_cuts``, see
+``sandlot.broker.scopes``): each cut is pushed to its sandbox as that id
+:func:`~sandlot.protocol.tokens.on_sandbox`, which closes the key's sockets there
+and nowhere else.
 
 Revocation times come from the clocks of several processes, and a
 transaction may commit after a later one: each look starts ``OVERLAP_SECONDS``
@@ -32,8 +36,8 @@ import anyio
 from sqlalchemy import bindparam, select
 
 from sandlot.broker.store import Store
-from sandlot.broker.store.schema import api_keys, sandboxes, tokens
-from sandlot.protocol.tokens import TOKEN_LEEWAY_SECONDS, RevokedToken
+from sandlot.broker.store.schema import access_cuts, api_keys, sandboxes, tokens
+from sandlot.protocol.tokens import TOKEN_LEEWAY_SECONDS, RevokedToken, on_sandbox
 from sandlot.providers.base import Provider
 
 log = logging.getLogger("sandlot.broker.revocations")
@@ -59,6 +63,23 @@ _REVOKED_SINCE = select(
     tokens.c.expires_at > bindparam("now"),
 )
 
+_CUTS_SINCE = select(
+    access_cuts.c.key_id, access_cuts.c.sandbox_id, access_cuts.c.expires_at, access_cuts.c.cut_at
+).where(
+    access_cuts.c.cut_at >= bindparam("since"),
+    access_cuts.c.expires_at > bindparam("now"),
+)
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """A revocation shaped as a token row: what an access cut is pushed as."""
+
+    jti: str
+    sandbox_id: str
+    expires_at: float
+    revoked_at: float
+
 
 @dataclass(frozen=True)
 class Revocations:
@@ -77,14 +98,22 @@ def read_revocations(
     """Tokens revoked since ``since`` (unexpired at ``now``) and keys revoked since
     ``keys_since``; ``host``: only the sandboxes of that host (a host that reads them
     through the brokers' API, :mod:`sandlot.broker.hostapi`)."""
-    rows_q, live_q = _REVOKED_SINCE, _LIVE_SANDBOXES
+    rows_q, cuts_q, live_q = _REVOKED_SINCE, _CUTS_SINCE, _LIVE_SANDBOXES
     if host is not None:
         rows_q = rows_q.join(sandboxes, sandboxes.c.id == tokens.c.sandbox_id).where(
             sandboxes.c.host == host
         )
+        cuts_q = cuts_q.join(sandboxes, sandboxes.c.id == access_cuts.c.sandbox_id).where(
+            sandboxes.c.host == host
+        )
         live_q = live_q.where(sandboxes.c.host == host)
     with store.read() as conn:
-        rows = list(conn.execute(rows_q, {"since": since, "now": now}).all())
+        rows: list[Any] = list(conn.execute(rows_q, {"since": since, "now": now}).all())
+        rows += [
+            Revoked(on_sandbox(api_key_jti(c.key_id), c.sandbox_id), c.sandbox_id,
+                    c.expires_at, c.cut_at)
+            for c in conn.execute(cuts_q, {"since": since, "now": now})
+        ]  # fmt: skip
         keys = list(conn.execute(_KEYS_REVOKED_SINCE, {"since": keys_since}).all())
         live = [r.id for r in conn.execute(live_q).all()] if keys else []
     return Revocations(rows, keys, live)
@@ -140,12 +169,14 @@ class RevocationWatcher:
         """Push the revocations not pushed yet; returns how many tokens were pushed."""
         found = await self.fetch()
         rows, live = found.tokens, found.live
-        keys = [k for k in found.keys if api_key_jti(k.id) not in self._pushed]
+        # Pushed already: the same id revoked at the same time (a key may be cut off one
+        # sandbox more than once).
+        keys = [k for k in found.keys if self._pushed.get(api_key_jti(k.id)) != k.revoked_at]
         if keys:
             await self._push_keys(keys, live)
         fresh: dict[str, list[Any]] = {}
         for row in rows:
-            if row.jti not in self._pushed:
+            if self._pushed.get(row.jti) != row.revoked_at:
                 fresh.setdefault(row.sandbox_id, []).append(row)
         pushed = 0
         for sandbox_id, batch in fresh.items():

@@ -8,14 +8,24 @@ refusal says nothing about the scope (a caller may have named only a session id)
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
-from sqlalchemy import Connection, select, update
+from sqlalchemy import Connection, delete, select, update
 
 from sandlot.broker.audit import AuditContext, record
 from sandlot.broker.principals import Principal
 from sandlot.broker.store import Store
-from sandlot.broker.store.schema import bindings, leases, scope_members, scopes, tokens
+from sandlot.broker.store.schema import (
+    access_cuts,
+    api_keys,
+    bindings,
+    leases,
+    sandboxes,
+    scope_members,
+    scopes,
+    tokens,
+)
 from sandlot.protocol.common import Scope
 from sandlot.protocol.errors import Forbidden, SessionNotFound
 from sandlot.protocol.sessions import MembersResponse
@@ -48,6 +58,12 @@ def _check_owner(conn: Connection, principal: Principal, key: str, refusal: str)
     """Only the scope's owner (or an admin) changes who shares it."""
     if scope_owner(conn, key) != principal.effective_user and not principal.is_admin:
         raise Forbidden(refusal)
+
+
+#: How long a removed member's API keys stay cut off the scope's sandboxes: longer than
+#: a dataplane remembers who a key is, after which the key is refused there as a
+#: non-member's (a member added again within it waits that long to use his keys there).
+KEY_CUT_SECONDS = 30.0
 
 
 class MemberService:
@@ -105,8 +121,46 @@ class MemberService:
         """A removed member's leases on the scope's bindings end and its live tokens on
         them are revoked (the caller's transaction). The rows marked revoked reach the
         dataplane like those of a revoked key: the :class:`RevocationWatcher` of the
-        process serving the sandbox pushes them (``sandlot.broker.revocations``)."""
+        process serving the sandbox pushes them (``sandlot.broker.revocations``).
+
+        His API keys are cut off the scope's live sandboxes for :data:`KEY_CUT_SECONDS`
+        (an ``access_cuts`` row per key and sandbox, pushed the same way): the sockets
+        they opened on its dataplane close, and the dataplane refuses them there until
+        its own memory of who a key is (seconds) has lapsed; they still reach his own
+        sandboxes."""
         now = self.clock()
+        conn.execute(delete(access_cuts).where(access_cuts.c.expires_at < now - 3600))
+        live = (
+            select(bindings.c.sandbox_id)
+            .join(sandboxes, sandboxes.c.id == bindings.c.sandbox_id)
+            .where(
+                bindings.c.scope_key == key,
+                sandboxes.c.state.not_in(("terminated", "failed")),
+            )
+            .distinct()
+        )
+        keys = (
+            conn.execute(
+                select(api_keys.c.id).where(
+                    api_keys.c.user_id == user_id, api_keys.c.revoked_at.is_(None)
+                )
+            )
+            .scalars()
+            .all()
+        )
+        cuts = [
+            {
+                "id": f"cut_{secrets.token_hex(12)}",
+                "sandbox_id": sandbox_id,
+                "key_id": key_id,
+                "cut_at": now,
+                "expires_at": now + KEY_CUT_SECONDS,
+            }
+            for sandbox_id in conn.execute(live).scalars().all()
+            for key_id in keys
+        ]
+        if cuts:
+            conn.execute(access_cuts.insert(), cuts)
         of_scope = select(bindings.c.id).where(bindings.c.scope_key == key)
         conn.execute(
             update(leases)

@@ -100,3 +100,10 @@ class RevokedToken:
     jti: str
     #: Epoch seconds; the revocation can be forgotten once the token has expired anyway.
     expires_at: float
+
+
+def on_sandbox(jti: str, sandbox_id: str) -> str:
+    """The id that revokes ``jti`` on one sandbox alone: a :class:`RevokedToken` of it
+    closes the sockets ``jti`` opened there and refuses it there, not elsewhere (the API
+    key of a member removed from a shared scope, which still reaches his own sandboxes)."""
+    return f"{jti}@{sandbox_id}"

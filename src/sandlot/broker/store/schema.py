@@ -132,6 +132,19 @@ tokens = Table(
     Index("ix_tokens_binding_principal", "binding_id", "principal_id"),
 )
 
+#: A removed member's API keys cut off one sandbox of the scope for a while: pushed to its
+#: dataplane like a revoked token, so the sockets the keys opened there close
+#: (``sandlot.broker.revocations``); rows are deleted an hour after they end.
+access_cuts = Table(
+    "access_cuts",
+    metadata,
+    Column("id", String(40), primary_key=True),
+    Column("sandbox_id", String(40), nullable=False),
+    Column("key_id", String(40), nullable=False),
+    Column("cut_at", Float, nullable=False, index=True),
+    Column("expires_at", Float, nullable=False),
+)
+
 #: Ordered event logs of bindings (2.6) and of sandboxes' lifecycle (2.8), by stream id.
 events = Table(
     "events",
@@ -299,6 +312,7 @@ web_links = Table(
 )
 
 __all__ = [
+    "access_cuts",
     "api_keys",
     "audit",
     "bindings",

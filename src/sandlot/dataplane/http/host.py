@@ -37,7 +37,7 @@ from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.errors import SandboxNotFound
 from sandlot.protocol.states import SandboxState
 from sandlot.protocol.templates import SandboxActivity
-from sandlot.protocol.tokens import RevokedToken
+from sandlot.protocol.tokens import RevokedToken, on_sandbox
 from sandlot.runtime.base import SandboxRuntime
 
 if TYPE_CHECKING:
@@ -130,9 +130,11 @@ class DataplaneHost:
     def revoke(self, tokens: Sequence[RevokedToken]) -> None:
         self.verifier.revoke(tokens)
         jtis = {t.jti for t in tokens}
-        for entry in self._entries.values():
+        for sandbox_id, entry in self._entries.items():
             for conn in list(entry.connections):
-                if conn.jti in jtis:
+                if conn.jti is not None and (
+                    conn.jti in jtis or on_sandbox(conn.jti, sandbox_id) in jtis
+                ):
                     conn.close(4401, "token revoked")
 
     async def unregister(self, sandbox_id: str) -> None:

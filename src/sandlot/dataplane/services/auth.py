@@ -40,6 +40,7 @@ from sandlot.protocol.tokens import (
     RevokedToken,
     TokenClaims,
     decode_token,
+    on_sandbox,
     token_key_id,
 )
 
@@ -111,13 +112,21 @@ class TokenVerifier:
     def revoke(self, tokens: Iterable[RevokedToken]) -> None:
         now = time.time()
         for tok in tokens:
-            self._revoked[tok.jti] = tok.expires_at
+            # The longer of two revocations of one id holds (a key revoked for good, then
+            # cut off one sandbox for a while).
+            self._revoked[tok.jti] = max(tok.expires_at, self._revoked.get(tok.jti, 0.0))
         if len(self._revoked) > 1024:
             horizon = now - self.leeway
             self._revoked = {j: e for j, e in self._revoked.items() if e >= horizon}
 
     def is_revoked(self, jti: str | None) -> bool:
-        return jti is not None and jti in self._revoked
+        """Whether ``jti`` is revoked: until its revocation's ``expires_at`` (and the
+        leeway) — a token's expiry, after which it is refused anyway, or the end of an
+        API key's cut from one sandbox (:func:`~sandlot.protocol.tokens.on_sandbox`)."""
+        if jti is None:
+            return False
+        until = self._revoked.get(jti)
+        return until is not None and until >= time.time() - self.leeway
 
     # --- keys ------------------------------------------------------------------------
 
@@ -201,7 +210,7 @@ class TokenVerifier:
             raise Forbidden("token is for another sandbox")
         if generation is not None and claims.gen != generation:
             raise Unauthenticated("token is for another generation of this sandbox")
-        if claims.jti in self._revoked:
+        if self.is_revoked(claims.jti):
             raise Unauthenticated("token revoked")
         ctx = self._contexts.get(token)
         if ctx is None:
@@ -280,7 +289,12 @@ class Authenticator:
             if len(self._api_keys) > 4096:
                 self._api_keys.clear()
             self._api_keys[cache_key] = (now + self.API_KEY_TTL, ctx)
-        if ctx is None or ctx.sandbox_id != sandbox_id or self.verifier.is_revoked(ctx.jti):
+        if (
+            ctx is None
+            or ctx.sandbox_id != sandbox_id
+            or self.verifier.is_revoked(ctx.jti)
+            or (ctx.jti is not None and self.verifier.is_revoked(on_sandbox(ctx.jti, sandbox_id)))
+        ):
             raise Unauthenticated("invalid API key")
         return ctx
 
