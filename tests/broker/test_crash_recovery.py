@@ -155,3 +155,38 @@ def test_kill9_mid_release(tmp_path: Path, record_property: RecordProperty) -> N
     finally:
         srv.stop()
         srv.cleanup()
+
+
+def test_a_restart_takes_over_more_commands_than_one_buffer_holds(tmp_path: Path) -> None:
+    # A dozen long commands (or some hundreds of short ones) in one sandbox made every
+    # later start of the server fail: the init's list of them lost its end.
+    srv = SandlotServer(tmp_path / "d", config=CONFIG).start()
+    try:
+        headers = srv.headers("alice")
+        r = ensure(srv, headers, "key-many")
+        assert r.status_code == 200, r.text
+        grant = r.json()
+        wait_active(srv.url, headers, grant)
+        token = {"Authorization": f"Bearer {grant['token']}"}
+        base = grant["dataplane"]["http_base_url"]
+        with httpx.Client(headers=token, timeout=30) as c:
+            for n in range(40):
+                command = f"echo {n} # {'x' * 15000}"
+                r = c.post(f"{base}/exec", json={"command": command, "command_id": f"c{n}"})
+                assert r.status_code == 200 and r.json()["stdout"] == f"{n}\n", r.text
+        srv.kill9()
+        srv.restart()
+        r = ensure(srv, headers, "key-many")
+        grant = r.json()
+        token = {"Authorization": f"Bearer {grant['token']}"}
+        with httpx.Client(headers=token, timeout=30) as c:
+            r = c.post(f"{base}/exec", json={"command": "echo served"})
+            assert r.status_code == 200 and r.json()["stdout"] == "served\n", r.text
+            # Each earlier command is still known, with how it ended.
+            r = c.get(f"{base}/execs")
+            assert r.status_code == 200, r.text
+            ended = {e["command_id"]: e["exit_code"] for e in r.json()["execs"]}
+            assert all(ended.get(f"c{n}") == 0 for n in range(40)), ended
+    finally:
+        srv.stop()
+        srv.cleanup()

@@ -125,6 +125,21 @@ async def test_a_server_dying_with_an_unread_answer_leaves_the_held_pipes_alone(
     assert (await adopted.wait()).exit_code == 3
 
 
+async def test_more_kept_processes_than_one_buffer_holds_are_all_listed(
+    manager: LocalRuntimeManager, settings: RuntimeSettings, template: Template
+) -> None:
+    # The init sent one message per kept process without waiting for room: past the
+    # connection's buffer (some hundreds of short commands, or a dozen long ones) the
+    # rest and the list's end were lost, and a restarted server could not start.
+    rt = await manager.create("sb-kept-many", 1, template, {})
+    records = {tag: bytes([65 + tag % 26]) * 16000 for tag in range(1, 121)}
+    for tag, record in records.items():
+        drop(await rt.spawn(ProcessSpec(argv=["true"]), Keep(tag=tag, record=record)))
+    again = await restarted(settings, rt)
+    kept = await again.kept()
+    assert {k.tag: k.record for k in kept} == records
+
+
 async def test_record_is_replaced(manager: LocalRuntimeManager, template: Template) -> None:
     rt = await manager.create("sb-kept3", 1, template, {})
     process = await rt.spawn(

@@ -231,7 +231,11 @@ class LocalProvider(Provider):
             self.host.set_state(rec.sandbox_id, state, reason="re-adopted after restart")
             if state is SandboxState.ACTIVE:
                 # A frozen init answers nothing: a suspended sandbox's commands on resume.
-                await self.host.readopt(rec.sandbox_id)
+                try:
+                    await self.host.readopt(rec.sandbox_id)
+                except Exception:
+                    # Its files and shells are still served; the others' commands too.
+                    log.exception("could not take over the commands of %s", rec.sandbox_id)
             adopted.add(rec.sandbox_id)
         await self.manager.cleanup_leftovers(keep=adopted)
         return lost

@@ -45,6 +45,7 @@
 #include <grp.h>
 #include <limits.h>
 #include <linux/sched.h>
+#include <poll.h>
 #include <seccomp.h>
 #include <signal.h>
 #include <spawn.h>
@@ -353,8 +354,13 @@ static int nconns;
 static int epfd;
 static char rxbuf[CHUNK + 64];
 
-static void send_full(struct conn *c, uint32_t type, int pid, int err, int status,
-                      const int *fds, int nfds, const void *extra, size_t extra_len) {
+/* How long one reply waits for room in the connection's buffer (ms): the server reads
+ * its replies as they come, and a list of thousands of kept processes is more than the
+ * buffer holds at once. */
+#define SEND_WAIT_MS 5000
+
+static int send_full(struct conn *c, uint32_t type, int pid, int err, int status,
+                     const int *fds, int nfds, const void *extra, size_t extra_len) {
     struct response r = {type, pid, err, status};
     struct iovec iov[2] = {{&r, sizeof r}, {(void *)extra, extra_len}};
     union {
@@ -375,13 +381,22 @@ static void send_full(struct conn *c, uint32_t type, int pid, int err, int statu
         cm->cmsg_len = CMSG_LEN((size_t)n * sizeof(int));
         memcpy(CMSG_DATA(cm), live, (size_t)n * sizeof(int));
     }
-    /* The server reads promptly; a lost reply only costs that one request. */
-    while (sendmsg(c->fd, &msg, MSG_NOSIGNAL) < 0 && errno == EINTR) {
+    for (;;) {
+        if (sendmsg(c->fd, &msg, MSG_NOSIGNAL) >= 0) return 0;
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) return -1;
+        /* The buffer is full: wait for the server to read (a server that does not
+         * read for that long loses this reply, and with it this connection). */
+        struct pollfd p = {.fd = c->fd, .events = POLLOUT};
+        int ready;
+        while ((ready = poll(&p, 1, SEND_WAIT_MS)) < 0 && errno == EINTR) {
+        }
+        if (ready <= 0 || !(p.revents & POLLOUT)) return -1;
     }
 }
 
-static void send_response(struct conn *c, uint32_t type, int pid, int err, int status, int fd) {
-    send_full(c, type, pid, err, status, &fd, 1, NULL, 0);
+static int send_response(struct conn *c, uint32_t type, int pid, int err, int status, int fd) {
+    return send_full(c, type, pid, err, status, &fd, 1, NULL, 0);
 }
 
 static void close_received(struct conn *c) {
@@ -597,7 +612,12 @@ static void do_list(struct conn *c) {
         char head[8 + MAX_RECORD];
         memcpy(head, &j->tag, 8);
         memcpy(head + 8, j->record, j->record_len);
-        send_full(c, RESP_JOB, j->pid, j->exited, j->status, NULL, 0, head, 8 + j->record_len);
+        if (send_full(c, RESP_JOB, j->pid, j->exited, j->status, NULL, 0, head,
+                      8 + j->record_len) != 0) {
+            /* A list cut short would read as a whole one without its end. */
+            drop_conn(c);
+            return;
+        }
     }
     send_response(c, RESP_END, 0, 0, 0, -1);
 }
