@@ -412,6 +412,38 @@ def test_attach_beyond_the_end_is_refused(server: Server, client: httpx.Client) 
     asyncio.run(run())
 
 
+def test_a_refused_attach_is_not_a_client_leaving(server: Server, client: httpx.Client) -> None:
+    # Refused for its offset, an attach counted as a client leaving: a command ended on
+    # its client's disconnect was killed under the client still attached.
+    async def run() -> str:
+        url = server.ws_url("/exec/ws")
+        async with websockets.connect(url, additional_headers=server.headers()) as ws:
+            await ws.send(
+                json.dumps(
+                    {
+                        "type": "start",
+                        "command": "for i in 1 2 3 4 5 6; do echo tick$i; sleep 0.3; done",
+                        "kill_on_disconnect": True,
+                    }
+                )
+            )
+            exec_id = (await _recv(ws))["exec_id"]
+            async with websockets.connect(url, additional_headers=server.headers()) as other:
+                await other.send(
+                    json.dumps({"type": "attach", "exec_id": exec_id, "stdout_offset": 10**9})
+                )
+                err = await _recv(other)
+                assert err["type"] == "error" and err["code"] == "INVALID_REQUEST"
+            out = ""
+            while (frame := await _recv(ws))["type"] != "exit":
+                out += frame.get("data", "")
+            assert "tick6" in out and frame["exit_code"] == 0, frame
+            return exec_id
+
+    exec_id = asyncio.run(run())
+    assert client.get(server.url(f"/execs/{exec_id}")).json()["state"] == "exited"
+
+
 @pytest.mark.engine
 def test_ping_close_and_kill_on_disconnect(server: Server, client: httpx.Client) -> None:
     async def run() -> tuple[str, str]:

@@ -316,6 +316,8 @@ async def exec_socket(ws: WebSocket, *, langsmith: bool) -> None:
     if sock is None:
         return
     entry = sock.entry
+    #: The command once this socket counts among its clients (an attach refused, for an
+    #: offset it does not have, never did: it must not count as one leaving).
     ex: Exec | None = None
     try:
         first: Any = None
@@ -332,8 +334,9 @@ async def exec_socket(ws: WebSocket, *, langsmith: bool) -> None:
                 return
             else:
                 raise _Protocol("start or attach first")
-        ex, offsets = await _start_or_attach(sock, first, langsmith=langsmith)
-        check_offsets(ex.streams, offsets)
+        found, offsets = await _start_or_attach(sock, first, langsmith=langsmith)
+        check_offsets(found.streams, offsets)
+        ex = found
         ex.clients += 1
         # The cursor exists before ``ready`` is sent: it paces the command from its first byte.
         cursor = Cursor(ex.streams, offsets[: len(ex.streams)])
