@@ -412,6 +412,37 @@ def test_attach_beyond_the_end_is_refused(server: Server, client: httpx.Client) 
     asyncio.run(run())
 
 
+def test_input_a_command_leaves_unread_does_not_lose_its_result(
+    server: Server, client: httpx.Client
+) -> None:
+    # Past the pipe's 64 KiB, the rest of the input met a command that no longer read it:
+    # the answer was 409 "stdin is closed" and the command's result was lost.
+    r = client.post(server.url("/exec"), json={"command": "head -c 5", "stdin": "y" * 200_000})
+    assert r.status_code == 200, r.text
+    assert (r.json()["stdout"], r.json()["exit_code"]) == ("yyyyy", 0)
+    r = client.post(
+        server.url("/exec"),
+        json={"command": "sleep 30", "stdin": "z" * (1 << 20), "timeout": 0.5},
+    )
+    assert r.status_code == 200, r.text
+    assert (r.json()["exit_code"], r.json()["timed_out"]) == (124, True)
+
+    async def over_a_socket() -> None:
+        async with websockets.connect(
+            server.ws_url("/exec/ws"), additional_headers=server.headers()
+        ) as ws:
+            await ws.send(
+                json.dumps({"type": "start", "command": "head -c 3", "stdin": "w" * 200_000})
+            )
+            assert (await _recv(ws))["type"] == "ready"
+            out = ""
+            while (frame := await _recv(ws))["type"] != "exit":
+                out += frame.get("data", "")
+            assert (out, frame["exit_code"]) == ("www", 0)
+
+    asyncio.run(over_a_socket())
+
+
 def test_a_refused_attach_is_not_a_client_leaving(server: Server, client: httpx.Client) -> None:
     # Refused for its offset, an attach counted as a client leaving: a command ended on
     # its client's disconnect was killed under the client still attached.

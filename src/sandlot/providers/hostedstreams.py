@@ -279,6 +279,10 @@ async def run_with_stdin(box: Box, req: ExecRequest, ex: RelayExec) -> dict[str,
                     "truncated": truncated,
                 }
             elif frame["type"] == "error":
+                if frame.get("code") == "CONFLICT":
+                    # The command closed its stdin (or ended) before reading all of its
+                    # input: the rest is left unread, as a pipe's writer leaves it.
+                    continue
                 raise _frame_error(frame)
     finally:
         await up.close()

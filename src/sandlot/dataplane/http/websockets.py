@@ -288,7 +288,7 @@ async def _start_or_attach(sock: Socket, first: Any, *, langsmith: bool) -> tupl
             kill_on_disconnect=first.kill_on_disconnect,
         )
         if isinstance(first, F.StartFrame) and first.stdin is not None:
-            await ex.write_stdin(first.stdin.encode())
+            await ex.feed_stdin(first.stdin.encode())
         if isinstance(first, F.ExecuteFrame) and first.close_stdin:
             await ex.close_stdin()
         return ex, [0, 0]

@@ -249,6 +249,14 @@ class Exec:
             except OSError:
                 raise ResourceConflict("stdin is closed") from None
 
+    async def feed_stdin(self, data: bytes) -> None:
+        """The input a command is started with: what it does not read before it closes
+        its stdin or ends (``head -c 5``, a timeout) is left unread, as a pipe's writer
+        leaves it, and its result stands."""
+        if data:
+            with contextlib.suppress(ResourceConflict):
+                await self.write_stdin(data)
+
     async def close_stdin(self) -> None:
         if self._stdin_closed or self.process is None:
             return
@@ -561,8 +569,7 @@ class ExecManager:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             if stdin is not None:
-                if stdin:
-                    await ex.write_stdin(stdin)
+                await ex.feed_stdin(stdin)
                 await ex.close_stdin()
             return ex
         finally:
