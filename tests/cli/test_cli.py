@@ -415,3 +415,37 @@ def test_shell_outlives_an_outage(tmp_path: Path) -> None:
         finally:
             srv.stop()
             srv.cleanup()
+
+
+def test_watch_of_a_sandbox_that_kept_only_its_latest_events(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    # A first watch, or --from-start, of a sandbox with more events than it keeps ended
+    # at once: "events before this cursor are no longer kept" (exit 1).
+    with running(tmp_path / "d", env={"SANDLOT_DP_EVENT_RETENTION": "20"}) as srv:
+        mine = {**env, "SANDLOT_URL": srv.url, "SANDLOT_API_KEY": srv.key("alice")}
+        made = sandlot(mine, "exec", "thr_busy", "--", "for i in $(seq 40); do : > f$i; done")
+        assert made.returncode == 0, made.stderr
+
+        def watch(*extra: str, home: Path) -> tuple[list[int], str]:
+            run_env = {**mine, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                       "XDG_CACHE_HOME": str(home / ".cache")}  # fmt: skip
+            try:
+                subprocess.run(
+                    [*SANDLOT, "watch", "thr_busy", "--json", *extra],
+                    env=run_env, capture_output=True, text=True, timeout=8,
+                )  # fmt: skip
+            except subprocess.TimeoutExpired as live:  # it follows the log: stopped here
+                out = live.stdout.decode() if isinstance(live.stdout, bytes) else live.stdout
+                err = live.stderr.decode() if isinstance(live.stderr, bytes) else live.stderr
+                return [json.loads(line)["sequence"] for line in (out or "").splitlines()], (
+                    err or ""
+                )
+            raise AssertionError("the watch ended")
+
+        every, said = watch("--from-start", home=tmp_path / "h1")
+        assert len(every) == 20 and every == list(range(every[0], every[0] + 20)), every
+        assert "no longer kept" not in said
+        first, said = watch(home=tmp_path / "h2")
+        assert first == every
+        assert f"events 1 to {every[0] - 1} are no longer kept" in said

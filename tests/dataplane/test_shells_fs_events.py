@@ -395,6 +395,18 @@ def test_sequence_expired(tmp_path: Any) -> None:
                 c.post(server.url("/fs/mkdir"), json={"path": f"d{i}"})
             r = c.get(server.url("/events"), params={"after": 0})
             assert r.status_code == 410 and r.json()["error"]["code"] == "SEQUENCE_EXPIRED"
+            # Where the client can carry on from.
+            assert r.json()["error"]["metadata"] == {"oldest_sequence": 4}
+            # The latest ``tail`` are what is kept when fewer are (it was a 410).
+            with c.stream("GET", server.url("/events"), params={"tail": 100}) as stream:
+                assert stream.status_code == 200
+                ids = []
+                for line in stream.iter_lines():
+                    if line.startswith("id: "):
+                        ids.append(int(line[4:]))
+                    if line == ": live":
+                        break
+            assert ids == [4, 5, 6]
     finally:
         gen.close()
 

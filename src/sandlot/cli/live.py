@@ -24,6 +24,7 @@ from sandlot.cli.client import run, target_of
 from sandlot.cli.context import JsonOption, KeyOption, SandboxOption, UrlOption
 from sandlot.cli.errors import err_console, fail
 from sandlot.cli.settings import CliSettings
+from sandlot.protocol.errors import SequenceExpired
 from sandlot.sdk import AsyncSandbox, AsyncSandlot, AsyncShell
 from sandlot.sdk.transport import RetryBudget
 
@@ -315,6 +316,19 @@ def _describe(event: Any) -> str:
     return json.dumps(d)
 
 
+def _show(event: Any, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(event.raw, sort_keys=True) + "\n")
+    else:
+        actor = event.actor or {}
+        who = f"{actor.get('type', '')}:{actor.get('id', '')}" if actor else "sandbox"
+        stamp = time.strftime("%H:%M:%S")
+        kind = event.kind or "?"
+        line = f"{stamp} #{event.sequence:<5} {who:<24} {kind:<6} {_describe(event)}"
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def watch_command(
     thread: str | None = typer.Argument(
         None,
@@ -347,22 +361,31 @@ def watch_command(
             except (OSError, ValueError):
                 cursor = 0
         cursor_file.parent.mkdir(parents=True, exist_ok=True)
-        async for event in sandbox.events(after=cursor):
-            # Recorded before it is shown, and atomically: a watch killed at any moment
-            # never shows an event again, nor leaves a torn cursor behind.
-            partial = cursor_file.with_suffix(".tmp")
-            partial.write_text(str(event.sequence))
-            partial.replace(cursor_file)
-            if as_json:
-                sys.stdout.write(json.dumps(event.raw, sort_keys=True) + "\n")
-            else:
-                actor = event.actor or {}
-                who = f"{actor.get('type', '')}:{actor.get('id', '')}" if actor else "sandbox"
-                stamp = time.strftime("%H:%M:%S")
-                kind = event.kind or "?"
-                line = f"{stamp} #{event.sequence:<5} {who:<24} {kind:<6} {_describe(event)}"
-                sys.stdout.write(line + "\n")
-            sys.stdout.flush()
+        while True:
+            stream = sandbox.events(after=cursor)
+            try:
+                async for event in stream:
+                    # Recorded before it is shown, and atomically: a watch killed at any
+                    # moment never shows an event again, nor leaves a torn cursor behind.
+                    partial = cursor_file.with_suffix(".tmp")
+                    partial.write_text(str(event.sequence))
+                    partial.replace(cursor_file)
+                    _show(event, as_json)
+                return
+            except SequenceExpired as exc:
+                # The sandbox keeps its latest events only: carry on from the oldest kept,
+                # saying what is gone (a first watch of a busy sandbox, --from-start, a
+                # watch resumed after long).
+                oldest = exc.metadata.get("oldest_sequence")
+                cursor = max(cursor, stream.last_sequence)
+                if not isinstance(oldest, int) or oldest - 1 <= cursor:
+                    raise
+                if cursor or not from_start:
+                    err_console.print(
+                        f"[yellow][sandlot] events {cursor + 1} to {oldest - 1} are no longer "
+                        f"kept; from #{oldest}[/]"
+                    )
+                cursor = oldest - 1
 
     with contextlib.suppress(KeyboardInterrupt):
         run(url, api_key, body)

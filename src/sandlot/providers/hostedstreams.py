@@ -48,6 +48,7 @@ from websockets.exceptions import ConnectionClosed
 from sandlot.dataplane.http.web import endpoint, json_response
 from sandlot.dataplane.http.websockets import close_code_for, receive_frame
 from sandlot.dataplane.services.auth import AuthContext, bearer_from_header
+from sandlot.dataplane.services.events import expired_event
 from sandlot.protocol import frames as F
 from sandlot.protocol.common import Capability, new_id, rfc3339
 from sandlot.protocol.dataplane import ExecRequest
@@ -783,7 +784,8 @@ async def events_sse(request: Request) -> Response:
         raise InvalidRequest("after must be >= 0")
     log = hosted.events
     if tail >= 0:
-        after = max(after, log.last_sequence - tail)
+        # At most the latest ``tail``: fewer when the log keeps fewer.
+        after = max(after, log.last_sequence - tail, log.oldest_sequence - 1)
     log.since(after)  # 410 before the stream starts
 
     async def stream() -> AsyncIterator[bytes]:
@@ -811,8 +813,8 @@ async def events_sse(request: Request) -> Response:
                     return
                 try:
                     batch = log.since(cursor)
-                except SequenceExpired:
-                    yield b'event: error\ndata: {"code":"SEQUENCE_EXPIRED"}\n\n'
+                except SequenceExpired as exc:
+                    yield expired_event(exc)
                     return
                 if batch:
                     cursor = batch[-1][0]

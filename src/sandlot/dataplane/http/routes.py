@@ -29,6 +29,7 @@ from sandlot.dataplane.http.web import (
     query_path,
 )
 from sandlot.dataplane.services import grep as grep_service
+from sandlot.dataplane.services.events import expired_event
 from sandlot.dataplane.services.execs import Exec, parse_signal
 from sandlot.dataplane.services.fsops import Change, decode_content
 from sandlot.protocol.common import API_VERSION, Capability
@@ -393,7 +394,9 @@ async def events_sse(request: Request) -> Response:
     if after < 0:
         raise InvalidRequest("after must be >= 0")
     if tail >= 0:
-        after = max(after, entry.events.last_sequence - tail)
+        # At most the latest ``tail``: fewer when the log keeps fewer.
+        log = entry.events
+        after = max(after, log.last_sequence - tail, log.oldest_sequence - 1)
     entry.events.since(after)  # 410 now, before the stream starts
     # An open event stream counts like a WebSocket (429 beyond the limits).
     place = host.sockets.admit(entry.sandbox_id, "/events", authenticated=True)
@@ -422,9 +425,9 @@ async def events_sse(request: Request) -> Response:
                 wake.clear()
                 try:
                     batch = entry.events.since(cursor)
-                except SequenceExpired:
+                except SequenceExpired as exc:
                     # The reader fell further behind than the log keeps.
-                    yield b'event: error\ndata: {"code":"SEQUENCE_EXPIRED"}\n\n'
+                    yield expired_event(exc)
                     return
                 if batch:
                     parts = [

@@ -108,6 +108,9 @@ class Socket:
             frame = F.langsmith_error_frame(error_type, exc.message)
         else:
             frame = F.error_frame(exc.wire_code, exc.message, exc.retryable)
+            if exc.metadata:
+                # What the client needs to act on it (an event log's oldest sequence).
+                frame["metadata"] = exc.metadata
         with contextlib.suppress(Exception):
             await self.send(frame)
         await self.close(close_code_for(exc), exc.message)
@@ -572,6 +575,8 @@ async def events_socket(ws: WebSocket) -> None:
     entry = sock.entry
     try:
         after = int(ws.query_params.get("after") or 0)
+        if after < 0:
+            raise InvalidRequest("after must be >= 0")
         entry.events.since(after)
         wake = asyncio.Event()
         entry.events.listen(wake)

@@ -37,6 +37,19 @@ log = logging.getLogger("sandlot.dataplane.services.events")
 JOURNAL = "events.jsonl"
 
 
+def expired_event(exc: SequenceExpired) -> bytes:
+    """The SSE ``error`` event that ends a stream whose reader fell further behind than
+    the log keeps: the error envelope's fields, the oldest kept sequence among them (a
+    client carries on from there, knowing what it missed)."""
+    body = {
+        "code": exc.wire_code,
+        "message": exc.message,
+        "retryable": False,
+        "metadata": exc.metadata,
+    }
+    return f"event: error\ndata: {json.dumps(body)}\n\n".encode()
+
+
 #: The second an event's timestamp was last formatted in, and its text up to the second.
 _stamp_second: tuple[int, str] = (-1, "")
 
@@ -95,6 +108,11 @@ class EventLog:
     @property
     def last_sequence(self) -> int:
         return self._sequence
+
+    @property
+    def oldest_sequence(self) -> int:
+        """The sequence of the oldest event kept (the next one's while none is)."""
+        return self._events[0].sequence if self._events else self._sequence + 1
 
     def append(
         self, event_type: str, kind: str, details: dict[str, Any], actor: Actor | None = None
