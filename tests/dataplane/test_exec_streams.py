@@ -68,6 +68,33 @@ def test_output_cap_truncates(tmp_path: Any) -> None:
         gen.close()
 
 
+def test_running_commands_keep_a_bounded_output_together(tmp_path: Any) -> None:
+    # Each running POST /exec kept up to 10 MiB per stream for its answer, and a
+    # sandbox may run 1,000: some 20 GB of the server's memory for one sandbox.
+    from tests.dataplane.conftest import start_server
+
+    gen = start_server(tmp_path, max_output_bytes=1000, max_collecting_bytes=2500)
+    srv = next(gen)
+    try:
+        loud = "head -c 3000 /dev/zero | tr '\\0' a; sleep 2"
+
+        async def together() -> list[dict[str, Any]]:
+            async with httpx.AsyncClient(headers=srv.headers(), timeout=60) as c:
+                answers = await asyncio.gather(
+                    *(c.post(srv.url("/exec"), json={"command": loud}) for _ in range(3))
+                )
+            return [a.json() for a in answers]
+
+        answers = asyncio.run(together())
+        assert all(a["exit_code"] == 0 and a["truncated"] for a in answers), answers
+        assert sum(len(a["stdout"]) for a in answers) <= 2500
+        # Ended, they give their share back: one alone keeps its whole 1000 again.
+        r = httpx.post(srv.url("/exec"), headers=srv.headers(), json={"command": loud})
+        assert len(r.json()["stdout"]) == 1000 and r.json()["truncated"] is True
+    finally:
+        gen.close()
+
+
 PRODUCER = (
     'python3 -c "import hashlib,sys,time\n'
     "for i in range({n}):\n"

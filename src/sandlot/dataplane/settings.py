@@ -9,6 +9,9 @@
 - ``max_execs``: execs kept per sandbox (the oldest finished ones go first).
 - ``max_retained_output_bytes``: output kept by finished execs of a sandbox, all together
   (beyond it the oldest finished execs are forgotten early).
+- ``max_collecting_bytes``: output the running ``POST /exec`` commands of a sandbox keep
+  for their answers, all together (each still at most ``max_output_bytes`` per stream);
+  what one would keep beyond it is cut (``truncated``).
 - ``max_shells``: shells per sandbox.
 - ``spare_shells``: once a shell profile has been opened in a sandbox, keep one more of it
   started in the background, so that the next shell opens without waiting for its program.
@@ -58,6 +61,7 @@ class DataplaneSettings:
     reattach_window_seconds: float = 600.0
     max_execs: int = 1000
     max_retained_output_bytes: int = 256 * MiB
+    max_collecting_bytes: int = 256 * MiB
     max_shells: int = 64
     spare_shells: bool = True
     event_retention: int = 10_000

@@ -35,7 +35,7 @@ from typing import Any
 
 from sandlot.dataplane.services.procio import PACING_HEADROOM, FdReader, close_fd, write_all
 from sandlot.dataplane.services.spool import SpoolFile, SpoolReader
-from sandlot.dataplane.services.streams import Cursor, OutputStream
+from sandlot.dataplane.services.streams import ByteBudget, Cursor, OutputStream
 from sandlot.dataplane.settings import DataplaneSettings
 from sandlot.protocol.common import Actor, new_id, rfc3339
 from sandlot.protocol.dataplane import ExecSnapshot
@@ -107,6 +107,7 @@ class Exec:
         settings: DataplaneSettings,
         collect: bool,
         exec_id: str | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.exec_id = exec_id or new_id("ex", 8)
         self.command = command
@@ -126,8 +127,12 @@ class Exec:
         # Streamed commands are paced by their leading client; a collected one (POST /exec)
         # keeps everything anyway, and a client watching it must not slow its answer.
         headroom = None if collect else PACING_HEADROOM
-        self.stdout = OutputStream("stdout", cap, collect_limit=limit, headroom=headroom)
-        self.stderr = OutputStream("stderr", cap, collect_limit=limit, headroom=headroom)
+        self.stdout = OutputStream(
+            "stdout", cap, collect_limit=limit, headroom=headroom, budget=budget
+        )
+        self.stderr = OutputStream(
+            "stderr", cap, collect_limit=limit, headroom=headroom, budget=budget
+        )
         self.streams = [self.stdout] if pty else [self.stdout, self.stderr]
         self.done = asyncio.Event()
         self._watchers: set[asyncio.Event] = set()
@@ -409,6 +414,8 @@ class ExecManager:
 
     def __init__(self, settings: DataplaneSettings, emit: EventSink) -> None:
         self.settings = settings
+        #: What the one-shot copies of the running commands may keep, all together.
+        self._collecting = ByteBudget(settings.max_collecting_bytes)
         self._emit = emit
         self._execs: dict[str, Exec] = {}
         self._by_command: dict[str, Exec] = {}
@@ -527,6 +534,7 @@ class ExecManager:
                 pty=pty is not None,
                 settings=self.settings,
                 collect=collect,
+                budget=self._collecting,
             )
             spec = ProcessSpec(argv=argv, env=env, cwd=sandbox_cwd(cwd), pty=pty)
             ex.kill_on_disconnect = kill_on_disconnect
@@ -647,6 +655,7 @@ class ExecManager:
             settings=self.settings,
             collect=bool(info.get("collect")),
             exec_id=str(info["exec_id"]),
+            budget=self._collecting,
         )
         ex.started_at = float(info["started_at"])
         ex.deadline = info.get("deadline")

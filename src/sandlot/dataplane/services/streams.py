@@ -73,6 +73,15 @@ def _boundary_forward(buf: bytearray, pos: int) -> int:
     return pos
 
 
+class ByteBudget:
+    """Bytes several streams may keep between them: the one-shot copies (``POST /exec``)
+    of one sandbox's running commands. A stream takes what it keeps and gives it all back
+    when it ends; what it would keep beyond its share is cut (``truncated``)."""
+
+    def __init__(self, total: int) -> None:
+        self.available = total
+
+
 class OutputStream:
     """One output stream (stdout, stderr, or a PTY) of a command or shell."""
 
@@ -83,6 +92,7 @@ class OutputStream:
         *,
         collect_limit: int | None = None,
         headroom: int | None = None,
+        budget: ByteBudget | None = None,
     ) -> None:
         self.name = name
         self.capacity = capacity
@@ -101,6 +111,9 @@ class OutputStream:
         self.collected: bytearray | None = bytearray() if collect_limit is not None else None
         self._collect_limit = collect_limit or 0
         self.truncated = False
+        #: Where the collected bytes are taken from while the stream runs, and how many.
+        self._budget = budget
+        self._charged = 0
 
     @property
     def start(self) -> int:
@@ -171,13 +184,7 @@ class OutputStream:
 
     def _append(self, data: bytes) -> None:
         if self.collected is not None:
-            room = self._collect_limit - len(self.collected)
-            if room >= len(data):
-                self.collected += data
-            else:
-                if room > 0:
-                    self.collected += data[: complete_utf8(data[:room])]
-                self.truncated = True
+            self._collect(data)
         self._buf += data
         # Trim in steps (not on every write) so the memmove is amortised.
         excess = len(self._buf) - self.capacity
@@ -186,6 +193,24 @@ class OutputStream:
             del self._buf[:cut]
             self._start += cut
         self._notify()
+
+    def _collect(self, data: bytes) -> None:
+        assert self.collected is not None
+        room = self._collect_limit - len(self.collected)
+        if self._budget is not None and not self.eof:
+            room = min(room, self._budget.available)
+        kept = data if room >= len(data) else data[: complete_utf8(data[: max(room, 0)])]
+        if len(kept) < len(data):
+            self.truncated = True
+        self.collected += kept
+        if self._budget is not None and not self.eof:
+            self._budget.available -= len(kept)
+            self._charged += len(kept)
+
+    def _give_back(self) -> None:
+        if self._budget is not None:
+            self._budget.available += self._charged
+            self._charged = 0
 
     def resume(self, start: int, data: bytes, head: bytes, size: int) -> None:
         """Continue a stream of ``size`` bytes whose last ones, from ``start``, are ``data``.
@@ -202,9 +227,11 @@ class OutputStream:
         collected, self.collected = self.collected, None
         self.feed(data[skip:])
         if collected is not None:
+            self._give_back()
+            self.collected = bytearray()
             kept = head[: self._collect_limit]
-            self.collected = bytearray(kept[: complete_utf8(kept)])
-            self.truncated = size > self._collect_limit
+            self._collect(kept[: complete_utf8(kept)])
+            self.truncated = self.truncated or size > self._collect_limit
 
     def close(self) -> None:
         if self.eof:
@@ -213,6 +240,8 @@ class OutputStream:
             pending, self._pending = self._pending, b""
             self._append(pending)
         self.eof = True
+        # Ended: what it keeps counts among the sandbox's finished commands from now on.
+        self._give_back()
         self._on_room = None  # nothing left to read: no reader to wake
         self._notify()
 
