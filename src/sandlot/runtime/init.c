@@ -612,12 +612,11 @@ static void do_list(struct conn *c) {
         char head[8 + MAX_RECORD];
         memcpy(head, &j->tag, 8);
         memcpy(head + 8, j->record, j->record_len);
+        /* A list cut short must not end as a whole one: its end is not sent (the
+         * caller closes the connection). */
         if (send_full(c, RESP_JOB, j->pid, j->exited, j->status, NULL, 0, head,
-                      8 + j->record_len) != 0) {
-            /* A list cut short would read as a whole one without its end. */
-            drop_conn(c);
+                      8 + j->record_len) != 0)
             return;
-        }
     }
     send_response(c, RESP_END, 0, 0, 0, -1);
 }
