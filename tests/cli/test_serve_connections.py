@@ -5,6 +5,7 @@ with no key."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import resource
 import socket
@@ -95,3 +96,47 @@ def test_connections_that_send_nothing_do_not_take_the_server(tmp_path: Path, ro
         assert server_fds(server) < before + 50
     finally:
         server.stop()
+
+
+def _answer(sock: socket.socket) -> bytes:
+    sock.settimeout(20)
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+def test_a_request_head_has_a_bounded_size(tmp_path: Path) -> None:
+    # A header's value or a URL sent in small pieces was built by appending each to what
+    # came before: an 80 MB head held the loop for seconds at a time, without a key.
+    server = SandlotServer(tmp_path / "data").start()
+    try:
+        host, port = "127.0.0.1", server.port
+        with socket.create_connection((host, port)) as sock:
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-A: ")
+            with contextlib.suppress(OSError):  # closed once the bound is passed
+                for _ in range(100):
+                    sock.sendall(b"a" * 4096)
+            answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
+        assert b'"code":"INVALID_REQUEST"' in answer
+        # A long URL too, and the server answers on.
+        with socket.create_connection((host, port)) as sock:
+            with contextlib.suppress(OSError):
+                sock.sendall(b"GET /healthz?" + b"q" * (200 << 10) + b" HTTP/1.1\r\n\r\n")
+            assert _answer(sock).startswith(b"HTTP/1.1 431 ")
+        # A head within the bound, its body past it in the same read, is served.
+        body = b'{"pad": "' + b"p" * (20 << 10) + b'"}'
+        head = (
+            b"POST /v1/sandbox/sessions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nX-Big: " + b"b" * (60 << 10) + b"\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)
+        )
+        with socket.create_connection((host, port)) as sock:
+            sock.sendall(head + body)
+            answer = _answer(sock)
+        assert answer.startswith(b"HTTP/1.1 401 "), answer[:200]  # no key: refused as such
+        assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
+    finally:
+        server.stop()
+        server.cleanup()

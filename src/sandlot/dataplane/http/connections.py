@@ -11,6 +11,7 @@ without a key, took every descriptor a server may open and it answered nobody.
   then is closed. A request in flight, a stream, a WebSocket are never cut: only a
   connection waiting for a head is. A body its handler reads may pause three times
   that at most between two reads (:data:`BODY_IDLE_HEADS`, ``client_body_timeout``).
+  A head larger than :data:`MAX_HEAD_BYTES` is answered 431 and its connection closed.
 - :func:`raise_open_files_limit` takes the soft limit of open files up to the hard one
   (the soft one is often 1024, which is nothing for a server; Go's runtime does the same
   for every program).
@@ -32,6 +33,14 @@ log = logging.getLogger("sandlot.connections")
 HEAD_SECONDS = 20.0
 #: The environment variable that sets it for a server.
 HEAD_ENV = "SANDLOT_HEAD_TIMEOUT_SECONDS"
+#: Bytes a request head (its line and headers) may take, as nginx's
+#: ``large_client_header_buffers`` bounds it: httptools and uvicorn build a header's
+#: value and the URL by appending each piece to what came before, so one head of 80 MB
+#: sent in small pieces held the event loop for seconds at a time, without any key.
+MAX_HEAD_BYTES = 64 << 10
+#: How long a connection refused for its head's size is read (and dropped) before it is
+#: closed, for its answer to reach the client.
+LINGER_SECONDS = 2.0
 #: How many head deadlines a request's body may go without a byte while its handler
 #: reads it (60 s by default, nginx's ``client_body_timeout``): a head that announces
 #: a body, then nothing, held its connection for good, and a route that reads a body
@@ -75,6 +84,9 @@ def guarded_http(
 
     head = head_seconds() if deadline is None else deadline
     idle = BODY_IDLE_HEADS * head if body_idle is None else body_idle
+    # httptools tells the protocol when a head is whole; h11 bounds a head itself
+    # (uvicorn's ``h11_max_incomplete_event_size``).
+    sized = hasattr(base, "on_headers_complete")
 
     class HeadDeadline(base):  # type: ignore[misc]
         """The protocol, with a timer while it waits for a client: for a request head
@@ -86,6 +98,10 @@ def guarded_http(
         _armed_after: Any = None
         _head_due = 0.0
         _last_data = 0.0
+        #: Whether a head is awaited (not whole yet), and how many bytes came for it.
+        _in_head = True
+        _head_bytes = 0
+        _refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -93,17 +109,62 @@ def guarded_http(
 
         def data_received(self, data: bytes) -> None:
             self._last_data = self.loop.time()
+            if self._refused:
+                return  # what the client sends after its refusal is dropped unread
+            if sized and self._in_head:
+                room = MAX_HEAD_BYTES - self._head_bytes
+                if len(data) > room:
+                    # Its head is whole within the bound, or it is refused; what follows
+                    # the head (a body) is not the head's.
+                    first, data = data[: max(room, 0)], data[max(room, 0) :]
+                    self._head_bytes += len(first)
+                    if first:
+                        super().data_received(first)
+                    if self._in_head and not self.transport.is_closing():
+                        self._refuse_head()
+                    if self.transport.is_closing() or not data:
+                        return
+                    if self.transport.get_protocol() is not self:
+                        self.transport.get_protocol().data_received(data)
+                        return
+                else:
+                    self._head_bytes += len(data)
             super().data_received(data)
+
+        def on_headers_complete(self) -> None:
+            self._in_head = False
+            super().on_headers_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             self._arm()
+
+        def _refuse_head(self) -> None:
+            body = (
+                b'{"error":{"code":"INVALID_REQUEST","message":"the request head is larger '
+                b'than %d bytes","retryable":false,"domain":"sandlot","metadata":{}}}'
+                % MAX_HEAD_BYTES
+            )
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            # Closed at once with the client's bytes unread, the connection would be reset
+            # and the answer lost: the sending side ends now, what still comes is dropped
+            # (nginx's lingering close), and the connection closes a moment later.
+            self._refused = True
+            self._disarm()
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(LINGER_SECONDS, self.transport.close)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             super().connection_lost(exc)
 
         def _arm(self) -> None:
+            self._in_head, self._head_bytes = True, 0
             self._armed_after = self.cycle
             now = self.loop.time()
             self._head_due = now + head
@@ -169,6 +230,7 @@ __all__ = [
     "BODY_IDLE_HEADS",
     "HEAD_ENV",
     "HEAD_SECONDS",
+    "MAX_HEAD_BYTES",
     "guarded_http",
     "head_seconds",
     "raise_open_files_limit",
