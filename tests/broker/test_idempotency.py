@@ -82,6 +82,33 @@ async def test_key_costs_no_transaction_of_its_own(
     )
 
 
+async def test_a_quota_refusal_is_not_replayed_once_the_quota_frees(
+    make_harness: MakeHarness,
+) -> None:
+    # A 429 QUOTA_EXCEEDED was stored under its key: after the user freed a sandbox, the
+    # same request (same key, same body) stayed refused, replayed.
+    h = await make_harness(max_live_sandboxes_per_user=1)
+    carol = h.key("carol")
+    first = await h.client.post("/v1/sandbox/sessions", json=BODY, headers=carol)
+    assert first.status_code == 200, first.text
+    keyed = {**carol, "Idempotency-Key": str(uuid.uuid4())}
+    other = {"thread_id": "thr_idem_2", "mode": "ensure"}
+    refused = await h.client.post("/v1/sandbox/sessions", json=other, headers=keyed)
+    assert refused.status_code == 429, refused.text
+    assert refused.json()["error"]["code"] == "QUOTA_EXCEEDED"
+    sid = first.json()["session_id"]
+    r = await h.client.delete(f"/v1/sandbox/sessions/{sid}?terminate=true", headers=carol)
+    assert r.status_code in (200, 202, 204), r.text
+    deadline = time.monotonic() + 10
+    while True:
+        again = await h.client.post("/v1/sandbox/sessions", json=other, headers=keyed)
+        if again.status_code == 200 or time.monotonic() > deadline:
+            break
+        assert again.headers.get("idempotent-replayed") != "true", again.text
+        await asyncio.sleep(0.05)  # the terminated sandbox leaves the count
+    assert again.status_code == 200, again.text
+
+
 async def test_retry_while_running_waits_and_replays(
     make_harness: MakeHarness, record_property: RecordProperty
 ) -> None:

@@ -126,8 +126,10 @@ async def idempotent(
         status, payload = await run(claim)
     except SandlotError as exc:
         if claim.owned:
-            if exc.retryable:
-                # A transient failure is not an outcome: let the retry run again.
+            if exc.retryable or exc.status == 429:
+                # A transient failure is not an outcome: let the retry run again. Nor is
+                # a quota's refusal (not retryable as such: something must be freed
+                # first), or the same request would stay refused once it was.
                 await anyio.to_thread.run_sync(store.abandon, who, key)
             else:
                 outcome = envelope_for(request, exc)
