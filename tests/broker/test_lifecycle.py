@@ -210,6 +210,17 @@ async def test_resources_crud(make_harness: MakeHarness) -> None:
     assert (await c.delete("/v1/templates/default", headers=admin)).status_code == 409
     bad = {"name": "x", "image": "host", "volume_mounts": [{"volume": "nope", "path": "/data"}]}
     assert (await c.post("/v1/templates", json=bad, headers=admin)).status_code == 400
+    # Refused when made, not when each sandbox of it fails to start: a volume over the
+    # root or through "..", a disk past ext4's largest file.
+    for path in ("/", "/workspace/../../etc", "/data/", "//data"):
+        mount = {"volume": "data", "path": path}
+        bad = {"name": "x", "image": "host", "volume_mounts": [mount]}
+        r = await c.post("/v1/templates", json=bad, headers=admin)
+        assert r.status_code == 400 and "normalized" in r.text, (path, r.text)
+    for disk_mb in (10**12, 10**30):
+        bad = {"name": "x", "image": "host", "resources": {"disk_mb": disk_mb}}
+        r = await c.post("/v1/templates", json=bad, headers=admin)
+        assert r.status_code == 400, r.text
 
     assert (await c.post("/v1/volumes", json={"name": "data"}, headers=user)).status_code == 201
     assert [v["name"] for v in (await c.get("/v1/volumes", headers=user)).json()["items"]] == [

@@ -4,10 +4,11 @@ runtimes need of the control plane's models (re-exported by
 
 from __future__ import annotations
 
+import posixpath
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from sandlot.protocol.common import Slug, WireModel
 
@@ -16,13 +17,26 @@ class Resources(WireModel):
     cpu: float = Field(default=1.0, gt=0, le=256)
     memory_mb: int = Field(default=2048, ge=16, le=1 << 22)
     pids: int = Field(default=1024, ge=8, le=1 << 22)
-    disk_mb: int | None = Field(default=None, ge=1)
+    #: At most 16 TiB, ext4's largest file (a workspace disk is one).
+    disk_mb: int | None = Field(default=None, ge=1, le=1 << 24)
 
 
 class VolumeMount(WireModel):
     volume: Slug
     path: str = Field(min_length=1, max_length=1024, pattern=r"^/[^\x00]*$")
     read_only: bool = False
+
+    @field_validator("path")
+    @classmethod
+    def _plain_path(cls, path: str) -> str:
+        # Checked when the template is made, not when a sandbox of it fails to start:
+        # a volume over "/" (the sandbox's root) or a path through ".." was accepted.
+        if path == "/" or path.startswith("//") or posixpath.normpath(path) != path:
+            raise ValueError(
+                "a volume's path is an absolute, normalized path below / (no '.', '..', "
+                "'//' or trailing '/')"
+            )
+        return path
 
 
 class NetworkMode(StrEnum):
