@@ -91,16 +91,52 @@ def open_regular(res: Resolved, flags: int = _O_READ) -> tuple[int, os.stat_resu
     return fd, st
 
 
-def read_all(fd: int, size: int) -> bytes:
+#: ``stat`` gives the etag of a file up to this size (it reads the file to hash it).
+STAT_ETAG_BYTES = 1 << 20
+
+#: Conditional writes and edits of one file take turns, from reading and checking the
+#: file to renaming the new content over it: otherwise two of them can both check the
+#: same content, both answer 200, and the second rename loses the first change. A fixed
+#: set of locks, chosen by the file's host path, keeps memory bounded whatever the
+#: number of files; unrelated files that share a lock only wait for each other's short
+#: read-write-fsync. One lock per operation at most, so no deadlock is possible.
+_FILE_LOCKS = tuple(threading.Lock() for _ in range(64))
+
+
+def file_lock(res: Resolved) -> threading.Lock:
+    return _FILE_LOCKS[hash(str(res.host_path)) % len(_FILE_LOCKS)]
+
+
+def read_all(fd: int, limit: int, size_hint: int = 0) -> bytes:
+    """The content of ``fd`` up to ``limit + 1`` bytes, never more.
+
+    A result longer than ``limit`` means the file holds more than that: callers refuse
+    it as they refuse a file whose size is over the limit. The size ``fstat`` reported
+    is not enough, as a command in the sandbox may grow the file while it is read (a
+    sparse ``ftruncate`` to 1 GiB takes no time). ``size_hint``, that reported size,
+    sizes the reads so an unchanged file is read in one call.
+    """
     chunks: list[bytes] = []
-    remaining = size
-    while True:
-        chunk = os.read(fd, max(remaining, 65536))
+    remaining = limit + 1
+    while remaining > 0:
+        chunk = os.read(fd, min(remaining, max(size_hint, 65536)))
         if not chunk:
             break
         chunks.append(chunk)
         remaining -= len(chunk)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def line_range(text: str, start: int, end: int) -> str:
+    """Lines ``start`` to ``end`` (exclusive) of ``text``, each with its newline.
+
+    Lines end at "\\n" only, as :meth:`FileOps.read` counts them: ``str.splitlines``
+    would also split at \\r, \\f, \\u2028 and others, and disagree with that count.
+    """
+    lines = text.split("\n")
+    content = "\n".join(lines[start:end])
+    # Every piece of the split but the last was followed by a newline.
+    return content + "\n" if start < end < len(lines) else content
 
 
 class _Listing:
@@ -211,11 +247,15 @@ class FileOps:
                             f"file is larger than {limit} bytes; use /files/download",
                             metadata={"size": st.st_size, "limit": limit},
                         )
-                    data = read_all(fd, st.st_size)
+                    data = read_all(fd, limit, st.st_size)
                 finally:
                     os.close(fd)
                 if len(data) > limit:
-                    raise PayloadTooLarge(f"file is larger than {limit} bytes")
+                    # It grew while it was read.
+                    raise PayloadTooLarge(
+                        f"file is larger than {limit} bytes; use /files/download",
+                        metadata={"limit": limit},
+                    )
                 return res.sandbox_path, data
         except OSError as exc:
             raise os_error(exc) from None
@@ -251,10 +291,9 @@ class FileOps:
         if offset == 0 and limit >= total:
             content, end = text, total
         else:
-            lines = text.splitlines(keepends=True) if text else []
             start = min(offset, total)
             end = min(total, start + limit)
-            content = "".join(lines[start:end])
+            content = line_range(text, start, end)
         return ReadResponse(
             path=spath,
             content=content,
@@ -277,9 +316,12 @@ class FileOps:
         try:
             if st.st_size > self.max_read_bytes:
                 raise PayloadTooLarge("file too large for a conditional write")
-            return etag_of(read_all(fd, st.st_size))
+            data = read_all(fd, self.max_read_bytes, st.st_size)
         finally:
             os.close(fd)
+        if len(data) > self.max_read_bytes:
+            raise PayloadTooLarge("file too large for a conditional write")
+        return etag_of(data)
 
     # --- writing ----------------------------------------------------------------------
 
@@ -297,17 +339,23 @@ class FileOps:
             with self.resolver.resolve(path, create_parents=True, for_write=True) as res:
                 if res.name is None:
                     raise InvalidRequest("is a directory")
-                existing = self._existing_mode(res)
-                if if_none_match == "*" and existing is not None:
-                    raise PreconditionFailed("file already exists", metadata={"path": path})
-                if if_match is not None:
-                    current = self.current_etag(res)
-                    if current != if_match.strip('"'):
-                        raise PreconditionFailed(
-                            "file changed since it was read",
-                            metadata={"etag": current},
-                        )
-                replace_file(res, [data], existing)
+                # An unconditional write needs no turn: whichever rename comes last wins.
+                conditional = if_match is not None or if_none_match == "*"
+                guard: contextlib.AbstractContextManager[object] = (
+                    file_lock(res) if conditional else contextlib.nullcontext()
+                )
+                with guard:
+                    existing = self._existing_mode(res)
+                    if if_none_match == "*" and existing is not None:
+                        raise PreconditionFailed("file already exists", metadata={"path": path})
+                    if if_match is not None:
+                        current = self.current_etag(res)
+                        if current != if_match.strip('"'):
+                            raise PreconditionFailed(
+                                "file changed since it was read",
+                                metadata={"etag": current},
+                            )
+                    replace_file(res, [data], existing)
                 op = "modified" if existing is not None else "created"
                 etag = etag_of(data)
                 return (
@@ -343,14 +391,16 @@ class FileOps:
         if_match: str | None,
     ) -> tuple[EditResponse, Change]:
         try:
-            with self.resolver.resolve(path, for_write=True) as res:
+            with self.resolver.resolve(path, for_write=True) as res, file_lock(res):
                 fd, st = open_regular(res)
                 try:
                     if st.st_size > self.max_write_bytes:
                         raise PayloadTooLarge("file too large to edit")
-                    data = read_all(fd, st.st_size)
+                    data = read_all(fd, self.max_write_bytes, st.st_size)
                 finally:
                     os.close(fd)
+                if len(data) > self.max_write_bytes:
+                    raise PayloadTooLarge("file too large to edit")  # it grew while read
                 if if_match is not None and etag_of(data) != if_match.strip('"'):
                     raise PreconditionFailed(
                         "file changed since it was read", metadata={"etag": etag_of(data)}
@@ -367,11 +417,15 @@ class FileOps:
                         f"old_string occurs {count} times; pass replace_all or more context",
                         metadata={"occurrences": count},
                     )
+                # The size of the result, known before building it: a short old_string
+                # replaced everywhere by a long one would otherwise build gigabytes
+                # first. (Occurrences in the UTF-8 bytes are those in the text.)
+                grows_by = len(new.encode()) - len(old.encode())
+                if len(data) + count * grows_by > self.max_write_bytes:
+                    raise PayloadTooLarge("edited file too large")
                 out = (
                     text.replace(old, new) if replace_all else text.replace(old, new, 1)
                 ).encode()
-                if len(out) > self.max_write_bytes:
-                    raise PayloadTooLarge("edited file too large")
                 replace_file(res, [out], stat.S_IMODE(st.st_mode))
                 return (
                     EditResponse(path=res.sandbox_path, occurrences=count, etag=etag_of(out)),
@@ -396,12 +450,15 @@ class FileOps:
                     else "other"
                 )
                 etag = None
-                if kind == "file" and st.st_size <= 1 << 20:
+                if kind == "file" and st.st_size <= STAT_ETAG_BYTES:
                     fd, _ = open_regular(res)
                     try:
-                        etag = etag_of(read_all(fd, st.st_size))
+                        data = read_all(fd, STAT_ETAG_BYTES, st.st_size)
                     finally:
                         os.close(fd)
+                    # A file that grew past the bound while it was read gets none.
+                    if len(data) <= STAT_ETAG_BYTES:
+                        etag = etag_of(data)
                 return StatResponse(
                     path=res.sandbox_path,
                     type=kind,
