@@ -54,6 +54,7 @@ import json
 import logging
 import os
 import posixpath
+import re
 import signal
 import stat
 from collections.abc import Awaitable, Callable, Generator
@@ -322,8 +323,23 @@ class _Target:
         return cls(parent, posixpath.dirname(res.sandbox_path), res.name, res.sandbox_path, False)
 
 
+#: What ripgrep prints after ``path: `` about a binary file: after the file's matches
+#: (found while walking) or instead of them (the file named on its command line).
+_BINARY_NOTE = re.compile(
+    rb"(?:WARNING: stopped searching binary file after match|binary file matches)"
+    rb' \(found "[^"\n]*" byte around offset [0-9]+\)\n'
+)
+
+
 class _Output:
-    """ripgrep's ``--null`` output, parsed as it comes, bounded in matches and bytes."""
+    """ripgrep's ``--null`` output, parsed as it comes, bounded in matches and bytes.
+
+    A match is ``path NUL line-number ":" text LF``. A file name may hold a newline but
+    never a NUL, and the text never holds a LF (nor a NUL: binary files are not
+    printed), so a record is read up to its NUL first, then up to its LF. The one line
+    without a NUL is ripgrep's note on a binary file (:data:`_BINARY_NOTE`), which names
+    the file whose matches it just printed, or the file it was given: it is skipped.
+    """
 
     def __init__(self, target: _Target, cap: int) -> None:
         self.target = target
@@ -333,41 +349,90 @@ class _Output:
         self.truncated = False
         self.read = 0
         self._pending = b""
-        self._skipping = False
-        self._skip = len(target.arg.encode())
+        #: Separators to skip through before the next record (the rest of one too long).
+        self._skipping: list[bytes] = []
+        arg = os.fsencode(target.arg)
+        self._prefix = len(arg)
+        #: The path of the file ripgrep printed last (a binary note names it): the file
+        #: named on its command line, if one is.
+        self._last = b"" if target.is_dir else arg
         self._paths: dict[bytes, str] = {}
 
     def feed(self, chunk: bytes) -> bool:
         """Take a chunk of output; ``True`` once no more is wanted (``truncated``)."""
         self.read += len(chunk)
-        lines = (self._pending + chunk).split(b"\n")
-        self._pending = lines.pop()
-        for raw in lines:
+        buf = self._pending + chunk
+        at = 0
+        while at < len(buf):
             if self._skipping:
-                self._skipping = False
+                end = buf.find(self._skipping[0], at)
+                if end < 0:
+                    at = len(buf)
+                    break
+                del self._skipping[0]
+                at = end + 1
                 continue
-            name, sep, rest = raw.partition(b"\x00")
-            lineno, _, text = rest.partition(b":")
-            if not sep or not lineno.isdigit():
+            note = self._note(buf, at)
+            if note is None:
+                break
+            if note > at:
+                at = note
+                continue
+            nul = buf.find(b"\x00", at)
+            end = buf.find(b"\n", nul + 1) if nul >= 0 else -1
+            if end < 0:
+                if len(buf) - at > MAX_OUTPUT_LINE:
+                    # Dropped, and the rest of it skipped as it comes: its text (or its
+                    # path, which cannot be this long, and then its text).
+                    self._skipping = [b"\n"] if nul >= 0 else [b"\x00", b"\n"]
+                    at = len(buf)
+                break
+            name = buf[at:nul]
+            lineno, _, text = buf[nul + 1 : end].partition(b":")
+            at = end + 1
+            if not lineno.isdigit():
                 continue
             if len(self.matches) >= self.cap:
                 self.truncated = True
                 return True
+            self._last = name
             self.matches.append(
                 {"path": self._path(name), "line": int(lineno), "text": _line(text)}
             )
-        if len(self._pending) > MAX_OUTPUT_LINE:
-            self._pending, self._skipping = b"", True
+        self._pending = buf[at:]
         if self.read > MAX_OUTPUT_BYTES:
             self.truncated = True
             return True
         return False
 
+    def _note(self, buf: bytes, at: int) -> int | None:
+        """Where a binary note starting at ``at`` ends; ``at`` when none starts there,
+        ``None`` when the output so far cannot tell."""
+        if not self._last:
+            return at
+        head = self._last + b": "
+        if not buf.startswith(head, at):
+            cut = len(buf) - at < len(head) and head.startswith(buf[at:])
+            return None if cut else at
+        start = at + len(head)
+        found = _BINARY_NOTE.match(buf, start)
+        if found is not None:
+            return found.end()
+        # A note holds neither NUL nor LF before its end: with neither yet, it may be cut.
+        cut = (
+            len(buf) - start <= MAX_OUTPUT_LINE
+            and buf.find(b"\n", start) < 0
+            and buf.find(b"\x00", start) < 0
+        )
+        return None if cut else at
+
     def _path(self, name: bytes) -> str:
         spath = self._paths.get(name)
         if spath is None:
             target = self.target
-            rel = name[self._skip :].lstrip(b"/").decode("utf-8", "replace")
+            # A name that is not UTF-8 is told as every file operation tells it (as
+            # os.fsdecode does: \udcXX for each byte that is not).
+            rel = os.fsdecode(name[self._prefix :].lstrip(b"/"))
             spath = f"{target.base}/{rel}" if target.is_dir and rel else target.base
             self._paths[name] = spath
         return spath
@@ -399,6 +464,9 @@ async def _ripgrep(
             "ripgrep is not available in this sandbox (a sandbox started by an older "
             "version has none: recreate it)"
         ) from None
+    except PermissionError as exc:
+        # Its directory became one the sandbox user cannot enter since it was checked.
+        raise os_error(exc) from None
     except OSError as exc:
         raise ProviderUnavailable(f"cannot start ripgrep: {exc.strerror or exc}") from None
     out = _Output(target, cap)
@@ -674,10 +742,21 @@ def _open_target(res: Resolved) -> tuple[int, bool]:
     """Open what to search: a directory, or one regular file (FIFOs and devices refused)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
     if res.name is None:
-        return res.open(flags | os.O_DIRECTORY), True
-    fd = res.open(flags)
-    st = os.fstat(fd)
-    if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        os.close(fd)
-        raise InvalidRequest("not a regular file or directory")
-    return fd, stat.S_ISDIR(st.st_mode)
+        fd, is_dir = res.open(flags | os.O_DIRECTORY), True
+    else:
+        fd = res.open(flags)
+        st = os.fstat(fd)
+        if not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+            os.close(fd)
+            raise InvalidRequest("not a regular file or directory")
+        is_dir = stat.S_ISDIR(st.st_mode)
+    if is_dir:
+        # A directory the sandbox user may list but not enter (mode 0444): its files
+        # cannot be opened, nor can ripgrep start in it. Both searches refuse it alike
+        # (403), rather than one answering nothing and the other failing to start.
+        try:
+            os.stat(".", dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            os.close(fd)
+            raise
+    return fd, is_dir
