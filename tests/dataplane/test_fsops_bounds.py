@@ -281,3 +281,52 @@ def test_paging_splits_lines_at_newlines_only(local: Server) -> None:
             offset = body["next_offset"]
     assert "".join(pages) == text
     assert len(pages) == 4
+
+
+# --- directories that cannot be looked into ------------------------------------------------
+
+NOBODY = (65534, 65534)
+
+
+def test_a_listing_counts_the_entries_it_cannot_look_at(tmp_path: Path) -> None:
+    # A directory the user may list but not search (0444): every entry's stat failed and
+    # was skipped uncounted, so a million were read on the event loop for an empty answer.
+    if os.geteuid() != 0:
+        pytest.skip("acting as another uid needs root (CI runs as root)")
+    gen = start_server(tmp_path, fs_ids=NOBODY, max_list_entries=100)
+    server = next(gen)
+    try:
+        locked = server.workspace / "locked"
+        locked.mkdir()
+        (locked / "f0").write_text("x")
+        for i in range(1, 1000):
+            os.link(locked / "f0", locked / f"f{i}")
+        os.chown(locked, *NOBODY)
+        locked.chmod(0o444)
+        r = httpx.get(
+            server.url("/fs/list"), params={"path": "/workspace/locked"}, headers=server.headers()
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["truncated"] is True
+    finally:
+        gen.close()
+
+
+def test_a_small_trees_walk_reads_no_directory_past_its_bound(tmp_path: Path) -> None:
+    # Read and sorted whole, a directory of a million entries held the event loop for
+    # seconds before its search went to ripgrep anyway.
+    from sandlot.dataplane.services import grep
+
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "f0").write_text("x")
+    for i in range(1, grep.MAX_DIR_ENTRIES + 1):
+        os.link(big / "f0", big / f"f{i}")
+    fd = os.open(big, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(grep._TooBig):
+            list(grep._tree_files(fd, "/workspace/big"))
+        os.unlink(big / "f0")  # at the bound: walked, by name
+        assert len(list(grep._tree_files(fd, "/workspace/big"))) == grep.MAX_DIR_ENTRIES
+    finally:
+        os.close(fd)

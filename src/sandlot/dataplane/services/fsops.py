@@ -188,14 +188,17 @@ def _scan_py(acc: _Listing, fd: int, prefix: str, depth: int) -> tuple[bool, lis
     room = acc.limit - acc.count
     subdirs: list[str] = []
     parts: list[str] = []
+    # Entries that cannot be looked at count towards the bound too (native.c's scan).
+    skipped = 0
     try:
         with os.scandir(fd) as it:
             for entry in it:
-                if len(parts) >= room:
+                if len(parts) + skipped >= room:
                     return True, subdirs
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except OSError:
+                    skipped += 1
                     continue
                 mode = st.st_mode
                 is_dir = stat.S_ISDIR(mode)

@@ -73,6 +73,9 @@ log = logging.getLogger("sandlot.dataplane.services.grep")
 
 MAX_LINE_CHARS = 2000
 SMALL_TREE_FILES = 256
+#: Entries a directory of a small tree may hold (native.c's ``MAX_DIR_ENTRIES``): one with
+#: more is searched by ripgrep, in a process of its own.
+MAX_DIR_ENTRIES = 4096
 SMALL_TREE_BYTES = 4 << 20
 #: Directories below the one searched in process; a deeper tree goes to ripgrep.
 MAX_DEPTH = 64
@@ -638,9 +641,16 @@ def _tree_files(
     if depth > MAX_DEPTH:
         raise _TooBig
     try:
-        entries = sorted(os.scandir(dfd), key=lambda e: e.name)
+        # Read no further than a small tree's directory may hold: a directory of a million
+        # entries, read and sorted whole, held the event loop for seconds. (Closed, the
+        # iterator rewinds the descriptor it shares the offset of.)
+        with os.scandir(dfd) as it:
+            entries = list(itertools.islice(it, MAX_DIR_ENTRIES + 1))
     except OSError:
         return
+    if len(entries) > MAX_DIR_ENTRIES:
+        raise _TooBig
+    entries.sort(key=lambda e: e.name)
     for entry in entries:
         name = entry.name
         if name == ".git":

@@ -184,7 +184,7 @@ int sandlot_scan(int fd, const char *prefix, size_t prefix_len, long limit, int 
         return -1;
     }
     rewinddir(dir);
-    long count = 0;
+    long count = 0, skipped = 0;
     int error = 0;
     for (;;) {
         errno = 0;
@@ -195,12 +195,17 @@ int sandlot_scan(int fd, const char *prefix, size_t prefix_len, long limit, int 
         }
         const char *name = e->d_name;
         if (name[0] == '.' && (name[1] == 0 || (name[1] == '.' && name[2] == 0))) continue;
-        if (count >= limit) {
+        /* Entries that cannot be looked at count too: a directory of a million that the
+         * user may list but not search (mode 0444) was read whole, on the event loop. */
+        if (count + skipped >= limit) {
             out->truncated = 1;
             break;
         }
         struct stat st;
-        if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) continue; /* gone: skipped */
+        if (fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0) { /* gone, or not searchable */
+            skipped++;
+            continue;
+        }
         size_t n = strlen(name);
         if (reserve(&json, prefix_len + 6 * n + 200) != 0) {
             error = ENOMEM;
@@ -366,9 +371,15 @@ static int by_name(const void *a, const void *b) {
     return strcmp(((const struct name *)a)->s, ((const struct name *)b)->s);
 }
 
+/* A small tree's directory holds at most this many entries: one with more is read no
+ * further (its search is ripgrep's, in a process of its own), as reading and sorting a
+ * directory of a million entries held the event loop for seconds. */
+#define MAX_DIR_ENTRIES 4096
+
 /* The entries of directory dfd but "." and "..", sorted by name; NULL with *n = 0 when
- * it cannot be read (the walk leaves it out, as ripgrep does). */
-static struct name *entries(int dfd, size_t *n, int *oom) {
+ * it cannot be read (the walk leaves it out, as ripgrep does), or with *big = 1 when it
+ * holds more than MAX_DIR_ENTRIES. */
+static struct name *entries(int dfd, size_t *n, int *oom, int *big) {
     *n = 0;
     int fd = dup(dfd);
     if (fd < 0) return NULL;
@@ -384,6 +395,10 @@ static struct name *entries(int dfd, size_t *n, int *oom) {
     while ((e = readdir(dir)) != NULL) {
         const char *s = e->d_name;
         if (s[0] == '.' && (s[1] == 0 || (s[1] == '.' && s[2] == 0))) continue;
+        if (*n >= MAX_DIR_ENTRIES) {
+            *big = 1;
+            goto drop;
+        }
         if (*n == cap) {
             cap = cap ? 2 * cap : 64;
             struct name *p = realloc(out, cap * sizeof *out);
@@ -401,6 +416,7 @@ static struct name *entries(int dfd, size_t *n, int *oom) {
     return out;
 fail:
     *oom = 1;
+drop:
     for (size_t i = 0; i < *n; i++) free(out[i].s);
     free(out);
     *n = 0;
@@ -559,10 +575,14 @@ static void walk(struct grep_job *job, int dfd, int search, int depth) {
         return;
     }
     size_t n;
-    int oom = 0;
-    struct name *list = entries(dfd, &n, &oom);
+    int oom = 0, big = 0;
+    struct name *list = entries(dfd, &n, &oom, &big);
     if (oom) {
         job->status = -ENOMEM;
+        return;
+    }
+    if (big) {
+        job->status = 1; /* not a small tree: ripgrep's */
         return;
     }
     size_t dir_len = job->path.len;
@@ -751,10 +771,14 @@ static void fill_walk(struct grep_job *job, int dfd, int depth) {
     }
     watch_dir(job, dfd);
     size_t n;
-    int oom = 0;
-    struct name *list = entries(dfd, &n, &oom);
+    int oom = 0, big = 0;
+    struct name *list = entries(dfd, &n, &oom, &big);
     if (oom) {
         job->status = -ENOMEM;
+        return;
+    }
+    if (big) {
+        job->status = 1; /* not a tree to keep in memory */
         return;
     }
     size_t dir_len = job->path.len;
