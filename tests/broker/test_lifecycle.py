@@ -196,6 +196,25 @@ async def test_binding_events_sse_with_resume(make_harness: MakeHarness) -> None
     assert err.status_code == 400
 
 
+async def test_volumes_per_user_are_bounded(make_harness: MakeHarness) -> None:
+    # A user's volumes grew the store, and every listing of them, without end.
+    h = await make_harness(max_volumes_per_user=2)
+    carol, dave = h.key("carol"), h.key("dave")
+    for name in ("v1", "v2"):
+        r = await h.client.post("/v1/volumes", json={"name": name}, headers=carol)
+        assert r.status_code == 201, r.text
+    r = await h.client.post("/v1/volumes", json={"name": "v3"}, headers=carol)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "QUOTA_EXCEEDED", r.text
+    assert r.json()["error"]["metadata"] == {"resource": "volumes", "limit": 2}
+    # Another user's are his own count; one deleted makes room.
+    assert (
+        await h.client.post("/v1/volumes", json={"name": "d1"}, headers=dave)
+    ).status_code == 201
+    assert (await h.client.delete("/v1/volumes/v1", headers=carol)).status_code == 204
+    r = await h.client.post("/v1/volumes", json={"name": "v3"}, headers=carol)
+    assert r.status_code == 201, r.text
+
+
 async def test_resources_crud(make_harness: MakeHarness) -> None:
     h = await make_harness(admins=frozenset({"root"}))
     admin, user = h.key("root"), h.key("alice")

@@ -66,7 +66,7 @@ class Broker:
         self.store = store or Store(settings.resolved_store_url)
         self.hub = EventHub()
         self.templates = TemplateService(self.store)
-        self.volumes = VolumeService(self.store)
+        self.volumes = VolumeService(self.store, settings.max_volumes_per_user)
         self.pools = PoolService(self.store, self.templates)
         self.keys = KeyService(self.store, settings.admins)
         self.keyring = KeyRing(

@@ -59,6 +59,7 @@ NUMBERS: dict[str, tuple[str, bool, float, float]] = {
     "max_live_sandboxes_per_user": ("quotas", True, 1, 10**9),
     "negotiation_rate_per_second": ("quotas", False, 1e-6, 1e9),
     "negotiation_burst": ("quotas", True, 1, 10**9),
+    "max_volumes_per_user": ("quotas", True, 1, 10**9),
 }
 
 
@@ -128,6 +129,7 @@ class BrokerSettings:
     max_live_sandboxes_per_user: int = 20
     negotiation_rate_per_second: float = 100.0
     negotiation_burst: int = 200
+    max_volumes_per_user: int = 100
     promote_thread_to_assistant: bool = False
     provider_name: str = "local"
     provider_mode: str = "isolated"
@@ -267,7 +269,12 @@ def load_settings(
         caps[actor] = CapabilityPolicy(default=default, allowed=allowed)
     values["capabilities"] = caps
     quotas = raw.get("quotas", {})
-    for key in ("max_live_sandboxes_per_user", "negotiation_rate_per_second", "negotiation_burst"):
+    for key in (
+        "max_live_sandboxes_per_user",
+        "negotiation_rate_per_second",
+        "negotiation_burst",
+        "max_volumes_per_user",
+    ):
         if key in quotas:
             values[key] = _checked_number(key, quotas[key])
     values["promote_thread_to_assistant"] = bool(

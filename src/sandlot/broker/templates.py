@@ -18,14 +18,19 @@ import time
 from collections.abc import Mapping
 
 from pydantic import ValidationError
-from sqlalchemy import Connection, delete, select
+from sqlalchemy import Connection, delete, func, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 
 from sandlot.broker.store import Store
 from sandlot.broker.store.schema import templates, volumes
 from sandlot.protocol.common import rfc3339
-from sandlot.protocol.errors import InvalidRequest, ResourceConflict, ResourceNotFound
+from sandlot.protocol.errors import (
+    InvalidRequest,
+    QuotaExceeded,
+    ResourceConflict,
+    ResourceNotFound,
+)
 from sandlot.protocol.sessions import Template, Volume
 
 log = logging.getLogger("sandlot.broker.templates")
@@ -169,15 +174,30 @@ class TemplateService:
 
 
 class VolumeService:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, max_per_user: int = 100) -> None:
         self.store = store
+        #: Volumes one user may have (``[quotas] max_volumes_per_user``): without a bound,
+        #: a user's volumes grew the store, and every listing, without end.
+        self.max_per_user = max_per_user
 
     def create(self, name: str, owner_user_id: str) -> Volume:
         now = time.time()
         with self.store.write() as conn:
+            # One user's creations take turns, so the count holds under concurrency.
+            self.store.serialize(conn, f"volumes-of:{owner_user_id}")
             self.store.serialize(conn, f"volume:{name}")
             if conn.execute(select(volumes.c.name).where(volumes.c.name == name)).first():
                 raise ResourceConflict(f"volume {name!r} already exists")
+            owned = conn.execute(
+                select(func.count())
+                .select_from(volumes)
+                .where(volumes.c.owner_user_id == owner_user_id)
+            ).scalar_one()
+            if owned >= self.max_per_user:
+                raise QuotaExceeded(
+                    f"at most {self.max_per_user} volumes per user",
+                    metadata={"resource": "volumes", "limit": self.max_per_user},
+                )
             conn.execute(
                 volumes.insert().values(name=name, owner_user_id=owner_user_id, created_at=now)
             )
