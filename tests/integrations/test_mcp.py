@@ -133,11 +133,53 @@ async def test_acquire_write_exec_read(
         await ok(client, "environment_release", {"session_id": session, "terminate": True})
 
 
-@pytest.mark.parametrize("transport", ["http", "stdio"])
-async def test_a_bad_key_is_unauthenticated(server: SandlotServer, transport: str) -> None:
-    async with CLIENTS[transport](server, "sl_not_a_key") as client:
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {
+        "protocolVersion": "2025-06-18",
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"},
+    },
+}
+MCP_ACCEPT = {"Accept": "application/json, text/event-stream"}
+
+
+async def test_a_bad_key_is_unauthenticated(server: SandlotServer) -> None:
+    # Over stdio the key is the process's: its first call says it is refused.
+    async with stdio_client(server, "sl_not_a_key") as client:
         body = await failed(client, "environment_acquire", {"thread_id": "thr_nobody"})
         assert body["code"] == "UNAUTHENTICATED"
+    # Over HTTP it opens no session: sessions are one pool for every client, and any
+    # bearer value filled it (10,000), after which every user was refused.
+    async with httpx.AsyncClient(timeout=30) as http:
+        for _ in range(3):  # the broker's word is remembered: still 401
+            r = await http.post(
+                f"{server.url}/mcp",
+                json=INITIALIZE,
+                headers={**MCP_ACCEPT, "Authorization": "Bearer sl_not_a_key"},
+            )
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["code"] == "UNAUTHENTICATED"
+
+
+async def test_empty_ids_are_invalid_requests(server: SandlotServer) -> None:
+    # session_id "" reached the sessions' list: its redirect read as a release done, for
+    # any key at all (and the key's client was kept); scope.id "" was an internal error.
+    callers = Callers(server.url, default_key="sl_not_a_key")
+    try:
+        async with Client(build_server(callers)) as client:
+            for name, args in (
+                ("environment_release", {"session_id": ""}),
+                ("environment_release", {"session_id": "", "terminate": True}),
+                ("environment_acquire", {"scope": {"type": "thread", "id": ""}}),
+            ):
+                body = await failed(client, name, args)
+                assert body["code"] == "INVALID_REQUEST", (name, args, body)
+        assert callers.by_key == {}
+    finally:
+        await callers.aclose()
 
 
 def test_http_without_a_key_is_401(server: SandlotServer) -> None:

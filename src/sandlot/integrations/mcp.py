@@ -33,6 +33,7 @@ import asyncio
 import base64
 import contextlib
 import functools
+import hashlib
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -47,9 +48,11 @@ from pydantic import BaseModel
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from sandlot.protocol.errors import (
+    Forbidden,
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    ProviderUnavailable,
     SandlotError,
     SessionExpired,
     Unauthenticated,
@@ -65,6 +68,9 @@ MAX_OUTPUT_CHARS = 256 << 10
 EXEC_TIMEOUT_SECONDS = 300.0
 #: Seconds a session no call used stays held by the server (its lease kept).
 SESSION_IDLE_SECONDS = 600.0
+#: How long the broker's word on a key opening an MCP session is kept (a revoked key is
+#: refused by every call it makes, whatever this says).
+KEY_CHECK_SECONDS = 10.0
 #: The modes of ``environment_acquire`` and the protocol's (PROTOCOL.md 2.1).
 MODES = {"ensure": "ensure", "attach": "attach_only", "create": "create_only"}
 
@@ -168,6 +174,8 @@ class Callers:
         self.idle = idle
         self.by_key: dict[str, Caller] = {}
         self._sweeper: asyncio.Task[None] | None = None
+        #: Digest of a key → until when, and why it may open no session (or None).
+        self._checked: dict[str, tuple[float, SandlotError | None]] = {}
 
     def key(self, ctx: Context) -> str | None:
         headers = ctx.headers
@@ -197,6 +205,34 @@ class Callers:
                 if quiet and not caller.sandboxes and self.by_key.get(key) is caller:
                     del self.by_key[key]
                     await caller.aclose()
+
+    async def check_key(self, key: str) -> SandlotError | None:
+        """Why ``key`` may not open an MCP session (``None``: it may), asked of the
+        broker and remembered for :data:`KEY_CHECK_SECONDS`. Sessions are one pool for
+        every client of the server: opened with any bearer value at all, they were all
+        taken, and every user was refused (503 "Too many open sessions")."""
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        now = time.monotonic()
+        known = self._checked.get(digest)
+        if known is not None and known[0] > now:
+            return known[1]
+        caller = self.by_key.get(key)
+        client = caller.client if caller is not None else AsyncSandlot(url=self.url, api_key=key)
+        refused: SandlotError | None = None
+        try:
+            await client.list_templates(timeout=10)
+        except (Unauthenticated, Forbidden) as exc:
+            refused = Unauthenticated(f"the API key is not accepted: {exc.message}")
+        except SandlotError as exc:
+            # Not known either way: nothing remembered, the next session asks again.
+            return ProviderUnavailable(f"the broker cannot say who this key is: {exc.message}")
+        finally:
+            if caller is None:
+                await client.aclose()
+        if len(self._checked) > 10_000:
+            self._checked.clear()
+        self._checked[digest] = (now + KEY_CHECK_SECONDS, refused)
+        return refused
 
     async def forget(self, ctx: Context) -> None:
         """Drop the client of a key whose call failed, unless it holds sessions: keys
@@ -394,8 +430,10 @@ def build_server(callers: Callers) -> MCPServer[Any]:
         token's expires_at (the token itself with include_token). capabilities narrows
         the grant (fs_read, fs_write, exec, shell).
         """
-        if scope is not None:
+        if scope is not None and scope.id:
             scope_type, scope_id = scope.type, scope.id
+        elif scope is not None:
+            raise InvalidRequest("scope.id cannot be empty")
         elif thread_id:
             scope_type, scope_id = "thread", thread_id
         else:
@@ -439,6 +477,8 @@ def build_server(callers: Callers) -> MCPServer[Any]:
     @tool
     async def environment_release(ctx: Context, session_id: str, terminate: bool = False) -> Json:
         """Detach from the session (its tokens are revoked); terminate tears the sandbox down."""
+        if not session_id:
+            raise InvalidRequest("session_id cannot be empty")
         caller = callers.of(ctx)
         snapshot = await caller.client.release(session_id, terminate=terminate)
         caller.sandboxes.pop(session_id, None)
@@ -635,22 +675,31 @@ def build_server(callers: Callers) -> MCPServer[Any]:
 
 class RequireBearer:
     """Answer 401 (the protocol's error envelope) to an HTTP request without a bearer
-    credential before it reaches MCP; whether the key is valid is the broker's to say,
-    on the first call that uses it."""
+    credential before it reaches MCP, and to one that opens a session (no
+    ``mcp-session-id``) with a key the broker does not accept (``check``); whether a
+    key may do what a call asks is the broker's to say, on that call."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self, app: ASGIApp, check: Callable[[str], Awaitable[SandlotError | None]] | None = None
+    ) -> None:
         self.app = app
+        self.check = check
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             headers = dict(scope.get("headers") or [])
-            if not _bearer(headers.get(b"authorization", b"").decode("latin-1")):
+            key = _bearer(headers.get(b"authorization", b"").decode("latin-1"))
+            error: SandlotError | None = None
+            if not key:
                 error = Unauthenticated("send Authorization: Bearer <sandlot API key>")
+            elif self.check is not None and b"mcp-session-id" not in headers:
+                error = await self.check(key)
+            if error is not None:
                 body = json.dumps(error.to_wire()).encode()
                 await send(
                     {
                         "type": "http.response.start",
-                        "status": 401,
+                        "status": error.status,
                         "headers": [
                             (b"content-type", b"application/json"),
                             (b"www-authenticate", b"Bearer"),
@@ -687,7 +736,8 @@ class HttpMcp:
             else TransportSecuritySettings(enable_dns_rebinding_protection=False)
         )
         self.mcp_app: ASGIApp = RequireBearer(
-            self.server.streamable_http_app(streamable_http_path=path, transport_security=security)
+            self.server.streamable_http_app(streamable_http_path=path, transport_security=security),
+            self.callers.check_key,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

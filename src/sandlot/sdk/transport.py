@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-from sandlot.protocol.errors import RequestTimeout
+from sandlot.protocol.errors import InvalidRequest, RequestTimeout
 
 
 @dataclass(frozen=True)
@@ -91,4 +91,7 @@ def seg(value: str) -> str:
     """``value`` as one segment of a URL's path: an id a caller passes (a session id from
     a model's tool call, say) can add no segment, query or fragment (``x?terminate=true``
     ended a session whose release asked to keep it)."""
+    if not value:
+        # An empty id adds no segment: the request would reach the collection's route.
+        raise InvalidRequest("an id cannot be empty")
     return quote(value, safe="")

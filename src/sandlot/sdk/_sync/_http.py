@@ -10,9 +10,12 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any
 from urllib.parse import quote_plus
 
-from sandlot.protocol.errors import RequestTimeout, SandlotError, error_from_wire
+from sandlot.protocol.errors import InvalidRequest, RequestTimeout, SandlotError, error_from_wire
 from sandlot.sdk._sync._wire import CONNECT_TIMEOUT, Body, StreamedResponse, Wire
 from sandlot.sdk.transport import Deadline, Response
+
+#: Answers that would send the client elsewhere.
+REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 #: Seconds between keepalive pings on WebSockets; a ping unanswered for as long
 #: again means the connection is dead (a command then resumes on a new one).
@@ -21,6 +24,10 @@ KEEPALIVE = 20.0
 
 def raise_for_error(resp: Response) -> None:
     """Turn an error answer into the typed exception of the one error table."""
+    if resp.status_code in REDIRECTS:
+        # Never followed (the credential would go along): the request named no route the
+        # server serves as asked (a release of session "" reached the sessions' list).
+        raise InvalidRequest(f"the server answered {resp.status_code}, a redirect (not followed)")
     if resp.status_code < 400:
         return
     try:
