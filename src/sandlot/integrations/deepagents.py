@@ -26,6 +26,10 @@ from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 
 from deepagents.backends.protocol import (
+    FILE_NOT_FOUND,
+    INVALID_PATH,
+    IS_DIRECTORY,
+    PERMISSION_DENIED,
     DeleteResult,
     EditResult,
     ExecuteResponse,
@@ -40,7 +44,7 @@ from deepagents.backends.protocol import (
     WriteResult,
 )
 from deepagents.backends.protocol import GrepMatch as DAGrepMatch
-from deepagents.backends.sandbox import BaseSandbox
+from deepagents.backends.sandbox import MAX_OUTPUT_BYTES, TRUNCATION_MSG, BaseSandbox
 from langgraph.config import get_config
 
 from sandlot.protocol.errors import (
@@ -52,7 +56,7 @@ from sandlot.protocol.errors import (
 )
 from sandlot.sdk import AsyncSandbox, Grant, Sandbox, Sandlot
 from sandlot.sdk.settings import in_process, load_settings
-from sandlot.sdk.types import FileEntry, GrepAnswer
+from sandlot.sdk.types import FileEntry, GrepAnswer, Listing
 
 EMPTY_FILE = "System reminder: File exists but has empty contents"
 EMPTY_OLD_STRING = "Error: old_string cannot be empty. Provide the exact text to replace."
@@ -68,18 +72,78 @@ def _bounds(offset: int, limit: int) -> tuple[int, int]:
     return max(0, int(offset)), max(0, int(limit))
 
 
+#: The dataplane's words (``INVALID_REQUEST``, perhaps followed by ``: detail``) for a
+#: path it cannot take as written: deepagents' ``invalid_path``, which its local backend
+#: also gives for a file where a directory should be and for a symlink loop.
+_INVALID_PATH_WORDS = frozenset(
+    {
+        "path is required",
+        "path contains a NUL byte",
+        "path is not valid UTF-8",
+        "path too long",
+        "file name too long",
+        "too many levels of symbolic links",
+        "not a directory",
+    }
+)
+
+
+def _server_words(exc: InvalidRequest) -> str:
+    return exc.message.partition(":")[0]
+
+
 def _file_error(exc: SandlotError) -> str:
-    """The deepagents ``FileOperationError`` literal of an SDK error."""
+    """The deepagents ``FileOperationError`` literal of an SDK error, else its message."""
     if isinstance(exc, FileNotFound):
-        return "file_not_found"
+        return FILE_NOT_FOUND
     if isinstance(exc, PermissionDenied | Forbidden):
-        return "permission_denied"
-    text = f"{exc.message} {exc.metadata}".lower()
-    if "directory" in text:
-        return "is_directory"
+        return PERMISSION_DENIED
     if isinstance(exc, InvalidRequest):
-        return "invalid_path"
+        words = _server_words(exc)
+        if words == "is a directory":
+            return IS_DIRECTORY
+        if words in _INVALID_PATH_WORDS:
+            return INVALID_PATH
     return exc.message
+
+
+def _ls_error(exc: SandlotError, path: str) -> LsResult:
+    # deepagents' own backends' words for a listing: its middleware takes
+    # "not_a_directory" for a plain file when it checks a delete's permissions.
+    if isinstance(exc, FileNotFound):
+        word = "path_not_found"
+    elif isinstance(exc, InvalidRequest) and _server_words(exc) == "not a directory":
+        word = "not_a_directory"
+    else:
+        word = _file_error(exc)
+    return LsResult(error=f"Path '{path}': {word}")
+
+
+def _listing(found: Listing, path: str) -> LsResult:
+    entries = [_info(e) for e in found]
+    if not found.truncated:
+        return LsResult(entries=entries)
+    # LsResult has no truncated flag: like deepagents' local backend, a partial listing
+    # comes with an error, so neither a model nor a caller takes it for all there is.
+    return LsResult(
+        entries=entries,
+        error=f"Path '{path}': listing truncated after {len(entries)} entries; "
+        "list a subdirectory or use glob to see the rest",
+    )
+
+
+def _sendable(path: str) -> bool:
+    """Whether ``path`` can be sent at all.
+
+    A model's JSON arguments may carry a lone surrogate (``"\\ud800"``), which UTF-8
+    cannot encode: in a URL's query httpx raises ``UnicodeEncodeError`` out of the tool
+    call, and in a JSON body the dataplane refuses it as invalid JSON.
+    """
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _info(entry: FileEntry) -> FileInfo:
@@ -112,13 +176,33 @@ def _read_result(body: Any, file_path: str, offset: int, limit: int) -> ReadResu
     content = body.content.replace("\r\n", "\n")
     content = content.removesuffix("\n")
     end = body.end_line
+    content, shown = _capped(content)
+    if shown is not None:
+        end = body.start_line + shown
     return ReadResult(
         file_data=FileData(content=content, encoding="utf-8"),
         total_lines=body.total_lines,
         start_line=body.start_line + 1,
         end_line=end,
-        next_offset=end if body.next_offset is not None else None,
+        next_offset=end if end < body.total_lines else None,
     )
+
+
+def _capped(content: str) -> tuple[str, int | None]:
+    """``content`` cut as ``BaseSandbox.read`` cuts a page over ``MAX_OUTPUT_BYTES``: the
+    lines that fit, what fits of the next one, then ``TRUNCATION_MSG``; with the number of
+    lines to count as shown (at least one, so paging moves on), None when nothing is cut."""
+    room = MAX_OUTPUT_BYTES - len(TRUNCATION_MSG.encode("utf-8"))
+    if len(content) * 4 <= room:  # no need to encode: 4 bytes a character at most
+        return content, None
+    data = content.encode("utf-8")
+    if len(data) <= room:
+        return content, None
+    cut = data[:room]
+    shown = cut.count(b"\n")
+    if data[room : room + 1] == b"\n":  # the cut fell at the end of a line: it is whole
+        shown += 1
+    return cut.decode("utf-8", errors="ignore") + TRUNCATION_MSG, max(shown, 1)
 
 
 def _edit_error(exc: SandlotError, file_path: str, old_string: str) -> EditResult:
@@ -295,22 +379,28 @@ class SandlotBackend(BaseSandbox):
 
     def ls(self, path: str) -> LsResult:
         """Entries of a directory (``GET /fs/list``)."""
+        if not _sendable(path):
+            return LsResult(error=f"Path '{path}': {INVALID_PATH}")
         try:
-            return LsResult(entries=[_info(e) for e in self._sandbox.ls(path)])
+            return _listing(self._sandbox.ls(path), path)
         except SandlotError as exc:
-            return LsResult(error=f"Path '{path}': {_file_error(exc)}")
+            return _ls_error(exc, path)
 
     async def als(self, path: str) -> LsResult:
         """Async version of :meth:`ls`."""
+        if not _sendable(path):
+            return LsResult(error=f"Path '{path}': {INVALID_PATH}")
         try:
             async with self._asandbox() as sandbox:
-                return LsResult(entries=[_info(e) for e in await sandbox.ls(path)])
+                return _listing(await sandbox.ls(path), path)
         except SandlotError as exc:
-            return LsResult(error=f"Path '{path}': {_file_error(exc)}")
+            return _ls_error(exc, path)
 
     def read(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
         """A window of a file's lines (``GET /fs/read``)."""
         offset, limit = _bounds(offset, limit)
+        if not _sendable(file_path):
+            return ReadResult(error=f"File '{file_path}': {INVALID_PATH}")
         try:
             body = self._sandbox.read(file_path, offset=offset, limit=max(limit, 1))
         except SandlotError as exc:
@@ -320,6 +410,8 @@ class SandlotBackend(BaseSandbox):
     async def aread(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
         """Async version of :meth:`read`."""
         offset, limit = _bounds(offset, limit)
+        if not _sendable(file_path):
+            return ReadResult(error=f"File '{file_path}': {INVALID_PATH}")
         try:
             async with self._asandbox() as sandbox:
                 body = await sandbox.read(file_path, offset=offset, limit=max(limit, 1))
@@ -331,6 +423,8 @@ class SandlotBackend(BaseSandbox):
 
     def write(self, file_path: str, content: str) -> WriteResult:
         """Create or overwrite a file, parents included (``PUT /fs/write``)."""
+        if not _sendable(file_path):
+            return WriteResult(error=f"Failed to write file '{file_path}': {INVALID_PATH}")
         try:
             self._sandbox.write(file_path, content)
         except SandlotError as exc:
@@ -339,6 +433,8 @@ class SandlotBackend(BaseSandbox):
 
     async def awrite(self, file_path: str, content: str) -> WriteResult:
         """Async version of :meth:`write`."""
+        if not _sendable(file_path):
+            return WriteResult(error=f"Failed to write file '{file_path}': {INVALID_PATH}")
         try:
             async with self._asandbox() as sandbox:
                 await sandbox.write(file_path, content)
@@ -356,6 +452,8 @@ class SandlotBackend(BaseSandbox):
         """Replace ``old_string`` by ``new_string`` (``POST /fs/edit``)."""
         if not old_string:
             return EditResult(error=EMPTY_OLD_STRING)
+        if not _sendable(file_path):
+            return EditResult(error=f"Error editing file '{file_path}': {INVALID_PATH}")
         try:
             body = self._sandbox.edit(file_path, old_string, new_string, replace_all=replace_all)
         except SandlotError as exc:
@@ -372,6 +470,8 @@ class SandlotBackend(BaseSandbox):
         """Async version of :meth:`edit`."""
         if not old_string:
             return EditResult(error=EMPTY_OLD_STRING)
+        if not _sendable(file_path):
+            return EditResult(error=f"Error editing file '{file_path}': {INVALID_PATH}")
         try:
             async with self._asandbox() as sandbox:
                 body = await sandbox.edit(
@@ -383,6 +483,8 @@ class SandlotBackend(BaseSandbox):
 
     def delete(self, file_path: str) -> DeleteResult:
         """Delete a file or a directory tree (``DELETE /fs``)."""
+        if not _sendable(file_path):
+            return DeleteResult(error=f"Error deleting file '{file_path}': {INVALID_PATH}")
         try:
             self._sandbox.delete(file_path, recursive=True)
         except FileNotFound:
@@ -393,6 +495,8 @@ class SandlotBackend(BaseSandbox):
 
     async def adelete(self, file_path: str) -> DeleteResult:
         """Async version of :meth:`delete`."""
+        if not _sendable(file_path):
+            return DeleteResult(error=f"Error deleting file '{file_path}': {INVALID_PATH}")
         try:
             async with self._asandbox() as sandbox:
                 await sandbox.delete(file_path, recursive=True)
@@ -412,9 +516,13 @@ class SandlotBackend(BaseSandbox):
         *,
         max_count: int | None = None,
     ) -> GrepResult:
-        """Lines containing the literal ``pattern`` (``POST /fs/grep``)."""
+        """Lines containing the literal ``pattern`` (``POST /fs/grep``), at most
+        ``max_count`` of them (none for 0; a negative one, like None, is no cap)."""
+        if path is not None and not _sendable(path):
+            return GrepResult(error=f"Path '{path}': {INVALID_PATH}")
+        cap = _grep_cap(max_count)
         try:
-            found = self._sandbox.grep_raw(pattern, path or "/workspace", glob=glob)
+            found = self._sandbox.grep_raw(pattern, path or "/workspace", glob=glob, max_count=cap)
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)
@@ -428,25 +536,34 @@ class SandlotBackend(BaseSandbox):
         max_count: int | None = None,
     ) -> GrepResult:
         """Async version of :meth:`grep`."""
+        if path is not None and not _sendable(path):
+            return GrepResult(error=f"Path '{path}': {INVALID_PATH}")
+        cap = _grep_cap(max_count)
         try:
             async with self._asandbox() as sandbox:
-                found = await sandbox.grep_raw(pattern, path or "/workspace", glob=glob)
+                found = await sandbox.grep_raw(
+                    pattern, path or "/workspace", glob=glob, max_count=cap
+                )
         except SandlotError as exc:
             return GrepResult(error=f"Error: {exc.message}")
         return _grep_result(found, max_count)
 
     def glob(self, pattern: str, path: str | None = None) -> GlobResult:
         """Regular files matching ``pattern`` under ``path`` (``POST /fs/glob``)."""
+        if path is not None and not _sendable(path):
+            return GlobResult(error=f"Path '{path}': {INVALID_PATH}")
         try:
             found = self._sandbox.glob(pattern, path or "/workspace")
         except FileNotFound:
             return GlobResult(matches=[])
         except SandlotError as exc:
             return GlobResult(error=f"Error: {exc.message}")
-        return GlobResult(matches=[_info(e) for e in found])
+        return _glob_result(found)
 
     async def aglob(self, pattern: str, path: str | None = None) -> GlobResult:
         """Async version of :meth:`glob`."""
+        if path is not None and not _sendable(path):
+            return GlobResult(error=f"Path '{path}': {INVALID_PATH}")
         try:
             async with self._asandbox() as sandbox:
                 found = await sandbox.glob(pattern, path or "/workspace")
@@ -454,7 +571,7 @@ class SandlotBackend(BaseSandbox):
             return GlobResult(matches=[])
         except SandlotError as exc:
             return GlobResult(error=f"Error: {exc.message}")
-        return GlobResult(matches=[_info(e) for e in found])
+        return _glob_result(found)
 
     # --- transfers -----------------------------------------------------------------
 
@@ -462,8 +579,8 @@ class SandlotBackend(BaseSandbox):
         """Write each file (``POST /files/upload``); errors are reported per file."""
         out: list[FileUploadResponse] = []
         for path, data in files:
-            if not path.startswith("/"):
-                out.append(FileUploadResponse(path=path, error="invalid_path"))
+            if not path.startswith("/") or not _sendable(path):
+                out.append(FileUploadResponse(path=path, error=INVALID_PATH))
                 continue
             try:
                 self._sandbox.upload(path, data)
@@ -477,8 +594,8 @@ class SandlotBackend(BaseSandbox):
         async with self._asandbox() as sandbox:
             out: list[FileUploadResponse] = []
             for path, data in files:
-                if not path.startswith("/"):
-                    out.append(FileUploadResponse(path=path, error="invalid_path"))
+                if not path.startswith("/") or not _sendable(path):
+                    out.append(FileUploadResponse(path=path, error=INVALID_PATH))
                     continue
                 try:
                     await sandbox.upload(path, data)
@@ -491,8 +608,8 @@ class SandlotBackend(BaseSandbox):
         """Read each file (``GET /files/download``); errors are reported per file."""
         out: list[FileDownloadResponse] = []
         for path in paths:
-            if not path.startswith("/"):
-                out.append(FileDownloadResponse(path=path, error="invalid_path"))
+            if not path.startswith("/") or not _sendable(path):
+                out.append(FileDownloadResponse(path=path, error=INVALID_PATH))
                 continue
             try:
                 out.append(FileDownloadResponse(path=path, content=self._sandbox.download(path)))
@@ -505,8 +622,8 @@ class SandlotBackend(BaseSandbox):
         async with self._asandbox() as sandbox:
             out: list[FileDownloadResponse] = []
             for path in paths:
-                if not path.startswith("/"):
-                    out.append(FileDownloadResponse(path=path, error="invalid_path"))
+                if not path.startswith("/") or not _sendable(path):
+                    out.append(FileDownloadResponse(path=path, error=INVALID_PATH))
                     continue
                 try:
                     content = await sandbox.download(path)
@@ -516,13 +633,37 @@ class SandlotBackend(BaseSandbox):
             return out
 
 
+#: The largest ``max_count`` the dataplane takes (its own cap is lower anyway).
+_MAX_GREP_COUNT = 1_000_000
+
+
+def _grep_cap(max_count: int | None) -> int | None:
+    """The ``max_count`` to send: the dataplane takes 1 and up. For 0 it is asked for one
+    match, to tell whether there were any (then ``truncated``); a negative count (the
+    protocol gives it no meaning) is no cap."""
+    if max_count is None or max_count < 0:
+        return None
+    return min(max(max_count, 1), _MAX_GREP_COUNT)
+
+
 def _grep_result(found: GrepAnswer, max_count: int | None) -> GrepResult:
     # The wire's match objects are deepagents' GrepMatch dicts already: path, line, text
     # (and none of its optional context lines).
     matches = cast("list[DAGrepMatch]", found["matches"])
-    if max_count is not None and len(matches) > max_count:
-        return GrepResult(matches=matches[:max_count], truncated=True)
-    return GrepResult(matches=matches)
+    truncated = found.get("truncated") is True
+    if max_count == 0:
+        return GrepResult(matches=[], truncated=truncated or bool(matches))
+    return GrepResult(matches=matches, truncated=truncated)
+
+
+def _glob_result(found: Listing) -> GlobResult:
+    # The dataplane stops a glob at its match cap, its deadline or its depth limit: all
+    # "budget" (a subtree it cannot read is skipped, not a cut).
+    return GlobResult(
+        matches=[_info(e) for e in found],
+        truncated=found.truncated,
+        truncation_reason="budget" if found.truncated else None,
+    )
 
 
 __all__ = ["SandlotBackend"]
