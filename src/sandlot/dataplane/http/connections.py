@@ -131,6 +131,13 @@ def guarded_http(
                     self._head_bytes += len(data)
             super().data_received(data)
 
+        def on_message_begin(self) -> None:
+            # A new request: its head is counted from the next bytes on. (Not from the end
+            # of the answer before: the rest of a body its handler never read comes after
+            # that, and it is no head.)
+            self._in_head, self._head_bytes = True, 0
+            super().on_message_begin()
+
         def on_headers_complete(self) -> None:
             self._in_head = False
             super().on_headers_complete()
@@ -164,7 +171,6 @@ def guarded_http(
             super().connection_lost(exc)
 
         def _arm(self) -> None:
-            self._in_head, self._head_bytes = True, 0
             self._armed_after = self.cycle
             now = self.loop.time()
             self._head_due = now + head
