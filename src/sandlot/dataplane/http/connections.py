@@ -121,7 +121,10 @@ def guarded_http(
                     if first:
                         super().data_received(first)
                     if self._in_head and not self.transport.is_closing():
+                        # What follows is dropped: the parser must not go on to a whole
+                        # head, and the app answer after the refusal.
                         self._refuse_head()
+                        return
                     if self.transport.is_closing() or not data:
                         return
                     if self.transport.get_protocol() is not self:
