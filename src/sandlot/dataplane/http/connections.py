@@ -38,9 +38,11 @@ HEAD_ENV = "SANDLOT_HEAD_TIMEOUT_SECONDS"
 #: value and the URL by appending each piece to what came before, so one head of 80 MB
 #: sent in small pieces held the event loop for seconds at a time, without any key.
 MAX_HEAD_BYTES = 64 << 10
-#: How long a connection refused for its head's size is read (and dropped) before it is
-#: closed, for its answer to reach the client.
+#: How long a connection refused for its head's size must have been quiet (what came
+#: was read and dropped) before it is closed, for its answer to reach the client.
 LINGER_SECONDS = 2.0
+#: The longest such a connection is read for (nginx's ``lingering_time``).
+LINGER_MAX_SECONDS = 30.0
 #: How many head deadlines a request's body may go without a byte while its handler
 #: reads it (60 s by default, nginx's ``client_body_timeout``): a head that announces
 #: a body, then nothing, held its connection for good, and a route that reads a body
@@ -102,6 +104,8 @@ def guarded_http(
         _in_head = True
         _head_bytes = 0
         _refused = False
+        _refused_at = 0.0
+        _linger_last = 0.0
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -110,6 +114,7 @@ def guarded_http(
         def data_received(self, data: bytes) -> None:
             self._last_data = self.loop.time()
             if self._refused:
+                self._linger_last = self._last_data
                 return  # what the client sends after its refusal is dropped unread
             if sized and self._in_head:
                 room = MAX_HEAD_BYTES - self._head_bytes
@@ -162,12 +167,22 @@ def guarded_http(
             )
             # Closed at once with the client's bytes unread, the connection would be reset
             # and the answer lost: the sending side ends now, what still comes is dropped
-            # (nginx's lingering close), and the connection closes a moment later.
+            # (nginx's lingering close), and the connection closes once the client has
+            # sent nothing for LINGER_SECONDS (LINGER_MAX_SECONDS at most).
             self._refused = True
+            self._refused_at = self._linger_last = self.loop.time()
             self._disarm()
             if self.transport.can_write_eof():
                 self.transport.write_eof()
-            self.loop.call_later(LINGER_SECONDS, self.transport.close)
+            self.loop.call_later(LINGER_SECONDS, self._linger)
+
+        def _linger(self) -> None:
+            now = self.loop.time()
+            quiet = now - self._linger_last
+            if quiet >= LINGER_SECONDS or now - self._refused_at >= LINGER_MAX_SECONDS:
+                self.transport.close()
+            else:
+                self.loop.call_later(LINGER_SECONDS - quiet, self._linger)
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
