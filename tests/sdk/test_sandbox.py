@@ -18,6 +18,7 @@ import pytest
 from sandlot.protocol.errors import (
     CommandExitError,
     FileNotFound,
+    InvalidRequest,
     PreconditionFailed,
     RequestTimeout,
     SandboxStarting,
@@ -396,3 +397,14 @@ def test_a_grant_that_is_not_one_says_what_is_expected() -> None:
         Grant.from_response("thr_1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not a sandbox grant"):
         Grant.from_response({"token": "t"})
+
+
+async def test_text_utf8_cannot_carry_is_an_invalid_request(sandbox: AsyncSandbox) -> None:
+    # A lone surrogate (valid in a model's JSON) in a path or an id raised
+    # UnicodeEncodeError out of the call: an MCP tool answered an internal error.
+    lone = "/workspace/\ud800.txt"
+    for call in (sandbox.read(lone), sandbox.ls(lone), sandbox.download(lone)):
+        with pytest.raises(InvalidRequest, match="not valid UTF-8"):
+            await call
+    with pytest.raises(InvalidRequest, match="not valid UTF-8"):
+        await sandbox.get_exec("ex_\ud800")

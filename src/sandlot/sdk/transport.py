@@ -87,6 +87,12 @@ class RetryBudget:
         return min(0.05 * (1 << min(self.failures, 8)), 2.0)
 
 
+#: What a value UTF-8 cannot carry (a lone surrogate, as a model's JSON may hold) raises
+#: when it would go into a URL: the protocol's error, not a ``UnicodeEncodeError`` out of
+#: the caller's tool (an MCP tool call answered an internal error).
+NOT_UTF8 = "path is not valid UTF-8: a lone surrogate cannot be sent"
+
+
 def seg(value: str) -> str:
     """``value`` as one segment of a URL's path: an id a caller passes (a session id from
     a model's tool call, say) can add no segment, query or fragment (``x?terminate=true``
@@ -94,4 +100,7 @@ def seg(value: str) -> str:
     if not value:
         # An empty id adds no segment: the request would reach the collection's route.
         raise InvalidRequest("an id cannot be empty")
-    return quote(value, safe="")
+    try:
+        return quote(value, safe="")
+    except UnicodeEncodeError:
+        raise InvalidRequest(NOT_UTF8) from None

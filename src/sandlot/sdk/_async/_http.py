@@ -11,7 +11,7 @@ from urllib.parse import quote_plus
 
 from sandlot.protocol.errors import InvalidRequest, RequestTimeout, SandlotError, error_from_wire
 from sandlot.sdk._async._wire import CONNECT_TIMEOUT, AsyncStreamedResponse, AsyncWire, Body
-from sandlot.sdk.transport import Deadline, Response
+from sandlot.sdk.transport import NOT_UTF8, Deadline, Response
 
 #: Answers that would send the client elsewhere.
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
@@ -196,7 +196,10 @@ def _query(params: dict[str, Any] | None) -> str:
 @functools.lru_cache(maxsize=4096)
 def _quoted(text: str) -> str:
     """``quote_plus``, kept for the values sent again and again (the paths of files)."""
-    return quote_plus(text)
+    try:
+        return quote_plus(text)
+    except UnicodeEncodeError:
+        raise InvalidRequest(NOT_UTF8) from None
 
 
 __all__ = ["AsyncHTTP", "SandlotError", "open_timeout", "raise_for_error"]
